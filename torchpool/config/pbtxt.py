@@ -1,0 +1,436 @@
+"""A parser for the protobuf text format, as Triton users write `config.pbtxt`.
+
+    max_batch_size: 8
+    input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
+    parameters { key: "INFERENCE_MODE" value { string_value: "true" } }
+
+`parse_pbtxt` returns the JSON form of the message (Triton's field names,
+lists for repeated fields, `{key: value}` for maps, enum names as strings).
+The text format itself cannot tell a repeated field written once from a
+singular one, nor a map from a repeated message, so the parser follows the
+model_config schema (`model_config.SCHEMA`): `input { ... }` written once is
+still a list, and `parameters { key: "K" value { ... } }` becomes
+`{"K": {...}}`. Fields the schema does not know are kept (a list when the text
+repeats them), so a config written for a newer Triton still parses.
+
+Errors raise `ConfigError("file:line:column: message")`, line and column
+counted from 1 and pointing at the offending token.
+
+Grammar accepted (protobuf's, plus nothing surprising):
+    message := { field [ "," | ";" ] }
+    field   := NAME ( ":" scalar | [":"] "{" message "}" | [":"] "<" message ">"
+                    | [":"] "[" [ value { "," value } ] "]" )
+    scalar  := STRING { STRING } | [ "-" ] NUMBER | [ "-" ] IDENT
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, NoReturn, Optional
+
+from .model_config import (
+    ROOT_MESSAGE, SCHEMA, ConfigError, FieldSpec, check_integer, enum_name,
+    map_entry_fields, map_key, message_fields,
+)
+
+__all__ = ["parse_pbtxt"]
+
+
+# --------------------------------------------------------------------------
+# Tokens
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Token:
+    kind: str           # "ident" | "string" | "int" | "float" | "symbol" | "eof"
+    text: str           # the source text (for messages)
+    value: Any          # str for ident / string / symbol, int, float
+    line: int
+    column: int
+
+    def describe(self) -> str:
+        return "end of input" if self.kind == "eof" else f"'{self.text}'"
+
+
+_SPACE = re.compile(r"(?:[ \t\r\n\f\v]+|#[^\n]*)+")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NUMBER = re.compile(
+    r"0[xX][0-9A-Fa-f]+"
+    r"|(?:[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)(?:[eE][+-]?[0-9]+)?[fF]?"
+)
+_NUMBER_TAIL = re.compile(r"[A-Za-z0-9_.]")
+_SYMBOLS = "{}[]<>:,;-"
+_OCTAL_ESCAPE = re.compile(r"[0-7]{1,3}")
+_HEX_ESCAPE = re.compile(r"[0-9A-Fa-f]{1,2}")
+_UNICODE_ESCAPE = {"u": re.compile(r"[0-9A-Fa-f]{4}"), "U": re.compile(r"[0-9A-Fa-f]{8}")}
+_SIMPLE_ESCAPES = {
+    "a": 7, "b": 8, "f": 12, "n": 10, "r": 13, "t": 9, "v": 11,
+    "\\": 92, "'": 39, '"': 34, "?": 63,
+}
+
+
+class _Lexer:
+    """Turns text into tokens, keeping line and column for every one."""
+
+    def __init__(self, text: str, filename: str) -> None:
+        self.text = text
+        self.filename = filename
+        self.pos = 0
+        self.line_starts = [0] + [m.end() for m in re.finditer("\n", text)]
+
+    def error(self, pos: int, message: str) -> NoReturn:
+        line, column = self.where(pos)
+        raise ConfigError(f"{self.filename}:{line}:{column}: {message}")
+
+    def where(self, pos: int) -> tuple[int, int]:
+        """1-based (line, column) of a character offset."""
+        line = bisect.bisect_right(self.line_starts, pos) - 1
+        return line + 1, pos - self.line_starts[line] + 1
+
+    def tokens(self) -> list[Token]:
+        out = []
+        while True:
+            space = _SPACE.match(self.text, self.pos)
+            if space:
+                self.pos = space.end()
+            token = self._next()
+            out.append(token)
+            if token.kind == "eof":
+                return out
+
+    def _token(self, kind: str, start: int, value: Any) -> Token:
+        line, column = self.where(start)
+        return Token(kind, self.text[start:self.pos], value, line, column)
+
+    def _next(self) -> Token:
+        start, text = self.pos, self.text
+        if start >= len(text):
+            return self._token("eof", start, None)
+        char = text[start]
+        if char in "\"'":
+            return self._token("string", start, self._string(char))
+        if char in _SYMBOLS:
+            self.pos += 1
+            return self._token("symbol", start, char)
+        match = _IDENT.match(text, start)
+        if match:
+            self.pos = match.end()
+            return self._token("ident", start, match.group())
+        match = _NUMBER.match(text, start)
+        if match:
+            self.pos = match.end()
+            if _NUMBER_TAIL.match(text, self.pos):
+                end = self.pos
+                while end < len(text) and _NUMBER_TAIL.match(text, end):
+                    end += 1
+                self.error(start, f"invalid number '{text[start:end]}'")
+            kind, value = _number_value(match.group())
+            return self._token(kind, start, value)
+        self.error(start, f"unexpected character {char!r}")
+
+    def _string(self, quote: str) -> str:
+        """A quoted string with C escapes; escapes may produce raw bytes, so the
+        result is assembled as bytes and must decode as UTF-8."""
+        start, text = self.pos, self.text
+        pos = start + 1
+        out = bytearray()
+        while True:
+            if pos >= len(text) or text[pos] == "\n":
+                self.error(start, "unterminated string")
+            char = text[pos]
+            if char == quote:
+                self.pos = pos + 1
+                break
+            if char == "\\":
+                pos = self._escape(pos, out)
+            else:
+                out += char.encode("utf-8", "surrogatepass")
+                pos += 1
+        try:
+            return out.decode("utf-8")
+        except UnicodeDecodeError:
+            self.error(start, "string is not valid UTF-8")
+
+    def _escape(self, pos: int, out: bytearray) -> int:
+        """Decode the escape at `pos` (the backslash) into `out`; return the next position."""
+        text = self.text
+        char = text[pos + 1] if pos + 1 < len(text) else ""
+        if char in _SIMPLE_ESCAPES:
+            out.append(_SIMPLE_ESCAPES[char])
+            return pos + 2
+        octal = _OCTAL_ESCAPE.match(text, pos + 1)
+        if octal:
+            value = int(octal.group(), 8)
+            if value > 255:
+                self.error(pos, f"octal escape '\\{octal.group()}' is out of range")
+            out.append(value)
+            return octal.end()
+        if char in ("x", "X"):
+            digits = _HEX_ESCAPE.match(text, pos + 2)
+            if not digits:
+                self.error(pos, "'\\x' must be followed by hex digits")
+            out.append(int(digits.group(), 16))
+            return digits.end()
+        if char in ("u", "U"):
+            width = 4 if char == "u" else 8
+            digits = _UNICODE_ESCAPE[char].match(text, pos + 2)
+            if not digits or int(digits.group(), 16) > 0x10FFFF:
+                self.error(pos, f"'\\{char}' must be followed by {width} hex digits of a code point")
+            out += chr(int(digits.group(), 16)).encode("utf-8", "surrogatepass")
+            return digits.end()
+        self.error(pos, f"invalid escape sequence '\\{char}'")
+
+
+def _number_value(text: str) -> tuple[str, Any]:
+    if text[:2] in ("0x", "0X"):
+        return "int", int(text, 16)
+    if re.fullmatch(r"[0-9]+", text):
+        return "int", int(text)
+    return "float", float(text.rstrip("fF"))
+
+
+# --------------------------------------------------------------------------
+# Parser
+# --------------------------------------------------------------------------
+
+_TRUE = frozenset({"true", "True", "t"})
+_FALSE = frozenset({"false", "False", "f"})
+_FLOAT_WORDS = {"inf": math.inf, "infinity": math.inf, "nan": math.nan}
+_CLOSERS = {"{": "}", "<": ">"}
+
+
+@dataclass
+class _Scalar:
+    """A scalar as written: its token kind decides what a typed field accepts."""
+
+    kind: str           # "ident" | "string" | "int" | "float"
+    value: Any
+    token: Token        # where it starts, for errors
+    text: str           # as written, for errors
+
+    def describe(self) -> str:
+        return f"'{self.text}'"
+
+
+class _Parser:
+    """Recursive descent over the token list, typed by the model_config schema."""
+
+    def __init__(self, text: str, filename: str) -> None:
+        self.filename = filename
+        self.tokens = _Lexer(text, filename).tokens()
+        self.index = 0
+
+    # -- token access -------------------------------------------------------
+
+    def peek(self) -> Token:
+        return self.tokens[self.index]
+
+    def advance(self) -> Token:
+        token = self.tokens[self.index]
+        if token.kind != "eof":
+            self.index += 1
+        return token
+
+    def accept(self, symbol: str) -> bool:
+        token = self.peek()
+        if token.kind == "symbol" and token.value == symbol:
+            self.index += 1
+            return True
+        return False
+
+    def at(self, *symbols: str) -> bool:
+        token = self.peek()
+        return token.kind == "symbol" and token.value in symbols
+
+    def error(self, token: Token, message: str) -> NoReturn:
+        raise ConfigError(f"{self.filename}:{token.line}:{token.column}: {message}")
+
+    # -- messages -------------------------------------------------------------
+
+    def parse(self) -> dict[str, Any]:
+        return self.message_body(SCHEMA[ROOT_MESSAGE], opener=None)
+
+    def message_body(self, fields: Mapping[str, FieldSpec], opener: Optional[Token]) -> dict[str, Any]:
+        """Fields up to the closer matching `opener` (or end of input at top level)."""
+        closer = _CLOSERS[opener.value] if opener else None
+        result: dict[str, Any] = {}
+        while True:
+            token = self.peek()
+            if token.kind == "eof":
+                if opener:
+                    self.error(token, f"unexpected end of input: '{opener.value}' opened at "
+                                      f"line {opener.line}, column {opener.column} is not closed")
+                return result
+            if closer and self.accept(closer):
+                return result
+            if token.kind != "ident":
+                expected = f"a field name or '{closer}'" if closer else "a field name"
+                self.error(token, f"expected {expected}, found {token.describe()}")
+            self.advance()
+            self.field(result, fields, token)
+            if not self.accept(","):
+                self.accept(";")
+
+    def field(self, result: dict[str, Any], fields: Mapping[str, FieldSpec], name: Token) -> None:
+        spec = fields.get(name.value)
+        has_colon = self.accept(":")
+        if self.at("["):
+            values = self.list_value(spec, name)
+            self.store(result, spec, name, values, is_list=True)
+            return
+        if self.at("{", "<"):
+            value = self.message_value(spec, name)
+        elif not has_colon:
+            self.error(self.peek(), f"expected ':' after field '{name.value}', found {self.peek().describe()}")
+        else:
+            value = self.scalar_value(spec, name)
+        self.store(result, spec, name, [value], is_list=False)
+
+    def list_value(self, spec: Optional[FieldSpec], name: Token) -> list[Any]:
+        """`[a, b, c]` of scalars or of messages; no trailing comma, as protobuf."""
+        self.advance()                  # "["
+        values: list[Any] = []
+        if self.accept("]"):
+            return values
+        while True:
+            if self.at("{", "<"):
+                values.append(self.message_value(spec, name))
+            else:
+                values.append(self.scalar_value(spec, name))
+            if self.accept("]"):
+                return values
+            if not self.accept(","):
+                self.error(self.peek(), f"expected ',' or ']' in the list of '{name.value}', "
+                                        f"found {self.peek().describe()}")
+
+    def message_value(self, spec: Optional[FieldSpec], name: Token) -> Any:
+        opener = self.advance()
+        if spec is not None and spec.scalar:
+            self.error(opener, f"field '{name.value}' expects {_kind_words(spec)}, not a message")
+        if spec is not None and spec.kind == "map":
+            entry = self.message_body(map_entry_fields(spec), opener)
+            return self.map_entry(spec, entry, opener)
+        return self.message_body(message_fields(spec), opener)
+
+    def map_entry(self, spec: FieldSpec, entry: dict[str, Any], opener: Token) -> tuple[str, Any]:
+        key = entry.get("key", "" if spec.key == "string" else 0)
+        if spec.value == "message":
+            default: Any = {}
+        else:
+            default = {"string": "", "bool": False, "float": 0.0}.get(spec.value, 0)
+        try:
+            return map_key(spec.key, key), entry.get("value", default)
+        except ValueError as err:
+            self.error(opener, str(err))
+
+    # -- scalars --------------------------------------------------------------
+
+    def scalar_value(self, spec: Optional[FieldSpec], name: Token) -> Any:
+        scalar = self.scalar()
+        if spec is None:
+            return _untyped(scalar)
+        if not spec.scalar:
+            what = "a map entry" if spec.kind == "map" else "a message"
+            self.error(scalar.token, f"field '{name.value}' expects {what} ('{{ ... }}'), "
+                                     f"found {scalar.describe()}")
+        try:
+            return _typed(spec, scalar)
+        except ValueError as err:
+            self.error(scalar.token, f"field '{name.value}': {err}")
+
+    def scalar(self) -> _Scalar:
+        token = self.advance()
+        if token.kind == "string":
+            parts = [token.value]
+            while self.peek().kind == "string":     # "abc" "def" is "abcdef"
+                parts.append(self.advance().value)
+            return _Scalar("string", "".join(parts), token, token.text)
+        if token.kind == "symbol" and token.value == "-":
+            return self.negative(token)
+        if token.kind in ("int", "float", "ident"):
+            return _Scalar(token.kind, token.value, token, token.text)
+        self.error(token, f"expected a value, found {token.describe()}")
+
+    def negative(self, minus: Token) -> _Scalar:
+        token = self.advance()
+        if token.kind in ("int", "float"):
+            return _Scalar(token.kind, -token.value, minus, "-" + token.text)
+        if token.kind == "ident" and token.value.lower() in _FLOAT_WORDS:
+            return _Scalar("float", -_FLOAT_WORDS[token.value.lower()], minus, "-" + token.text)
+        self.error(token, f"expected a number after '-', found {token.describe()}")
+
+    # -- storing --------------------------------------------------------------
+
+    def store(self, result: dict[str, Any], spec: Optional[FieldSpec], name: Token,
+              values: list[Any], is_list: bool) -> None:
+        key = name.value
+        if spec is None:
+            _store_untyped(result, key, values, is_list)
+        elif spec.kind == "map":
+            result.setdefault(key, {}).update(values)     # later entries win, as protobuf
+        elif spec.repeated:
+            result.setdefault(key, []).extend(values)
+        elif is_list:
+            self.error(name, f"field '{key}' is not repeated; a list is not allowed")
+        elif key in result:
+            self.error(name, f"field '{key}' is specified more than once")
+        else:
+            result[key] = values[0]
+
+
+def _store_untyped(result: dict[str, Any], key: str, values: list[Any], is_list: bool) -> None:
+    """An unknown field: a list when written as one or when repeated."""
+    if key not in result:
+        result[key] = values if is_list else values[0]
+        return
+    current = result[key]
+    if not isinstance(current, list):
+        current = result[key] = [current]
+    current.extend(values)
+
+
+def _untyped(scalar: _Scalar) -> Any:
+    if scalar.kind == "ident" and scalar.value in ("true", "false"):
+        return scalar.value == "true"
+    return scalar.value
+
+
+def _kind_words(spec: FieldSpec) -> str:
+    return {"int": "an integer", "uint": "a non-negative integer", "float": "a number",
+            "bool": "true or false", "string": "a quoted string",
+            "enum": "an enum name"}[spec.kind]
+
+
+def _typed(spec: FieldSpec, scalar: _Scalar) -> Any:
+    """The text format's rules for a typed scalar (raises ValueError)."""
+    kind, value = scalar.kind, scalar.value
+    if spec.kind == "string" and kind == "string":
+        return value
+    if spec.kind == "enum":
+        if kind == "ident":
+            return value
+        if kind == "int" and spec.enum:
+            return enum_name(spec, value)
+    if spec.kind in ("int", "uint") and kind == "int":
+        return check_integer(spec.kind, value)
+    if spec.kind == "float":
+        if kind in ("int", "float"):
+            return float(value)
+        if kind == "ident" and value.lower() in _FLOAT_WORDS:
+            return _FLOAT_WORDS[value.lower()]
+    if spec.kind == "bool":
+        if kind == "ident" and value in _TRUE | _FALSE:
+            return value in _TRUE
+        if kind == "int" and value in (0, 1):
+            return bool(value)
+    raise ValueError(f"expected {_kind_words(spec)}, found {scalar.describe()}")
+
+
+def parse_pbtxt(text: str, filename: str = "<string>") -> dict[str, Any]:
+    """Parse a `config.pbtxt` into the JSON form of Triton's ModelConfig.
+
+    Raises `ConfigError("<filename>:<line>:<column>: <message>")`.
+    """
+    return _Parser(text, filename).parse()
