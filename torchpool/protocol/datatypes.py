@@ -1,0 +1,135 @@
+"""Datatypes: KServe v2 wire names, Triton config names, numpy and torch.
+
+Wire names are Triton's (`FP32`, `BYTES`, ...); config names are `TYPE_FP32`,
+`TYPE_STRING`, ... This module must not import torch at import time: the
+client library uses it in processes that never load torch.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+# wire name -> (element size in bytes, numpy dtype or None)
+_WIRE: dict[str, tuple[int, Optional[np.dtype]]] = {
+    "BOOL": (1, np.dtype(np.bool_)),
+    "UINT8": (1, np.dtype(np.uint8)),
+    "UINT16": (2, np.dtype(np.uint16)),
+    "UINT32": (4, np.dtype(np.uint32)),
+    "UINT64": (8, np.dtype(np.uint64)),
+    "INT8": (1, np.dtype(np.int8)),
+    "INT16": (2, np.dtype(np.int16)),
+    "INT32": (4, np.dtype(np.int32)),
+    "INT64": (8, np.dtype(np.int64)),
+    "FP16": (2, np.dtype(np.float16)),
+    "BF16": (2, None),              # numpy has no bfloat16: carried as raw uint16
+    "FP32": (4, np.dtype(np.float32)),
+    "FP64": (8, np.dtype(np.float64)),
+    "BYTES": (0, np.dtype(object)),
+}
+WIRE_DATATYPES = frozenset(_WIRE)
+
+_NUMPY_TO_WIRE = {dt: name for name, (_, dt) in _WIRE.items() if dt is not None and name != "BYTES"}
+
+
+def config_to_wire(data_type: str) -> str:
+    """`TYPE_FP32` -> `FP32`; `TYPE_STRING` -> `BYTES`."""
+    if data_type == "TYPE_STRING":
+        return "BYTES"
+    return data_type[len("TYPE_"):] if data_type.startswith("TYPE_") else data_type
+
+
+def wire_to_config(datatype: str) -> str:
+    return "TYPE_STRING" if datatype == "BYTES" else "TYPE_" + datatype
+
+
+def element_size(datatype: str) -> int:
+    """Bytes per element; 0 for BYTES (variable length)."""
+    return _WIRE[datatype][0]
+
+
+def numpy_dtype(datatype: str) -> np.dtype:
+    """The numpy dtype that carries a wire datatype (BF16 travels as uint16)."""
+    dt = _WIRE[datatype][1]
+    return np.dtype(np.uint16) if dt is None else dt
+
+
+def wire_from_numpy(dtype: np.dtype) -> str:
+    dtype = np.dtype(dtype)
+    if dtype.kind in ("O", "S", "U"):
+        return "BYTES"
+    try:
+        return _NUMPY_TO_WIRE[dtype.newbyteorder("=") if dtype.byteorder not in "=|" else dtype]
+    except KeyError:
+        raise TypeError(f"numpy dtype {dtype} has no torchpool datatype") from None
+
+
+# --- torch (imported lazily) -------------------------------------------------
+
+_TORCH_BY_WIRE: dict[str, Any] = {}
+_WIRE_BY_TORCH: dict[Any, str] = {}
+
+
+def _torch_tables() -> None:
+    import torch
+
+    pairs = {
+        "BOOL": torch.bool, "UINT8": torch.uint8, "UINT16": torch.uint16,
+        "UINT32": torch.uint32, "UINT64": torch.uint64, "INT8": torch.int8,
+        "INT16": torch.int16, "INT32": torch.int32, "INT64": torch.int64,
+        "FP16": torch.float16, "BF16": torch.bfloat16, "FP32": torch.float32,
+        "FP64": torch.float64,
+    }
+    _TORCH_BY_WIRE.update(pairs)
+    _WIRE_BY_TORCH.update({v: k for k, v in pairs.items()})
+
+
+def torch_dtype(datatype: str) -> Any:
+    """The torch dtype of a wire datatype (KeyError for BYTES)."""
+    if not _TORCH_BY_WIRE:
+        _torch_tables()
+    return _TORCH_BY_WIRE[datatype]
+
+
+def wire_from_torch(dtype: Any) -> str:
+    if not _WIRE_BY_TORCH:
+        _torch_tables()
+    return _WIRE_BY_TORCH[dtype]
+
+
+# --- BYTES elements: 4-byte little-endian length + bytes, as in Triton -------
+
+_LEN = struct.Struct("<I")
+
+
+def encode_bytes(items: Iterable[Any]) -> bytes:
+    """Serialise str/bytes elements into Triton's length-prefixed layout."""
+    parts = []
+    for item in items:
+        if isinstance(item, str):
+            item = item.encode("utf-8")
+        elif not isinstance(item, (bytes, bytearray, memoryview, np.bytes_)):
+            item = str(item).encode("utf-8")
+        parts.append(_LEN.pack(len(item)))
+        parts.append(bytes(item))
+    return b"".join(parts)
+
+
+def decode_bytes(buf: Any, count: Optional[int] = None) -> list[bytes]:
+    """Parse length-prefixed elements; ValueError when the layout is broken."""
+    view = memoryview(buf).cast("B")
+    items: list[bytes] = []
+    pos, end = 0, len(view)
+    while pos < end:
+        if end - pos < 4:
+            raise ValueError(f"truncated length prefix at byte {pos}")
+        (n,) = _LEN.unpack_from(view, pos)
+        pos += 4
+        if end - pos < n:
+            raise ValueError(f"element {len(items)} declares {n} bytes but only {end - pos} remain")
+        items.append(bytes(view[pos:pos + n]))
+        pos += n
+    if count is not None and len(items) != count:
+        raise ValueError(f"expected {count} elements, found {len(items)}")
+    return items

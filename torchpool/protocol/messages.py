@@ -1,0 +1,85 @@
+"""The frontend wire format: one msgpack header frame, then raw payload frames.
+
+A request is the multipart message `[header, payload_1, ..., payload_n]`.
+The header is a msgpack map:
+
+    {"v": 1, "op": "infer", "id": 7, "model": "addsub", "version": 0,
+     "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16],
+                 "data": <bytes inline> | <int: index of a payload frame>}],
+     "outputs": ["OUTPUT0"] | None, "timeout_us": 0}
+
+Small tensors travel inline in the header (one frame is cheapest); large ones
+as separate frames, so nobody copies them into the msgpack buffer. A response
+has the same shape: {"v": 1, "id": 7, "ok": True, "outputs": [...]} or
+{"v": 1, "id": 7, "ok": False, "error": {"code": ..., "message": ...}}; control
+calls answer {"ok": True, "result": ...}. See docs/protocol.md.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import msgpack
+
+from .errors import INVALID_ARG, TorchpoolError
+
+PROTOCOL_VERSION = 1
+
+# Tensors up to this size ride inside the header frame.
+INLINE_LIMIT = 64 * 1024
+
+OP_INFER = "infer"
+OP_SERVER_LIVE = "server_live"
+OP_SERVER_READY = "server_ready"
+OP_MODEL_READY = "model_ready"
+OP_MODEL_METADATA = "model_metadata"
+OP_MODEL_CONFIG = "model_config"
+OP_REPOSITORY_INDEX = "repository_index"
+OP_SERVER_METADATA = "server_metadata"
+
+CONTROL_OPS = frozenset({OP_SERVER_LIVE, OP_SERVER_READY, OP_MODEL_READY, OP_MODEL_METADATA,
+                         OP_MODEL_CONFIG, OP_REPOSITORY_INDEX, OP_SERVER_METADATA})
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def pack(obj: Any) -> bytes:
+    return _packer.pack(obj)
+
+
+def unpack(buf: Any) -> Any:
+    return msgpack.unpackb(buf, raw=False, use_list=True, strict_map_key=False)
+
+
+def decode_header(frame: Any) -> dict:
+    """Decode and sanity-check a header; TorchpoolError(INVALID_ARG) if malformed."""
+    try:
+        header = unpack(frame)
+    except Exception as exc:  # msgpack raises several types
+        raise TorchpoolError(INVALID_ARG, f"malformed request header: {exc}") from None
+    if not isinstance(header, dict):
+        raise TorchpoolError(INVALID_ARG, "malformed request header: not a map")
+    if header.get("v") != PROTOCOL_VERSION:
+        raise TorchpoolError(INVALID_ARG, f"unsupported protocol version {header.get('v')!r}; "
+                                          f"this server speaks {PROTOCOL_VERSION}")
+    return header
+
+
+def ok_response(request_id: Any, **fields: Any) -> dict:
+    return {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, **fields}
+
+
+def error_response(request_id: Any, err: TorchpoolError) -> dict:
+    return {"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": err.to_wire()}
+
+
+def tensor_payload(entry: dict, frames: Sequence[Any]) -> Any:
+    """The bytes of a tensor entry: inline bytes, or the payload frame it names."""
+    data = entry.get("data")
+    if isinstance(data, int) and not isinstance(data, bool):
+        if not 1 <= data < len(frames) + 1:
+            raise TorchpoolError(INVALID_ARG, f"tensor '{entry.get('name')}' refers to payload "
+                                              f"frame {data}, but the message has {len(frames)}")
+        return frames[data - 1]
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return data
+    raise TorchpoolError(INVALID_ARG, f"tensor '{entry.get('name')}' has no data")
