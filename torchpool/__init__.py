@@ -1,0 +1,7 @@
+"""torchpool: serve TorchScript models like Triton's PyTorch backend, from a
+pool of worker processes with a shared-memory data path."""
+from .client import AsyncClient, Client
+from .protocol.errors import InferenceError
+
+__version__ = "0.1.0"
+__all__ = ["AsyncClient", "Client", "InferenceError", "__version__"]

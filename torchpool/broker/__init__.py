@@ -1,0 +1,1 @@
+"""The broker: frontend, registry, scheduling and worker supervision."""

@@ -1,0 +1,174 @@
+"""The model registry: what the repository holds and the state of each version."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..config import ModelConfig, ModelEntry
+from ..protocol import errors
+from ..protocol.errors import TorchpoolError
+
+if TYPE_CHECKING:
+    from .requests import InferRequest
+    from .supervisor import WorkerHandle
+
+LOADING = "LOADING"
+READY = "READY"
+UNAVAILABLE = "UNAVAILABLE"
+
+PLATFORM = "pytorch_libtorch"
+
+
+@dataclass(eq=False)
+class ModelVersion:
+    """One loaded (or loading, or failed) version of a model with its instances."""
+
+    name: str
+    version: int
+    config: ModelConfig
+    model_file: str
+    state: str = LOADING
+    reason: str = ""
+    workers: list["WorkerHandle"] = field(default_factory=list)
+    queue: deque["InferRequest"] = field(default_factory=deque)
+    idle: deque["WorkerHandle"] = field(default_factory=deque)
+
+    @property
+    def label(self) -> str:
+        return f"model '{self.name}' version {self.version}"
+
+    def fail(self, reason: str) -> None:
+        self.state = UNAVAILABLE
+        self.reason = reason
+
+
+@dataclass(eq=False)
+class Model:
+    name: str
+    entry: ModelEntry
+    versions: dict[int, ModelVersion] = field(default_factory=dict)
+
+    @property
+    def error(self) -> Optional[str]:
+        return self.entry.error
+
+    def ready_versions(self) -> list[int]:
+        return sorted(v for v, mv in self.versions.items() if mv.state == READY)
+
+
+class Registry:
+    def __init__(self, entries: list[ModelEntry]) -> None:
+        self.models: dict[str, Model] = {}
+        for entry in entries:
+            model = self.models[entry.name] = Model(entry.name, entry)
+            if entry.error is None and entry.config is not None:
+                for v in entry.versions:
+                    model.versions[v] = ModelVersion(entry.name, v, entry.config,
+                                                     str(entry.model_file(v)))
+
+    def all_versions(self) -> list[ModelVersion]:
+        return [mv for m in self.models.values() for mv in m.versions.values()]
+
+    # --- lookups used by requests ------------------------------------------
+
+    def model(self, name: Any) -> Model:
+        model = self.models.get(name) if isinstance(name, str) else None
+        if model is None:
+            raise TorchpoolError(errors.NOT_FOUND, f"Request for unknown model: '{name}' is not found")
+        return model
+
+    def resolve(self, name: Any, version: Any) -> ModelVersion:
+        """The version a request addresses; the highest ready one when unspecified."""
+        model = self.model(name)
+        wanted = _parse_version(name, version)
+        if model.error:
+            raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
+        if wanted is None:
+            ready = model.ready_versions()
+            if not ready:
+                reasons = "; ".join(f"version {v}: {mv.state.lower()}{' - ' + mv.reason if mv.reason else ''}"
+                                    for v, mv in sorted(model.versions.items()))
+                raise TorchpoolError(errors.UNAVAILABLE,
+                                     f"model '{name}' has no ready version ({reasons})")
+            return model.versions[ready[-1]]
+        mv = model.versions.get(wanted)
+        if mv is None:
+            raise TorchpoolError(errors.NOT_FOUND,
+                                 f"Request for unknown model: '{name}' version {wanted} is not found")
+        if mv.state != READY:
+            why = f": {mv.reason}" if mv.reason else ""
+            raise TorchpoolError(errors.UNAVAILABLE,
+                                 f"model '{name}' version {wanted} is not ready ({mv.state}){why}")
+        return mv
+
+    # --- control calls --------------------------------------------------------
+
+    def server_ready(self) -> bool:
+        """Strict readiness, as Triton's default: every model's versions are READY."""
+        return all(m.error is None and m.versions and
+                   all(mv.state == READY for mv in m.versions.values())
+                   for m in self.models.values())
+
+    def loading(self) -> bool:
+        return any(mv.state == LOADING for mv in self.all_versions())
+
+    def model_ready(self, name: Any, version: Any) -> bool:
+        try:
+            self.resolve(name, version)
+        except TorchpoolError:
+            return False
+        return True
+
+    def repository_index(self) -> list[dict]:
+        index = []
+        for name in sorted(self.models):
+            model = self.models[name]
+            if model.error or not model.versions:
+                index.append({"name": name, "version": "", "state": UNAVAILABLE,
+                              "reason": model.error or "no versions"})
+                continue
+            for v, mv in sorted(model.versions.items()):
+                index.append({"name": name, "version": str(v), "state": mv.state, "reason": mv.reason})
+        return index
+
+    def metadata(self, name: Any, version: Any) -> dict:
+        model = self.model(name)
+        if model.entry.config is None:
+            raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
+        wanted = _parse_version(name, version)
+        if wanted is not None and wanted not in model.versions:
+            raise TorchpoolError(errors.NOT_FOUND,
+                                 f"Request for unknown model: '{name}' version {wanted} is not found")
+        cfg = model.entry.config
+        batch = [-1] if cfg.max_batch_size > 0 else []
+        versions = [str(wanted)] if wanted is not None else [str(v) for v in model.ready_versions()]
+        return {
+            "name": name,
+            "versions": versions,
+            "platform": PLATFORM,
+            "inputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
+                       for t in cfg.inputs],
+            "outputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + list(t.dims)}
+                        for t in cfg.outputs],
+        }
+
+    def config(self, name: Any, version: Any) -> dict:
+        model = self.model(name)
+        if model.entry.config is None:
+            raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
+        return model.entry.config.raw
+
+
+def _parse_version(name: Any, version: Any) -> Optional[int]:
+    if version in (None, "", 0, -1):
+        return None
+    try:
+        v = int(version)
+    except (TypeError, ValueError):
+        raise TorchpoolError(errors.INVALID_ARG,
+                             f"invalid version {version!r} for model '{name}': expected a positive integer") from None
+    if v < 0:
+        raise TorchpoolError(errors.INVALID_ARG,
+                             f"invalid version {version!r} for model '{name}': expected a positive integer")
+    return v

@@ -1,0 +1,173 @@
+"""Inference requests: validated against the model config, then staged in shm.
+
+Validation happens here, in the broker, so a bad request never reaches a
+worker. Every message names the model, the tensor and what was expected
+(Triton's wording where Triton has one).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from ..config import ModelConfig, TensorSpec
+from ..protocol import datatypes, errors
+from ..protocol.errors import TorchpoolError
+from ..protocol.messages import tensor_payload
+from ..shm.arena import Arena, ArenaFull, Block
+from .registry import ModelVersion
+
+
+@dataclass(eq=False)
+class InferRequest:
+    """An accepted request: it will get exactly one final answer."""
+
+    socket: Any                       # the frontend socket it came in on
+    identity: bytes                   # ZeroMQ routing id of the client
+    request_id: Any
+    version: ModelVersion
+    inputs: list[list]                # worker descriptors
+    outputs: list[str]                # requested outputs (all when the client named none)
+    blocks: list[Block] = field(default_factory=list)
+    deadline: Optional[float] = None  # time.monotonic() after which it may not start
+    received: float = field(default_factory=time.monotonic)
+    batch_size: int = 1
+
+
+def _bad(message: str) -> TorchpoolError:
+    return TorchpoolError(errors.INVALID_ARG, message)
+
+
+def _shape_str(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _matches(dims: Sequence[int], shape: Sequence[int]) -> bool:
+    return len(dims) == len(shape) and all(d == -1 or d == s for d, s in zip(dims, shape))
+
+
+def _check_shape(entry: dict, model: str) -> list[int]:
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise _bad(f"input '{entry.get('name')}' for model '{model}' has an invalid shape "
+                   f"{shape!r}: expected a list of non-negative integers")
+    return shape
+
+
+def _model_shape(spec: TensorSpec, shape: list[int], batching: bool) -> list[int]:
+    """The shape the model sees: the config's `reshape` applied, if any."""
+    if spec.reshape is None:
+        return shape
+    prefix = shape[:1] if batching else []
+    return prefix + list(spec.reshape)
+
+
+def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion) -> tuple[list[tuple], list[str], int]:
+    """Check inputs and requested outputs against the config.
+
+    Returns ([(spec, shape, model_shape, payload)], requested outputs, batch size).
+    """
+    cfg: ModelConfig = mv.config
+    model = mv.name
+    entries = header.get("inputs")
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise _bad(f"request for model '{model}' has no valid 'inputs' list")
+    batching = cfg.max_batch_size > 0
+    seen: dict[str, dict] = {}
+    for e in entries:
+        name = e.get("name")
+        if name in seen:
+            raise _bad(f"input '{name}' given more than once for model '{model}'")
+        if cfg.input(name) is None:
+            raise _bad(f"unexpected inference input '{name}' for model '{model}'")
+        seen[name] = e
+    required = [t.name for t in cfg.inputs if not t.optional]
+    missing = [n for n in required if n not in seen]
+    if missing:
+        raise _bad(f"expected {len(required)} inputs but got {len(seen)} inputs for model '{model}'. "
+                   f"Got input(s) {sorted(seen)}, but missing required input(s) {missing}. "
+                   f"Please provide all required input(s).")
+
+    staged = []
+    batch_size = None
+    for name, e in seen.items():
+        spec = cfg.input(name)
+        datatype = e.get("datatype")
+        if datatype != spec.datatype:
+            raise _bad(f"inference input '{name}' data-type is '{datatype}', but model '{model}' "
+                       f"expects '{spec.datatype}'")
+        shape = _check_shape(e, model)
+        expected = ([-1] if batching else []) + list(spec.dims)
+        if batching:
+            if not shape:
+                raise _bad(f"input '{name}' for model '{model}' has no batch dimension; expected "
+                           f"shape {_shape_str(expected)}")
+            if shape[0] > cfg.max_batch_size:
+                raise _bad(f"inference request batch-size must be <= {cfg.max_batch_size} for "
+                           f"'{model}', got {shape[0]} in input '{name}'")
+            if batch_size is None:
+                batch_size = shape[0]
+            elif shape[0] != batch_size:
+                raise _bad(f"input '{name}' for model '{model}' has batch size {shape[0]}, but other "
+                           f"inputs have {batch_size}: all inputs must share the batch size")
+        if not _matches(expected, shape):
+            raise _bad(f"unexpected shape for input '{name}' for model '{model}'. "
+                       f"Expected {_shape_str(expected)}, got {_shape_str(shape)}")
+        payload = memoryview(tensor_payload(e, frames)).cast("B")
+        count = math.prod(shape)
+        if datatype == "BYTES":
+            try:
+                datatypes.decode_bytes(payload, count)
+            except ValueError as exc:
+                raise _bad(f"input '{name}' for model '{model}' (BYTES, shape {_shape_str(shape)}): "
+                           f"{exc}; each element is a 4-byte little-endian length and its bytes") from None
+        else:
+            want = count * datatypes.element_size(datatype)
+            if len(payload) != want:
+                raise _bad(f"input byte size mismatch for input '{name}' for model '{model}'. "
+                           f"Expected {want}, got {len(payload)}")
+        staged.append((spec, shape, _model_shape(spec, shape, batching), payload))
+
+    requested = header.get("outputs")
+    if requested is None:
+        requested = [t.name for t in cfg.outputs]
+    elif not isinstance(requested, list):
+        raise _bad(f"'outputs' for model '{model}' must be a list of output names")
+    else:
+        for out in requested:
+            if cfg.output(out) is None:
+                raise _bad(f"unexpected inference output '{out}' for model '{model}'")
+    return staged, list(dict.fromkeys(requested)), batch_size or 1
+
+
+def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[list], list[Block]]:
+    """Copy each input once into the arena; return worker descriptors."""
+    descriptors, blocks = [], []
+    try:
+        for spec, _shape, model_shape, payload in staged:
+            block = arena.alloc(len(payload))
+            blocks.append(block)
+            if len(payload):
+                arena.view(block)[:] = payload
+            descriptors.append([spec.name, spec.datatype, model_shape, block.segment,
+                                block.offset, block.size])
+    except ArenaFull as exc:
+        for block in blocks:
+            arena.free(block)
+        raise TorchpoolError(errors.UNAVAILABLE, f"model '{model}': {exc}; retry later or raise "
+                                                 f"--shm-limit") from None
+    return descriptors, blocks
+
+
+def output_shape(spec: TensorSpec, shape: list[int], batching: bool) -> list[int]:
+    """Undo an output `reshape`: the client sees the config's `dims`."""
+    if spec.reshape is None:
+        return shape
+    dims = ([shape[0]] if batching and shape else []) + list(spec.dims)
+    if -1 in dims:
+        known = math.prod(d for d in dims if d != -1)
+        total = math.prod(shape)
+        dims[dims.index(-1)] = total // known if known else 0
+    return dims

@@ -1,0 +1,488 @@
+"""The torchpool daemon: one broker process, one worker process per instance.
+
+    clients (DEALER)                        broker (this process)
+    ───────────────────┐   ipc:// tcp://   ┌─────────────────────────────────────┐
+    [header, frames] ──┼──────────────────►│ Frontend (ROUTER per --listen URL)   │
+                       │                   │   validate against the model config  │
+                       │                   │   copy inline tensors once ─► Arena  │
+                       │                   │   ModelVersion.queue ─► idle worker  │
+    [header, frames] ◄─┼───────────────────│ answer from the worker's shm outputs │
+    ───────────────────┘                   └───────┬──────────────────▲───────────┘
+                                 RUN [descriptors] │ SOCK_SEQPACKET   │ DONE [descriptors]
+                                                   ▼                  │
+                                      worker (one per model instance, forked from
+                                      the torch template): views inputs in shm,
+                                      runs TorchScript, writes outputs to its arena
+
+Everything happens on one thread around one poller: frontend sockets, worker
+sockets, worker process sentinels and a signal wake-up pipe. Signal handlers
+only record the signal; the loop acts on it. Every accepted request is
+answered exactly once: with outputs, or with an error naming model, tensor and
+what went wrong (bad input, worker crash, timeout, shutdown).
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import zmq
+
+from ..config import scan_repository
+from ..protocol import errors, internal, messages
+from ..protocol.errors import TorchpoolError
+from ..shm import Arena, SegmentCache, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
+from .frontend import Frontend
+from .registry import LOADING, READY, UNAVAILABLE, ModelVersion, Registry
+from .requests import InferRequest, output_shape, stage_inputs, validate_infer
+from .supervisor import BUSY, IDLE, STARTING, Supervisor, WorkerHandle
+
+log = logging.getLogger("torchpool.broker")
+
+MiB = 1 << 20
+
+
+@dataclass
+class ServerOptions:
+    model_repository: str
+    listen: list[str]
+    log_level: int = logging.INFO
+    shm_chunk: int = 64 * MiB           # broker input arena: segment size
+    shm_limit: int = 2048 * MiB         # broker input arena: total cap
+    worker_shm_chunk: int = 4 * MiB     # each worker's output arena: first segment
+    worker_shm_limit: int = 1024 * MiB
+    grace_period: float = 30.0          # SIGTERM: time to finish accepted requests
+    busy_poll_us: int = 500             # keep polling this long after activity before sleeping
+    stop_timeout: float = 10.0          # time a worker gets to exit before SIGKILL
+    max_restarts: int = 5               # crashes within restart_window before UNAVAILABLE
+    restart_window: float = 60.0
+
+
+@dataclass(order=True)
+class _Timer:
+    when: float
+    seq: int
+    action: Callable[[], None] = field(compare=False)
+
+
+class Server:
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.daemon = daemon_id(options.listen)
+        self.prefix = segment_prefix(self.daemon)
+        self.ctx: Optional[zmq.Context] = None
+        self.frontend: Optional[Frontend] = None
+        self.arena: Optional[Arena] = None
+        self.registry: Optional[Registry] = None
+        self.supervisor: Optional[Supervisor] = None
+        self.worker_segments = SegmentCache()
+        self.poller = zmq.Poller()
+        self._fd_handlers: dict[int, Callable[[], None]] = {}
+        self._timers: list[_Timer] = []
+        self._timer_seq = itertools.count()
+        self._batch_ids = itertools.count(1)
+        self._crashes: dict[int, list[float]] = {}
+        self._signals: list[int] = []
+        self._wake_r: Optional[socket.socket] = None
+        self._wake_w: Optional[socket.socket] = None
+        self._old_handlers: dict[int, Any] = {}
+        self.should_exit = False
+        self.force_exit = False
+        self._started = time.monotonic()
+        self._announced_ready = False
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> int:
+        try:
+            self.startup()
+            self.main_loop()
+        finally:
+            self.shutdown()
+        return 0
+
+    def startup(self) -> None:
+        self._install_signal_handlers()
+        stale = remove_stale_segments(self.daemon)
+        if stale:
+            log.warning("removed %d shared-memory segments left by a dead daemon", len(stale))
+        o = self.options
+        self.arena = Arena(lambda i: f"{self.prefix}in{i}", o.shm_chunk, o.shm_limit)
+        self.arena.free(self.arena.alloc(1))   # first segment created and pre-faulted now
+        self.ctx = zmq.Context()
+        self.frontend = Frontend(self.ctx, o.listen)
+        for sock in self.frontend.sockets:
+            self.poller.register(sock, zmq.POLLIN)
+        self.registry = Registry(scan_repository(o.model_repository))
+        for model in self.registry.models.values():
+            if model.error:
+                log.error("model '%s' is UNAVAILABLE: %s", model.name, model.error)
+        self.supervisor = Supervisor(self.prefix, o.worker_shm_chunk, o.worker_shm_limit, o.log_level)
+        for mv in self.registry.all_versions():
+            for handle in self.supervisor.spawn_instances(mv):
+                self._watch_worker(handle)
+        log.info("listening on %s; loading %d model versions from %s", ", ".join(o.listen),
+                 len(self.registry.all_versions()), o.model_repository)
+        self._announce_if_ready()
+
+    def main_loop(self) -> None:
+        drain_deadline = None
+        # Waking a sleeping process costs tens of microseconds on a VM; a
+        # request's round trip has several such hops. Right after activity
+        # (a request in flight, or a client likely to send its next one) the
+        # loop keeps polling without sleeping, yielding the CPU to anyone who
+        # needs it, and sleeps once it has been idle for busy_poll_us.
+        busy_poll = self.options.busy_poll_us / 1e6
+        last_activity = 0.0
+        while True:
+            if self.should_exit:
+                if drain_deadline is None:
+                    drain_deadline = time.monotonic() + self.options.grace_period
+                    log.info("shutting down: finishing %d accepted requests (grace %.0f s)",
+                             self._pending(), self.options.grace_period)
+                if self.force_exit or not self._pending() or time.monotonic() >= drain_deadline:
+                    return
+            if time.perf_counter() - last_activity < busy_poll:
+                events = self.poller.poll(0)
+                if not events:
+                    os.sched_yield()
+            else:
+                events = self.poller.poll(self._poll_timeout(drain_deadline))
+            if events:
+                last_activity = time.perf_counter()
+            for obj, _event in events:
+                if isinstance(obj, zmq.Socket):
+                    self._on_frontend(obj)
+                else:
+                    handler = self._fd_handlers.get(obj)
+                    if handler is not None:
+                        handler()
+            self._run_timers()
+            self._expire_queued()
+
+    def shutdown(self) -> None:
+        if self.registry is not None:
+            for mv in self.registry.all_versions():
+                for req in list(mv.queue):
+                    self._fail(req, TorchpoolError(errors.UNAVAILABLE, "server is shutting down"))
+                mv.queue.clear()
+                for h in mv.workers:
+                    if h.batch is not None:
+                        self._fail(h.batch, TorchpoolError(errors.UNAVAILABLE,
+                                                            f"server is shutting down; {h.label} "
+                                                            f"did not finish in the grace period"))
+                        h.batch = None
+        if self.supervisor is not None:
+            self.supervisor.stop_all(self.options.stop_timeout)
+        if self.frontend is not None:
+            self.frontend.close()
+        if self.ctx is not None:
+            self.ctx.term()
+        self.worker_segments.close()
+        if self.arena is not None:
+            self.arena.close(unlink=True)
+        remove_segments_with_prefix(self.prefix)
+        self._restore_signal_handlers()
+        log.info("torchpool stopped")
+
+    # -------------------------------------------------------------- signals
+
+    def _install_signal_handlers(self) -> None:
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            self._old_handlers[sig] = signal.signal(sig, self._record_signal)
+        self._watch_fd(self._wake_r.fileno(), self._on_signal)
+
+    def _record_signal(self, signum: int, frame: Any) -> None:
+        self._signals.append(signum)   # only record: the loop acts on it
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers.clear()
+        if self._wake_w is not None:
+            signal.set_wakeup_fd(-1)
+            self._wake_w.close()
+            self._wake_r.close()
+            self._wake_w = self._wake_r = None
+
+    def _on_signal(self) -> None:
+        try:
+            while self._wake_r.recv(512):
+                pass
+        except BlockingIOError:
+            pass
+        while self._signals:
+            sig = self._signals.pop(0)
+            if sig in (signal.SIGTERM, signal.SIGINT):
+                if self.should_exit and sig == signal.SIGINT:
+                    log.warning("second SIGINT: stopping now")
+                    self.force_exit = True
+                self.should_exit = True
+            elif sig == signal.SIGHUP:
+                log.info("SIGHUP received; model control mode 'none' keeps the loaded models")
+
+    # --------------------------------------------------------------- fds
+
+    def _watch_fd(self, fd: int, handler: Callable[[], None]) -> None:
+        self._fd_handlers[fd] = handler
+        self.poller.register(fd, zmq.POLLIN)
+
+    def _unwatch_fd(self, fd: int) -> None:
+        if self._fd_handlers.pop(fd, None) is not None:
+            self.poller.unregister(fd)
+
+    def _watch_worker(self, h: WorkerHandle) -> None:
+        self._watch_fd(h.sock.fileno(), lambda: self._on_worker_message(h))
+        self._watch_fd(h.sentinel, lambda: self._on_worker_exit(h))
+
+    # ------------------------------------------------------------- timers
+
+    def _call_later(self, delay: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._timers, _Timer(time.monotonic() + delay, next(self._timer_seq), action))
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0].when <= now:
+            heapq.heappop(self._timers).action()
+
+    def _poll_timeout(self, drain_deadline: Optional[float]) -> Optional[int]:
+        deadlines = [t.when for t in self._timers[:1]]
+        if drain_deadline is not None:
+            deadlines.append(drain_deadline)
+        if any(req.deadline for mv in self.registry.all_versions() for req in mv.queue):
+            deadlines.append(time.monotonic() + 0.01)
+        if not deadlines:
+            return None
+        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+    # ----------------------------------------------------------- frontend
+
+    def _on_frontend(self, sock: zmq.Socket) -> None:
+        # Drain what is there now, but give the workers' answers a turn too.
+        for _ in range(64):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle_request(sock, frames)
+
+    def _handle_request(self, sock: zmq.Socket, frames: list) -> None:
+        identity = frames[0].bytes
+        request_id = None
+        try:
+            if len(frames) < 2:
+                raise TorchpoolError(errors.INVALID_ARG, "empty request: expected a header frame")
+            header = messages.decode_header(frames[1].buffer)
+            request_id = header.get("id")
+            op = header.get("op")
+            if op == messages.OP_INFER:
+                self._accept_infer(sock, identity, request_id, header, [f.buffer for f in frames[2:]])
+                return
+            if op not in messages.CONTROL_OPS:
+                raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
+            result = self._control(op, header)
+        except TorchpoolError as exc:
+            self.frontend.send(sock, identity, messages.error_response(request_id, exc))
+            return
+        self.frontend.send(sock, identity, messages.ok_response(request_id, result=result))
+
+    def _control(self, op: str, header: dict) -> Any:
+        reg = self.registry
+        name, version = header.get("model"), header.get("version")
+        if op == messages.OP_SERVER_LIVE:
+            return not self.should_exit
+        if op == messages.OP_SERVER_READY:
+            return not self.should_exit and reg.server_ready()
+        if op == messages.OP_MODEL_READY:
+            return not self.should_exit and reg.model_ready(name, version)
+        if op == messages.OP_MODEL_METADATA:
+            return reg.metadata(name, version)
+        if op == messages.OP_MODEL_CONFIG:
+            return reg.config(name, version)
+        if op == messages.OP_REPOSITORY_INDEX:
+            return reg.repository_index()
+        if op == messages.OP_SERVER_METADATA:
+            from .. import __version__
+            return {"name": "torchpool", "version": __version__, "extensions": []}
+        raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
+
+    def _accept_infer(self, sock: zmq.Socket, identity: bytes, request_id: Any, header: dict,
+                      frames: list) -> None:
+        if self.should_exit:
+            raise TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
+        mv = self.registry.resolve(header.get("model"), header.get("version"))
+        staged, outputs, batch_size = validate_infer(header, frames, mv)
+        descriptors, blocks = stage_inputs(staged, self.arena, mv.name)
+        timeout_us = header.get("timeout_us") or 0
+        deadline = time.monotonic() + timeout_us / 1e6 if isinstance(timeout_us, int) and timeout_us > 0 else None
+        req = InferRequest(sock, identity, request_id, mv, descriptors, outputs, blocks, deadline,
+                           batch_size=batch_size)
+        mv.queue.append(req)
+        self._dispatch(mv)
+
+    # ----------------------------------------------------------- dispatch
+
+    def _dispatch(self, mv: ModelVersion) -> None:
+        while mv.queue and mv.idle:
+            req = mv.queue.popleft()
+            if req.deadline is not None and time.monotonic() > req.deadline:
+                self._fail(req, TorchpoolError(errors.UNAVAILABLE, "Request timeout expired"))
+                continue
+            worker = mv.idle.popleft()
+            worker.state = BUSY
+            worker.batch = req
+            worker.batch_id = next(self._batch_ids)
+            try:
+                worker.send(internal.RUN, worker.batch_id, req.inputs, req.outputs)
+            except OSError:
+                pass  # the worker is dying; its sentinel will answer this request
+
+    def _expire_queued(self) -> None:
+        now = time.monotonic()
+        for mv in self.registry.all_versions():
+            if mv.queue and any(r.deadline is not None and now > r.deadline for r in mv.queue):
+                keep = []
+                for req in mv.queue:
+                    if req.deadline is not None and now > req.deadline:
+                        self._fail(req, TorchpoolError(errors.UNAVAILABLE, "Request timeout expired"))
+                    else:
+                        keep.append(req)
+                mv.queue.clear()
+                mv.queue.extend(keep)
+
+    def _pending(self) -> int:
+        return sum(len(mv.queue) + sum(1 for h in mv.workers if h.batch is not None)
+                   for mv in self.registry.all_versions())
+
+    # ------------------------------------------------------------ answers
+
+    def _release(self, req: InferRequest) -> None:
+        for block in req.blocks:
+            self.arena.free(block)
+        req.blocks = []
+
+    def _fail(self, req: InferRequest, err: TorchpoolError) -> None:
+        self._release(req)
+        self.frontend.send(req.socket, req.identity, messages.error_response(req.request_id, err))
+
+    def _answer(self, req: InferRequest, descriptors: list) -> None:
+        self._release(req)
+        cfg = req.version.config
+        batching = cfg.max_batch_size > 0
+        outputs, frames = [], []
+        for name, datatype, shape, segment, offset, nbytes in descriptors:
+            data = memoryview(self.worker_segments.get(segment).buf)[offset:offset + nbytes]
+            if nbytes <= messages.INLINE_LIMIT:
+                payload: Any = bytes(data)
+            else:
+                frames.append(data)
+                payload = len(frames)
+            outputs.append({"name": name, "datatype": datatype,
+                            "shape": output_shape(cfg.output(name), shape, batching), "data": payload})
+        self.frontend.send(req.socket, req.identity,
+                           messages.ok_response(req.request_id, model_name=req.version.name,
+                                                model_version=str(req.version.version),
+                                                outputs=outputs), frames)
+
+    # ------------------------------------------------------------ workers
+
+    def _on_worker_message(self, h: WorkerHandle) -> None:
+        msg = h.recv()
+        if msg is None:          # EOF: the sentinel tells how it died
+            self._unwatch_fd(h.sock.fileno())
+            return
+        kind = msg[0]
+        mv = h.mv
+        if kind == internal.READY:
+            h.state = IDLE
+            mv.idle.append(h)
+            log.debug("%s ready (pid %s, %s)", h.label, msg[1], msg[2])
+            if mv.state == LOADING and all(w.state != STARTING for w in mv.workers):
+                mv.state = READY
+                log.info("%s READY (%d instance%s)", mv.label, len(mv.workers),
+                         "" if len(mv.workers) == 1 else "s")
+                self._announce_if_ready()
+            self._dispatch(mv)
+        elif kind == internal.LOAD_FAILED:
+            self._version_failed(mv, msg[2])
+        elif kind in (internal.DONE, internal.FAILED):
+            req, h.batch = h.batch, None
+            if req is not None and msg[1] == h.batch_id:
+                if kind == internal.DONE:
+                    try:
+                        self._answer(req, msg[2])
+                    except Exception as exc:  # never lose the request
+                        log.exception("answering a request of %s failed", mv.label)
+                        self._fail(req, TorchpoolError(errors.INTERNAL, f"{mv.label}: {exc}"))
+                else:
+                    self._fail(req, TorchpoolError(msg[2], msg[3]))
+            h.state = IDLE
+            mv.idle.append(h)
+            self._dispatch(mv)
+
+    def _version_failed(self, mv: ModelVersion, reason: str) -> None:
+        first = mv.state != UNAVAILABLE
+        mv.fail(reason)
+        if first:
+            log.error("%s is UNAVAILABLE: %s", mv.label, reason)
+        for req in list(mv.queue):
+            self._fail(req, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} is not available: {reason}"))
+        mv.queue.clear()
+        for w in list(mv.workers):
+            if w.process.exitcode is None:
+                w.process.kill()      # the sentinel fires and reaps it
+        self._announce_if_ready()
+
+    def _on_worker_exit(self, h: WorkerHandle) -> None:
+        self._unwatch_fd(h.sentinel)
+        self._unwatch_fd(h.sock.fileno())
+        was = h.state
+        how = self.supervisor.reap(h)
+        self.worker_segments.drop(lambda name: name.startswith(h.spec.segment_prefix))
+        mv = h.mv
+        if h.batch is not None:
+            req, h.batch = h.batch, None
+            self._fail(req, TorchpoolError(errors.INTERNAL,
+                                           f"{h.label} {how} while running this request"))
+        if self.should_exit or mv.state == UNAVAILABLE:
+            return
+        if was == STARTING:
+            self._version_failed(mv, f"instance '{h.spec.instance}' {how} while loading")
+            return
+        log.error("%s %s; restarting it", h.label, how)
+        now = time.monotonic()
+        crashes = [t for t in self._crashes.get(id(mv), []) if now - t < self.options.restart_window]
+        crashes.append(now)
+        self._crashes[id(mv)] = crashes
+        if len(crashes) > self.options.max_restarts:
+            self._version_failed(mv, f"instance '{h.spec.instance}' crashed {len(crashes)} times in "
+                                     f"{self.options.restart_window:.0f} s (last: {how})")
+            return
+        delay = min(0.1 * 2 ** (len(crashes) - 1), 10.0)
+        self._call_later(delay, lambda: self._respawn(mv, h.spec.instance, h.spec.device))
+
+    def _respawn(self, mv: ModelVersion, instance: str, device: str) -> None:
+        if self.should_exit or mv.state == UNAVAILABLE:
+            return
+        self._watch_worker(self.supervisor.spawn(mv, instance, device))
+
+    def _announce_if_ready(self) -> None:
+        if self._announced_ready or self.registry.loading():
+            return
+        self._announced_ready = True
+        versions = self.registry.all_versions()
+        ready = sum(1 for mv in versions if mv.state == READY)
+        broken = sum(1 for m in self.registry.models.values() if m.error)
+        log.info("torchpool ready: %d of %d model versions READY%s, in %.2f s; listening on %s",
+                 ready, len(versions), f", {broken} models failed to load" if broken else "",
+                 time.monotonic() - self._started, ", ".join(self.options.listen))

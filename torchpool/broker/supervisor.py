@@ -1,0 +1,192 @@
+"""Worker supervision: spawn from the torch template, notice deaths, respawn.
+
+Workers are forked by multiprocessing's fork server, which is started once
+with `torchpool.worker.process` (and so torch) preloaded: a new worker costs a
+fork and a model load instead of a fresh interpreter and `import torch`, and
+the torch pages are shared copy-on-write. The fork server never touches CUDA,
+so its children may. A worker's death is seen at once through its process
+sentinel; the fork server reports the exit status.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import msgpack
+
+from ..config import InstanceGroup
+from ..protocol import internal
+from ..shm import remove_segments_with_prefix
+from ..worker.process import WorkerSpec, worker_main
+from .registry import ModelVersion
+
+log = logging.getLogger("torchpool.broker")
+
+STARTING = "STARTING"
+IDLE = "IDLE"
+BUSY = "BUSY"
+DEAD = "DEAD"
+
+_context: Optional[multiprocessing.context.BaseContext] = None
+
+
+def _fork_context() -> multiprocessing.context.BaseContext:
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(["torchpool.worker.process"])
+    return _context
+
+
+def visible_gpus() -> list[int]:
+    """GPU indices without initialising CUDA in the broker (it never loads torch)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        count = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        count = 0
+    if env is not None:
+        wanted = [d for d in env.split(",") if d.strip()]
+        if not wanted or wanted[0].strip() == "-1":
+            return []
+        return list(range(min(len(wanted), count)))
+    return list(range(count))
+
+
+def describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "exited"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name} ({-code})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    serial: int
+    spec: WorkerSpec
+    mv: ModelVersion
+    process: Any
+    sock: socket.socket
+    state: str = STARTING
+    batch: Any = None                 # the InferRequest it is running
+    batch_id: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def label(self) -> str:
+        return f"model '{self.spec.model}' version {self.spec.version} instance '{self.spec.instance}'"
+
+    @property
+    def sentinel(self) -> int:
+        return self.process.sentinel
+
+    def send(self, *msg: Any) -> None:
+        self.sock.send(msgpack.packb(msg, use_bin_type=True))
+
+    def recv(self) -> Optional[list]:
+        try:
+            raw = self.sock.recv(internal.MAX_MESSAGE)
+        except (ConnectionError, OSError):
+            return None
+        return msgpack.unpackb(raw, raw=False) if raw else None
+
+
+def instance_devices(group: InstanceGroup, gpus: list[int]) -> list[str]:
+    """Triton's instance_group rules: `count` per listed GPU for KIND_GPU."""
+    kind = group.kind
+    if kind == "KIND_AUTO":
+        kind = "KIND_GPU" if gpus else "KIND_CPU"
+    if kind == "KIND_CPU":
+        return ["cpu"] * group.count
+    if kind == "KIND_MODEL":
+        return ["model"] * group.count
+    devices = list(group.gpus) if group.gpus else gpus
+    if not devices:
+        # the worker reports a clear load error for this device
+        return [f"cuda:{0}"] * group.count
+    return [f"cuda:{g}" for g in devices for _ in range(group.count)]
+
+
+class Supervisor:
+    def __init__(self, segment_prefix: str, arena_chunk: int, arena_limit: int, log_level: int) -> None:
+        self.segment_prefix = segment_prefix
+        self.arena_chunk = arena_chunk
+        self.arena_limit = arena_limit
+        self.log_level = log_level
+        self.workers: dict[int, WorkerHandle] = {}       # by sentinel fd
+        self._serial = itertools.count()
+        self.gpus = visible_gpus()
+
+    def worker_prefix(self, serial: int) -> str:
+        return f"{self.segment_prefix}w{serial}."
+
+    def spawn_instances(self, mv: ModelVersion) -> list[WorkerHandle]:
+        spawned = []
+        for gi, group in enumerate(mv.config.instance_groups):
+            for i, device in enumerate(instance_devices(group, self.gpus)):
+                spawned.append(self.spawn(mv, f"{group.name}_{i}", device))
+        return spawned
+
+    def spawn(self, mv: ModelVersion, instance: str, device: str) -> WorkerHandle:
+        serial = next(self._serial)
+        spec = WorkerSpec(model=mv.name, version=mv.version, instance=instance, config=mv.config,
+                          model_path=mv.model_file, device=device,
+                          segment_prefix=self.worker_prefix(serial), arena_chunk=self.arena_chunk,
+                          arena_limit=self.arena_limit, log_level=self.log_level)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = _fork_context().Process(target=worker_main, args=(spec, theirs), daemon=False,
+                                           name=f"torchpool-worker-{instance}")
+            proc.start()
+        finally:
+            theirs.close()
+        handle = WorkerHandle(serial, spec, mv, proc, ours)
+        mv.workers.append(handle)
+        self.workers[handle.sentinel] = handle
+        log.debug("spawned worker %d (pid %s) for %s on %s", serial, proc.pid, handle.label, device)
+        return handle
+
+    def reap(self, handle: WorkerHandle) -> str:
+        """Forget a dead worker; release what it owned. Returns how it died."""
+        handle.process.join(timeout=1.0)
+        how = describe_exit(handle.process.exitcode)
+        handle.state = DEAD
+        self.workers.pop(handle.sentinel, None)
+        if handle in handle.mv.workers:
+            handle.mv.workers.remove(handle)
+        try:
+            handle.mv.idle.remove(handle)
+        except ValueError:
+            pass
+        handle.sock.close()
+        handle.process.close()
+        remove_segments_with_prefix(handle.spec.segment_prefix)
+        return how
+
+    def stop_all(self, timeout: float) -> None:
+        """Ask every worker to stop; kill those that do not within `timeout`."""
+        handles = list(self.workers.values())
+        for h in handles:
+            try:
+                h.send(internal.STOP)
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for h in handles:
+            h.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if h.process.exitcode is None:
+                log.warning("%s did not stop in time; killing it", h.label)
+                h.process.kill()
+                h.process.join(timeout=5.0)
+            self.reap(h)
