@@ -24,7 +24,7 @@ import msgpack
 from ..config import InstanceGroup
 from ..protocol import internal
 from ..shm import remove_segments_with_prefix
-from ..worker.process import WorkerSpec, worker_main
+from ..worker.spec import WorkerSpec, run_worker
 from .registry import ModelVersion
 
 log = logging.getLogger("torchpool.broker")
@@ -81,6 +81,7 @@ class WorkerHandle:
     state: str = STARTING
     batch: Any = None                 # the InferRequest it is running
     batch_id: int = 0
+    releases: list = field(default_factory=list)   # output blocks to hand back on the next RUN
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -119,8 +120,10 @@ def instance_devices(group: InstanceGroup, gpus: list[int]) -> list[str]:
 
 
 class Supervisor:
-    def __init__(self, segment_prefix: str, arena_chunk: int, arena_limit: int, log_level: int) -> None:
+    def __init__(self, segment_prefix: str, arena_chunk: int, arena_limit: int, log_level: int,
+                 busy_poll_us: int = 0) -> None:
         self.segment_prefix = segment_prefix
+        self.busy_poll_us = busy_poll_us
         self.arena_chunk = arena_chunk
         self.arena_limit = arena_limit
         self.log_level = log_level
@@ -143,10 +146,11 @@ class Supervisor:
         spec = WorkerSpec(model=mv.name, version=mv.version, instance=instance, config=mv.config,
                           model_path=mv.model_file, device=device,
                           segment_prefix=self.worker_prefix(serial), arena_chunk=self.arena_chunk,
-                          arena_limit=self.arena_limit, log_level=self.log_level)
+                          arena_limit=self.arena_limit, log_level=self.log_level,
+                          busy_poll_us=self.busy_poll_us)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            proc = _fork_context().Process(target=worker_main, args=(spec, theirs), daemon=False,
+            proc = _fork_context().Process(target=run_worker, args=(spec, theirs), daemon=False,
                                            name=f"torchpool-worker-{instance}")
             proc.start()
         finally:

@@ -5,8 +5,11 @@ A tensor descriptor is `[name, datatype, shape, segment, offset, nbytes]`:
 the bytes live in shared memory, only the descriptor crosses the socket.
 
 broker -> worker
-    [RUN, batch_id, [descriptor, ...], [requested output names]]
+    [RUN, batch_id, [descriptor, ...], [requested output names], [released block, ...]]
+    [RELEASE, [released block, ...]]
     [STOP]
+A released block is `[segment, offset, size]` of an output block the broker
+no longer reads: the worker may reuse it.
 worker -> broker
     [READY, pid, device]
     [LOAD_FAILED, code, message]
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 RUN = 1
 STOP = 2
+RELEASE = 3
 READY = 10
 LOAD_FAILED = 11
 DONE = 12

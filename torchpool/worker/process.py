@@ -7,9 +7,11 @@
 
 Workers are forked from a template process that already imported torch (see
 `torchpool.broker.supervisor`), so starting one costs a fork and a model load.
-The worker serves one batch at a time; its output arena is reset when the next
-batch arrives, because the broker has finished reading the previous outputs
-by then (it answers the client before dispatching again).
+The worker serves one batch at a time. It allocates output blocks in its own
+arena and frees them when the broker says it is done with them: the broker
+piggybacks those releases on the next RUN message, so freeing costs no round
+trip (the broker may still be sending a block to a client, zero-copy, after
+it dispatched other work).
 """
 from __future__ import annotations
 
@@ -20,35 +22,18 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import torch
 
-from ..config.model_config import ModelConfig
 from ..protocol import datatypes, errors, internal
-from ..shm.arena import Arena, SegmentCache
+from ..shm.arena import Arena, Block, SegmentCache
 from .binding import ExecutionError, ModelLoadError, load_model
 from .settings import after_execution, apply_process_settings, grad_context, parse_parameters
+from .spec import WorkerSpec
 
 log = logging.getLogger("torchpool.worker")
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker needs; pickled through the fork server."""
-
-    model: str
-    version: int
-    instance: str                 # Triton instance name, e.g. "addsub_0_0"
-    config: ModelConfig
-    model_path: str
-    device: str                   # "cpu", "cuda:0", or "model" (KIND_MODEL)
-    segment_prefix: str           # names this worker's output segments
-    arena_chunk: int
-    arena_limit: int
-    log_level: int = logging.INFO
 
 
 def _die_with_parent() -> None:
@@ -88,6 +73,7 @@ class Worker:
         self.module: Any = None
         self.binding: Any = None
         self.settings: Any = None
+        self.busy_poll_ns = spec.busy_poll_us * 1000
 
     def send(self, *msg: Any) -> None:
         self.sock.send(msgpack.packb(msg, use_bin_type=True))
@@ -124,29 +110,51 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         map_location = None if spec.device == "model" else self.device
+        # Triton names the model where its "unable to find" message says
+        # "model instance"; users' tests look for that text.
         self.module, self.binding = load_model(spec.config, spec.model_path, map_location,
-                                               spec.instance, self.settings)
+                                               spec.model, self.settings)
         # An output arena ready before the first request: its page faults are
         # paid now, not on the first answer.
         self.outputs.free(self.outputs.alloc(1))
 
+    def receive(self) -> bytes:
+        """The next message; after work, poll a while before sleeping.
+
+        Waking a sleeping process on another CPU costs tens of microseconds
+        on a VM, and a worker that slept runs its first request with cold
+        caches; a short busy-poll (yielding to anyone runnable) avoids both
+        when requests come back to back.
+        """
+        if self.busy_poll_ns:
+            end = time.perf_counter_ns() + self.busy_poll_ns
+            while time.perf_counter_ns() < end:
+                try:
+                    return self.sock.recv(internal.MAX_MESSAGE, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    os.sched_yield()
+        return self.sock.recv(internal.MAX_MESSAGE)
+
     def loop(self) -> None:
         while True:
-            try:
-                raw = self.sock.recv(internal.MAX_MESSAGE)
-            except InterruptedError:  # pragma: no cover - PEP 475 retries
-                continue
+            raw = self.receive()
             if not raw:
                 return  # the broker went away
             msg = msgpack.unpackb(raw, raw=False)
             if msg[0] == internal.STOP:
                 return
             if msg[0] == internal.RUN:
+                self.release(msg[4])
                 self.run(msg[1], msg[2], msg[3])
+            elif msg[0] == internal.RELEASE:
+                self.release(msg[1])
+
+    def release(self, blocks: list) -> None:
+        for segment, offset, size in blocks:
+            self.outputs.free(Block(segment, offset, size))
 
     def run(self, batch_id: int, descriptors: list, requested: list) -> None:
         t0 = time.perf_counter_ns()
-        self.outputs.reset()
         try:
             inputs = {d[0]: self.view_input(d) for d in descriptors}
             t1 = time.perf_counter_ns()

@@ -1,0 +1,38 @@
+"""What the broker tells a new worker, and the entry point it starts.
+
+This module must not import torch: the broker imports it, and the broker
+never loads torch (it would cost it a second and a few hundred MB). The fork
+server that starts workers preloads `torchpool.worker.process`, so the import
+inside `run_worker` is already done there.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+
+from ..config.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs; pickled through the fork server."""
+
+    model: str
+    version: int
+    instance: str                 # Triton instance name, e.g. "addsub_0"
+    config: ModelConfig
+    model_path: str
+    device: str                   # "cpu", "cuda:0", or "model" (KIND_MODEL)
+    segment_prefix: str           # names this worker's output segments
+    arena_chunk: int
+    arena_limit: int
+    log_level: int = logging.INFO
+    busy_poll_us: int = 0         # poll this long after a batch before sleeping
+
+
+def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
+    """The multiprocessing target: runs in the forked child."""
+    from .process import worker_main
+
+    worker_main(spec, sock)
