@@ -5,6 +5,7 @@ no /dev/shm segment, no socket file.
 """
 from __future__ import annotations
 
+import shutil
 import socket
 from pathlib import Path
 
@@ -28,6 +29,17 @@ def test_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_repository(test_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Only good models: the example repository plus `slow` (for daemons a test starts)."""
+    from torchpool.examples import build_example_repository
+
+    root = tmp_path_factory.mktemp("small_repository")
+    build_example_repository(root)
+    shutil.copytree(test_repository / "slow", root / "slow")
+    return root
+
+
+@pytest.fixture(scope="session")
 def daemon(test_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("daemon")
     d = Daemon(test_repository, workdir, tcp_port=free_tcp_port()).start()
@@ -36,10 +48,27 @@ def daemon(test_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     assert not d.socket_path.exists(), "the daemon left its socket file behind"
 
 
+@pytest.fixture(params=["ipc", "tcp"])
+def url(request: pytest.FixtureRequest, daemon: Daemon) -> str:
+    """The session daemon's address, once over ipc:// and once over tcp://."""
+    return next(u for u in daemon.urls if u.startswith(request.param))
+
+
+@pytest.fixture
+def client(url: str):
+    from torchpool.client import Client
+
+    with Client(url, timeout=30) as c:
+        yield c
+
+
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
     before = set(torchpool_segments())
+    # torchpool processes that ran before the session are not ours to wait for
+    strangers = {pid for pid, _ in torchpool_processes()}
     yield
-    wait_for(lambda: not torchpool_processes(), 30, "torchpool processes to exit")
+    wait_for(lambda: not [p for p in torchpool_processes() if p[0] not in strangers], 30,
+             "torchpool processes to exit")
     left = set(torchpool_segments()) - before
     assert not left, f"shared-memory segments left behind: {sorted(left)}"

@@ -40,6 +40,9 @@ class Daemon:
 
     def start(self, wait_ready: bool = True, timeout: float = 60.0) -> "Daemon":
         self._log = open(self.log_path, "ab")
+        # log() shows this run only: a daemon restarted in the same workdir
+        # must not be taken as ready by its predecessor's ready line
+        self._log_offset = self._log.tell()
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
         if wait_ready:
             wait_for(lambda: "torchpool ready" in self.log() or self.proc.poll() is not None,
@@ -49,7 +52,9 @@ class Daemon:
 
     def log(self) -> str:
         try:
-            return self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as f:
+                f.seek(getattr(self, "_log_offset", 0))
+                return f.read().decode(errors="replace")
         except FileNotFoundError:
             return ""
 
@@ -93,3 +98,103 @@ def torchpool_processes() -> list[tuple[int, str]]:
 
 def torchpool_segments() -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith("torchpool."))
+
+
+# --- helpers for end-to-end tests ------------------------------------------------
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (fork server, resource tracker, workers)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.append(child)
+                    todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of `pid` in clock ticks (grows only while it computes)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def daemon_segments(urls: list[str]) -> list[str]:
+    """/dev/shm segments of the daemon(s) listening on `urls` (any pid)."""
+    from torchpool.shm import daemon_id
+
+    prefix = f"torchpool.{daemon_id(urls)}."
+    return [n for n in torchpool_segments() if n.startswith(prefix)]
+
+
+def worker_pids(log: str, model: str) -> list[int]:
+    """Pids of the workers spawned for `model`, in order, from a --log-level debug log."""
+    import re
+
+    pattern = re.compile(r"spawned worker \d+ \(pid (\d+)\) for model '" + re.escape(model) + "' ")
+    return [int(m.group(1)) for m in pattern.finditer(log)]
+
+
+class RawConnection:
+    """A bare DEALER socket speaking docs/protocol.md by hand (zmq + msgpack)."""
+
+    def __init__(self, url: str) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(url)
+
+    @staticmethod
+    def pack(obj: object) -> bytes:
+        import msgpack
+
+        return msgpack.packb(obj, use_bin_type=True)
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout: float = 10.0) -> tuple[dict, list[bytes]]:
+        import msgpack
+
+        if not self.sock.poll(int(timeout * 1000)):
+            raise AssertionError(f"no answer within {timeout} s")
+        reply = self.sock.recv_multipart()
+        return msgpack.unpackb(reply[0], raw=False, strict_map_key=False), reply[1:]
+
+    def call(self, *frames: bytes, timeout: float = 10.0) -> tuple[dict, list[bytes]]:
+        self.send(*frames)
+        return self.recv(timeout)
+
+    def pending(self, timeout: float) -> bool:
+        """True if a message arrives within `timeout` s (used to prove there is no extra one)."""
+        return bool(self.sock.poll(int(timeout * 1000)))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def __enter__(self) -> "RawConnection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -36,7 +36,8 @@ def _serve(args: argparse.Namespace) -> int:
                             listen=args.listen or [DEFAULT_LISTEN], log_level=level,
                             shm_chunk=args.shm_chunk, shm_limit=args.shm_limit,
                             worker_shm_chunk=args.worker_shm_chunk,
-                            grace_period=args.grace_period, busy_poll_us=args.busy_poll_us)
+                            grace_period=args.grace_period, busy_poll_us=args.busy_poll_us,
+                            worker_busy_poll_us=args.worker_busy_poll_us)
     try:
         return Server(options).run()
     except AddressInUse as exc:
@@ -108,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--busy-poll-us", type=int, default=500,
                        help="after activity, poll without sleeping this long (lower latency on "
                             "VMs where waking a process is slow); 0 disables (default 500)")
+    serve.add_argument("--worker-busy-poll-us", type=int, default=0,
+                       help="the same for each worker after a batch; trades CPU for latency (default 0)")
     serve.set_defaults(func=_serve)
 
     infer = sub.add_parser("infer", help="send one request and print the outputs as JSON lines")

@@ -65,6 +65,8 @@ def encode_infer(request_id: int, model: str, inputs: Mapping[str, Any],
     entries, frames = [], []
     for name, value in inputs.items():
         datatype, shape, buf = _as_array(name, value)
+        if isinstance(buf, np.ndarray):
+            buf = buf.reshape(-1)   # memoryview cannot cast a view with a 0 in its shape
         data = memoryview(buf).cast("B")
         if data.nbytes <= messages.INLINE_LIMIT:
             payload: Any = bytes(data)

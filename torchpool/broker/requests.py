@@ -78,6 +78,8 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion) -> tup
     seen: dict[str, dict] = {}
     for e in entries:
         name = e.get("name")
+        if not isinstance(name, str):
+            raise _bad(f"request for model '{model}' has an input without a valid name: {name!r}")
         if name in seen:
             raise _bad(f"input '{name}' given more than once for model '{model}'")
         if cfg.input(name) is None:
@@ -133,7 +135,7 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion) -> tup
     requested = header.get("outputs")
     if requested is None:
         requested = [t.name for t in cfg.outputs]
-    elif not isinstance(requested, list):
+    elif not isinstance(requested, list) or not all(isinstance(o, str) for o in requested):
         raise _bad(f"'outputs' for model '{model}' must be a list of output names")
     else:
         for out in requested:

@@ -59,6 +59,7 @@ class ServerOptions:
     worker_shm_limit: int = 1024 * MiB
     grace_period: float = 30.0          # SIGTERM: time to finish accepted requests
     busy_poll_us: int = 500             # keep polling this long after activity before sleeping
+    worker_busy_poll_us: int = 0        # the same for workers, after each batch
     stop_timeout: float = 10.0          # time a worker gets to exit before SIGKILL
     max_restarts: int = 5               # crashes within restart_window before UNAVAILABLE
     restart_window: float = 60.0
@@ -88,6 +89,8 @@ class Server:
         self._timer_seq = itertools.count()
         self._batch_ids = itertools.count(1)
         self._crashes: dict[int, list[float]] = {}
+        # zero-copy sends of worker output blocks still being written by ZeroMQ
+        self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list]] = []
         self._signals: list[int] = []
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
@@ -123,7 +126,8 @@ class Server:
         for model in self.registry.models.values():
             if model.error:
                 log.error("model '%s' is UNAVAILABLE: %s", model.name, model.error)
-        self.supervisor = Supervisor(self.prefix, o.worker_shm_chunk, o.worker_shm_limit, o.log_level)
+        self.supervisor = Supervisor(self.prefix, o.worker_shm_chunk, o.worker_shm_limit, o.log_level,
+                                     o.worker_busy_poll_us)
         for mv in self.registry.all_versions():
             for handle in self.supervisor.spawn_instances(mv):
                 self._watch_worker(handle)
@@ -288,11 +292,16 @@ class Server:
             if op == messages.OP_INFER:
                 self._accept_infer(sock, identity, request_id, header, [f.buffer for f in frames[2:]])
                 return
-            if op not in messages.CONTROL_OPS:
+            if not isinstance(op, str) or op not in messages.CONTROL_OPS:
                 raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
             result = self._control(op, header)
         except TorchpoolError as exc:
             self.frontend.send(sock, identity, messages.error_response(request_id, exc))
+            return
+        except Exception as exc:  # a malformed request must never take the daemon down
+            log.exception("request %r could not be handled", request_id)
+            self.frontend.send(sock, identity, messages.error_response(
+                request_id, TorchpoolError(errors.INVALID_ARG, f"malformed request: {exc!r}")))
             return
         self.frontend.send(sock, identity, messages.ok_response(request_id, result=result))
 
@@ -342,8 +351,10 @@ class Server:
             worker.state = BUSY
             worker.batch = req
             worker.batch_id = next(self._batch_ids)
+            self._collect_finished_sends()
+            releases, worker.releases = worker.releases, []
             try:
-                worker.send(internal.RUN, worker.batch_id, req.inputs, req.outputs)
+                worker.send(internal.RUN, worker.batch_id, req.inputs, req.outputs, releases)
             except OSError:
                 pass  # the worker is dying; its sentinel will answer this request
 
@@ -375,17 +386,23 @@ class Server:
         self._release(req)
         self.frontend.send(req.socket, req.identity, messages.error_response(req.request_id, err))
 
-    def _answer(self, req: InferRequest, descriptors: list) -> None:
+    def _answer(self, req: InferRequest, descriptors: list, worker: WorkerHandle) -> None:
+        """Send the outputs: small ones inline, large ones zero-copy from the
+        worker's shared memory (the block goes back to the worker once
+        ZeroMQ has finished sending it)."""
         self._release(req)
         cfg = req.version.config
         batching = cfg.max_batch_size > 0
-        outputs, frames = [], []
+        outputs, frames, trackers = [], [], []
+        blocks = [[d[3], d[4], d[5]] for d in descriptors]
         for name, datatype, shape, segment, offset, nbytes in descriptors:
             data = memoryview(self.worker_segments.get(segment).buf)[offset:offset + nbytes]
             if nbytes <= messages.INLINE_LIMIT:
                 payload: Any = bytes(data)
             else:
-                frames.append(data)
+                frame = zmq.Frame(data, copy=False, track=True)
+                frames.append(frame)
+                trackers.append(frame.tracker)
                 payload = len(frames)
             outputs.append({"name": name, "datatype": datatype,
                             "shape": output_shape(cfg.output(name), shape, batching), "data": payload})
@@ -393,6 +410,21 @@ class Server:
                            messages.ok_response(req.request_id, model_name=req.version.name,
                                                 model_version=str(req.version.version),
                                                 outputs=outputs), frames)
+        if trackers:
+            self._sending.append((trackers, worker, blocks))
+        else:
+            worker.releases.extend(blocks)
+
+    def _collect_finished_sends(self) -> None:
+        if not self._sending:
+            return
+        still = []
+        for trackers, worker, blocks in self._sending:
+            if all(t.done for t in trackers):
+                worker.releases.extend(blocks)
+            else:
+                still.append((trackers, worker, blocks))
+        self._sending = still
 
     # ------------------------------------------------------------ workers
 
@@ -420,7 +452,7 @@ class Server:
             if req is not None and msg[1] == h.batch_id:
                 if kind == internal.DONE:
                     try:
-                        self._answer(req, msg[2])
+                        self._answer(req, msg[2], h)
                     except Exception as exc:  # never lose the request
                         log.exception("answering a request of %s failed", mv.label)
                         self._fail(req, TorchpoolError(errors.INTERNAL, f"{mv.label}: {exc}"))
@@ -448,6 +480,7 @@ class Server:
         self._unwatch_fd(h.sock.fileno())
         was = h.state
         how = self.supervisor.reap(h)
+        self._sending = [s for s in self._sending if s[1] is not h]
         self.worker_segments.drop(lambda name: name.startswith(h.spec.segment_prefix))
         mv = h.mv
         if h.batch is not None:

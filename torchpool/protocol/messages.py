@@ -55,7 +55,8 @@ def decode_header(frame: Any) -> dict:
     try:
         header = unpack(frame)
     except Exception as exc:  # msgpack raises several types
-        raise TorchpoolError(INVALID_ARG, f"malformed request header: {exc}") from None
+        raise TorchpoolError(INVALID_ARG, f"malformed request header: {exc or type(exc).__name__} "
+                                          f"(expected a msgpack map)") from None
     if not isinstance(header, dict):
         raise TorchpoolError(INVALID_ARG, "malformed request header: not a map")
     if header.get("v") != PROTOCOL_VERSION:

@@ -1,0 +1,246 @@
+"""Shared memory: segments, arenas, naming and stale-segment cleanup (no daemon)."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from torchpool.shm import (Arena, ArenaFull, Block, Segment, SegmentCache, daemon_id,
+                           remove_segments_with_prefix, remove_stale_segments, segment_prefix,
+                           unlink_segment)
+from torchpool.shm.arena import ALIGN
+
+KiB = 1024
+
+
+@pytest.fixture
+def prefix():
+    """A unique segment name prefix for one test; everything under it is removed after."""
+    p = f"torchpool.{uuid.uuid4().hex[:8]}.{os.getpid()}.t{uuid.uuid4().hex[:6]}."
+    yield p
+    remove_segments_with_prefix(p)
+
+
+@pytest.fixture
+def arena(prefix):
+    a = Arena(lambda i: f"{prefix}{i}", 64 * KiB, 256 * KiB)
+    yield a
+    a.close(unlink=True)
+
+
+def shm_names(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+# ----------------------------------------------------------------- segments
+
+def test_segment_mode_is_0600(prefix) -> None:
+    seg = Segment.create(prefix + "a", 4096)
+    try:
+        mode = os.stat(f"/dev/shm/{seg.name}").st_mode
+        assert stat.S_ISREG(mode)
+        assert stat.S_IMODE(mode) == 0o600
+        assert os.stat(f"/dev/shm/{seg.name}").st_uid == os.getuid()
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+def test_segment_create_is_exclusive(prefix) -> None:
+    seg = Segment.create(prefix + "x", 4096)
+    try:
+        with pytest.raises(Exception):
+            Segment.create(prefix + "x", 4096)
+    finally:
+        seg.unlink()
+        seg.close()
+    with pytest.raises(ValueError):
+        Segment.create(prefix + "zero", 0)
+
+
+def test_attach_sees_the_real_size_and_the_same_bytes(prefix) -> None:
+    seg = Segment.create(prefix + "b", 10_000, prefault=False)
+    try:
+        other = Segment.attach(seg.name)
+        try:
+            assert other.size == 10_000 and not other.owner and seg.owner
+            seg.buf[0:5] = b"hello"
+            assert bytes(other.buf[0:5]) == b"hello"        # one memory, two mappings
+            other.buf[9_995:10_000] = b"world"
+            assert bytes(seg.buf[9_995:10_000]) == b"world"
+        finally:
+            other.close()
+    finally:
+        seg.unlink()
+        seg.close()
+    assert not shm_names(prefix + "b")
+    assert unlink_segment(seg.name) is False              # already gone
+
+
+def test_segment_cache_attaches_once(prefix) -> None:
+    seg = Segment.create(prefix + "c", 8192)
+    cache = SegmentCache()
+    try:
+        first = cache.get(seg.name)
+        assert cache.get(seg.name) is first and first.size == 8192
+        cache.drop(lambda name: name == seg.name)
+        assert cache.get(seg.name) is not first
+    finally:
+        cache.close()
+        seg.unlink()
+        seg.close()
+
+
+def test_close_with_a_live_view_does_not_raise(prefix) -> None:
+    seg = Segment.create(prefix + "v", 4096)
+    view = np.frombuffer(seg.buf, np.uint8)
+    seg.unlink()
+    seg.close()                      # a view still points into it: left to the GC
+    assert view.shape == (4096,)
+    assert not shm_names(prefix)
+
+
+# ------------------------------------------------------------------- arenas
+
+def test_alloc_is_aligned_and_writable(arena: Arena) -> None:
+    blocks = [arena.alloc(n) for n in (1, 63, 64, 65, 1000)]
+    assert all(b.offset % ALIGN == 0 for b in blocks)
+    assert [b.size for b in blocks] == [1, 63, 64, 65, 1000]
+    ends = sorted((b.offset, b.offset + b.size) for b in blocks)
+    assert all(e1 <= s2 for (_, e1), (s2, _) in zip(ends, ends[1:]))     # no overlap
+    for i, b in enumerate(blocks):
+        arena.view(b)[:] = bytes([i + 1]) * b.size
+    for i, b in enumerate(blocks):
+        assert bytes(arena.view(b)) == bytes([i + 1]) * b.size
+    assert len(arena.segments) == 1
+    zero = arena.alloc(0)
+    assert zero.size == 0 and len(arena.view(zero)) == 0
+
+
+def test_free_coalesces_neighbours(arena: Arena) -> None:
+    quarter = 16 * KiB
+    a, b, c, d = (arena.alloc(quarter) for _ in range(4))
+    assert [x.offset for x in (a, b, c, d)] == [0, quarter, 2 * quarter, 3 * quarter]
+    assert arena.used_bytes == 64 * KiB
+    arena.free(b)
+    arena.free(a)                   # merges with b's range after it
+    arena.free(c)                   # merges with a+b before it
+    big = arena.alloc(3 * quarter)  # fits only if a, b and c became one range
+    assert big.offset == 0 and big.segment == a.segment
+    assert len(arena.segments) == 1
+    arena.free(big)
+    arena.free(d)
+    assert arena.used_bytes == 0
+    whole = arena.alloc(64 * KiB)
+    assert whole.offset == 0 and len(arena.segments) == 1
+
+
+def test_free_space_is_reused(arena: Arena) -> None:
+    for _ in range(100):
+        block = arena.alloc(40 * KiB)
+        arena.free(block)
+    assert len(arena.segments) == 1 and arena.used_bytes == 0
+
+
+def test_grow_and_limit(arena: Arena, prefix: str) -> None:
+    first = arena.alloc(48 * KiB)
+    second = arena.alloc(48 * KiB)          # does not fit beside the first: a new segment
+    assert first.segment != second.segment
+    assert len(arena.segments) == 2 and arena.mapped_bytes == 128 * KiB
+    assert shm_names(prefix) == sorted(arena.segments)
+    big = arena.alloc(100 * KiB)            # larger than a chunk: a segment of its own size
+    assert arena.segments[big.segment].size >= 100 * KiB
+    assert arena.mapped_bytes <= arena.limit
+    with pytest.raises(ArenaFull) as exc:
+        arena.alloc(64 * KiB)               # 128 + 100 + 64 > 256 KiB
+    assert "256" in str(exc.value) or str(256 * KiB) in str(exc.value)
+    # what is already there keeps working, freed space is usable again
+    arena.free(second)
+    again = arena.alloc(48 * KiB)
+    assert again.segment == second.segment
+    arena.view(again)[:4] = b"ok!!"
+    assert bytes(arena.view(again)[:4]) == b"ok!!"
+
+
+def test_reset_frees_everything(arena: Arena) -> None:
+    for _ in range(3):
+        arena.alloc(20 * KiB)
+    assert arena.used_bytes > 0
+    arena.reset()
+    assert arena.used_bytes == 0
+    assert arena.alloc(64 * KiB).offset == 0
+
+
+def test_close_unlinks_every_segment(prefix: str) -> None:
+    a = Arena(lambda i: f"{prefix}{i}", 64 * KiB, 1024 * KiB)
+    a.alloc(60 * KiB)
+    a.alloc(60 * KiB)
+    assert len(shm_names(prefix)) == 2
+    a.close(unlink=True)
+    assert shm_names(prefix) == []
+
+
+def test_block_is_a_value() -> None:
+    assert Block("s", 64, 10) == Block("s", 64, 10)
+
+
+# ------------------------------------------------------------ names, cleanup
+
+def test_daemon_id_is_stable_and_order_free() -> None:
+    a = daemon_id(["ipc:///tmp/a.sock", "tcp://127.0.0.1:5555"])
+    assert a == daemon_id(["tcp://127.0.0.1:5555", "ipc:///tmp/a.sock"])
+    assert a != daemon_id(["ipc:///tmp/b.sock"])
+    assert len(a) == 8 and int(a, 16) >= 0
+    assert segment_prefix(a) == f"torchpool.{a}.{os.getpid()}."
+    assert segment_prefix(a, 42) == f"torchpool.{a}.42."
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_remove_stale_segments_only_of_dead_daemons() -> None:
+    daemon = uuid.uuid4().hex[:8]
+    other_daemon = uuid.uuid4().hex[:8]
+    dead = dead_pid()
+    live_other = os.getppid()                 # alive, and not us
+    names = {
+        "dead": segment_prefix(daemon, dead) + "in0",
+        "dead_worker": segment_prefix(daemon, dead) + "w3.0",
+        "live": segment_prefix(daemon, live_other) + "in0",
+        "mine": segment_prefix(daemon) + "in0",
+        "other_daemon": segment_prefix(other_daemon, dead) + "in0",
+    }
+    segments = [Segment.create(n, 4096, prefault=False) for n in names.values()]
+    try:
+        removed = remove_stale_segments(daemon)
+        assert sorted(removed) == sorted([names["dead"], names["dead_worker"]])
+        left = set(os.listdir("/dev/shm"))
+        assert names["dead"] not in left and names["dead_worker"] not in left
+        assert {names["live"], names["mine"], names["other_daemon"]} <= left
+        assert remove_stale_segments(daemon) == []            # idempotent
+    finally:
+        for seg in segments:
+            seg.unlink()
+            seg.close()
+
+
+def test_remove_segments_with_prefix(prefix: str) -> None:
+    segs = [Segment.create(f"{prefix}{i}", 4096, prefault=False) for i in range(3)]
+    keep = Segment.create(prefix[:-1] + "X.keep", 4096, prefault=False)
+    try:
+        assert sorted(remove_segments_with_prefix(prefix)) == sorted(s.name for s in segs)
+        assert shm_names(prefix) == []
+        assert keep.name in os.listdir("/dev/shm")
+    finally:
+        for s in segs:
+            s.close()
+        keep.unlink()
+        keep.close()
