@@ -1,0 +1,314 @@
+#!/usr/bin/env python3
+"""torchpool benchmarks. Every figure of one report comes from one run, so
+ratios are meaningful even on a noisy 2-core machine.
+
+  1. latency at concurrency 1 (p50/p99) and throughput at concurrency 8 for a
+     tiny add/sub model (2x[1,16] FP32) and a 16 MiB FP32 identity model, over
+     ipc:// and tcp://, against calling the same TorchScript model in-process
+     and against a raw ZeroMQ DEALER/ROUTER echo of the same bytes;
+  2. startup: time until 20 single-instance models are ready, and the memory
+     (PSS) of the daemon with all its processes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import zmq  # noqa: E402
+
+from torchpool import Client  # noqa: E402
+
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------------ helpers
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    s = sorted(samples)
+    return statistics.median(s), s[min(len(s) - 1, int(len(s) * 0.99))]
+
+
+def time_calls(fn, n: int, warmup: int = 20) -> tuple[float, float]:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return percentiles(samples)
+
+
+def throughput(make_call, threads: int, seconds: float) -> float:
+    """Requests per second with `threads` closed-loop callers."""
+    stop = time.monotonic() + seconds
+    counts = [0] * threads
+    start = threading.Barrier(threads + 1)
+
+    def loop(i: int) -> None:
+        call = make_call()
+        start.wait()
+        n = 0
+        while time.monotonic() < stop:
+            call()
+            n += 1
+        counts[i] = n
+
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    t0 = time.monotonic()
+    start.wait()
+    for w in workers:
+        w.join()
+    return sum(counts) / (time.monotonic() - t0)
+
+
+def echo_server(url: str) -> None:
+    """A raw ZeroMQ ROUTER echo: the floor for any ZeroMQ server."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(url)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if frames[1].bytes == b"quit":
+            break
+        sock.send_multipart(frames, copy=False)
+    sock.close(0)
+    ctx.term()
+
+
+class Daemon:
+    def __init__(self, repo: Path, urls: list[str], log: Path) -> None:
+        args = [sys.executable, "-m", "torchpool", "serve", "--model-repository", str(repo)]
+        for u in urls:
+            args += ["--listen", u]
+        self.log = log
+        self._log = open(log, "wb")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "torchpool ready" in self.log.read_text(errors="replace"):
+                return time.monotonic() - self.t0
+            if self.proc.poll() is not None:
+                raise SystemExit(f"daemon exited:\n{self.log.read_text()}")
+            time.sleep(0.005)
+        raise SystemExit("daemon not ready in time")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(120)
+        self._log.close()
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def pss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+# --------------------------------------------------------------- sections
+
+def bench_inprocess(repo: Path, n_small: int, n_big: int, seconds: float) -> dict:
+    import torch
+
+    out = {}
+    addsub = torch.jit.load(str(repo / "addsub" / "1" / "model.pt"))
+    ident = torch.jit.load(str(repo / "identity" / "1" / "model.pt"))
+    a = torch.ones(1, 16)
+    big = torch.ones(4 * MiB)   # 16 MiB of FP32
+
+    def call_small():
+        with torch.inference_mode():
+            addsub(a, a)
+
+    def call_big():
+        # the identity returns its input; a server must at least copy it out
+        with torch.inference_mode():
+            ident(big).clone()
+
+    out["addsub"] = {"c1": time_calls(call_small, n_small)}
+    out["identity16"] = {"c1": time_calls(call_big, n_big, warmup=3)}
+    out["addsub"]["c8"] = throughput(lambda: call_small, 8, seconds)
+    out["identity16"]["c8"] = throughput(lambda: call_big, 8, seconds)
+    return out
+
+
+def bench_echo(url: str, n_small: int, n_big: int) -> dict:
+    import multiprocessing as mp
+
+    proc = mp.get_context("spawn").Process(target=echo_server, args=(url,))
+    proc.start()
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(url)
+    small = [b"h" * 64, np.ones(16, np.float32).tobytes(), np.ones(16, np.float32).tobytes()]
+    big = np.ones(4 * MiB, np.float32)
+
+    def rt(frames):
+        def call():
+            sock.send_multipart(frames, copy=len(frames[-1]) < 65536)
+            sock.recv_multipart(copy=False)
+        return call
+
+    res = {"small": time_calls(rt([b"".join(small)]), n_small),
+           "16MiB": time_calls(rt([b"h" * 64, memoryview(big)]), n_big, warmup=3)}
+    sock.send_multipart([b"quit"])
+    sock.close(0)
+    proc.join(10)
+    return res
+
+
+def bench_torchpool(url: str, n_small: int, n_big: int, seconds: float) -> dict:
+    a = np.ones((1, 16), np.float32)
+    big = np.ones(4 * MiB, np.float32)
+    out = {}
+    with Client(url) as c:
+        out["addsub"] = {"c1": time_calls(lambda: c.infer("addsub", {"INPUT0": a, "INPUT1": a}), n_small)}
+        out["identity16"] = {"c1": time_calls(lambda: c.infer("identity", {"INPUT__0": big}), n_big, warmup=3)}
+
+    def client_call(model, inputs):
+        def make():
+            c = Client(url)
+            return lambda: c.infer(model, inputs)
+        return make
+
+    out["addsub"]["c8"] = throughput(client_call("addsub", {"INPUT0": a, "INPUT1": a}), 8, seconds)
+    out["identity16"]["c8"] = throughput(client_call("identity", {"INPUT__0": big}), 8, seconds)
+    return out
+
+
+def bench_startup(workdir: Path, count: int) -> dict:
+    from torchpool.examples import addsub_repository
+
+    repo = workdir / f"startup{count}"
+    addsub_repository(repo, count)
+    d = Daemon(repo, [f"ipc://{workdir}/startup.sock"], workdir / "startup.log")
+    try:
+        ready = d.wait_ready()
+        pids = descendants(d.proc.pid)
+        pss = {p: pss_kib(p) for p in pids}
+    finally:
+        d.stop()
+    workers = sorted(v for p, v in pss.items() if p != d.proc.pid)
+    return {"models": count, "ready_s": ready, "processes": len(pids),
+            "pss_total_mib": sum(pss.values()) / 1024, "pss_broker_mib": pss.get(d.proc.pid, 0) / 1024,
+            "pss_median_other_mib": statistics.median(workers) / 1024 if workers else 0}
+
+
+# ------------------------------------------------------------------ report
+
+def us(x: float) -> str:
+    return f"{x * 1e6:,.0f} µs" if x < 0.01 else f"{x * 1e3:,.1f} ms"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    parser.add_argument("--skip-startup", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "bench-results"))
+    args = parser.parse_args()
+    n_small, n_big, secs = (300, 8, 2.0) if args.quick else (3000, 40, 5.0)
+
+    from torchpool.examples import build_example_repository
+
+    results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+                     "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    with tempfile.TemporaryDirectory(prefix="torchpool-bench-") as tmp:
+        work = Path(tmp)
+        repo = work / "repo"
+        build_example_repository(repo)
+        print("in-process TorchScript ...", flush=True)
+        results["inprocess"] = bench_inprocess(repo, n_small, n_big, secs)
+        urls = {"ipc": f"ipc://{work}/tp.sock", "tcp": "tcp://127.0.0.1:18555"}
+        for name, url in (("ipc", f"ipc://{work}/echo.sock"), ("tcp", "tcp://127.0.0.1:18556")):
+            print(f"raw ZeroMQ echo over {name} ...", flush=True)
+            results[f"echo_{name}"] = bench_echo(url, n_small, n_big)
+        daemon = Daemon(repo, list(urls.values()), work / "daemon.log")
+        try:
+            daemon.wait_ready()
+            for name, url in urls.items():
+                print(f"torchpool over {name} ...", flush=True)
+                results[f"torchpool_{name}"] = bench_torchpool(url, n_small, n_big, secs)
+        finally:
+            daemon.stop()
+        if not args.skip_startup:
+            print("startup of 20 models ...", flush=True)
+            results["startup"] = bench_startup(work, 20)
+
+    print(render(results))
+    out = Path(args.out)
+    out.mkdir(exist_ok=True)
+    path = out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(results, indent=2))
+    print(f"\nraw figures: {path}")
+    return 0
+
+
+def render(r: dict) -> str:
+    ip = r["inprocess"]
+    lines = [f"machine: {r['machine']}, Python {r['python']}, {r['date']}", "",
+             "| case | in-process | raw ZeroMQ echo | torchpool | ratio to echo |",
+             "|---|---|---|---|---|"]
+    for t in ("ipc", "tcp"):
+        tp, echo = r[f"torchpool_{t}"], r[f"echo_{t}"]
+        lines.append(f"| add/sub 2x[1,16] p50, c=1, {t} | {us(ip['addsub']['c1'][0])} | {us(echo['small'][0])} "
+                     f"| {us(tp['addsub']['c1'][0])} | {tp['addsub']['c1'][0] / echo['small'][0]:.2f}x |")
+        lines.append(f"| add/sub p99, c=1, {t} | {us(ip['addsub']['c1'][1])} | {us(echo['small'][1])} "
+                     f"| {us(tp['addsub']['c1'][1])} | |")
+        lines.append(f"| identity 16 MiB p50, c=1, {t} | {us(ip['identity16']['c1'][0])} | {us(echo['16MiB'][0])} "
+                     f"| {us(tp['identity16']['c1'][0])} | {tp['identity16']['c1'][0] / echo['16MiB'][0]:.2f}x |")
+        lines.append(f"| identity 16 MiB p99, c=1, {t} | {us(ip['identity16']['c1'][1])} | {us(echo['16MiB'][1])} "
+                     f"| {us(tp['identity16']['c1'][1])} | |")
+        lines.append(f"| add/sub throughput, c=8, {t} | {ip['addsub']['c8']:,.0f}/s | | {tp['addsub']['c8']:,.0f}/s | |")
+        lines.append(f"| identity 16 MiB throughput, c=8, {t} | {ip['identity16']['c8']:,.1f}/s | "
+                     f"| {tp['identity16']['c8']:,.1f}/s | |")
+    if "startup" in r:
+        s = r["startup"]
+        lines += ["", f"startup: {s['models']} single-instance models ready in {s['ready_s']:.2f} s; "
+                      f"{s['processes']} processes, PSS {s['pss_total_mib']:.0f} MiB in all "
+                      f"(broker {s['pss_broker_mib']:.0f} MiB, median other process {s['pss_median_other_mib']:.1f} MiB)"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
