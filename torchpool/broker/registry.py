@@ -33,6 +33,7 @@ class ModelVersion:
     workers: list["WorkerHandle"] = field(default_factory=list)
     queue: deque["InferRequest"] = field(default_factory=deque)
     idle: deque["WorkerHandle"] = field(default_factory=deque)
+    deferred: list[tuple[str, str]] = field(default_factory=list)   # (instance, device) not yet started
 
     @property
     def label(self) -> str:

@@ -439,7 +439,9 @@ class Server:
             h.state = IDLE
             mv.idle.append(h)
             log.debug("%s ready (pid %s, %s)", h.label, msg[1], msg[2])
-            if mv.state == LOADING and all(w.state != STARTING for w in mv.workers):
+            for later in self.supervisor.spawn_deferred(mv):
+                self._watch_worker(later)
+            if mv.state == LOADING and not mv.deferred and all(w.state != STARTING for w in mv.workers):
                 mv.state = READY
                 log.info("%s READY (%d instance%s)", mv.label, len(mv.workers),
                          "" if len(mv.workers) == 1 else "s")

@@ -9,6 +9,7 @@ sentinel; the fork server reports the exit status.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import multiprocessing
@@ -103,6 +104,12 @@ class WorkerHandle:
         return msgpack.unpackb(raw, raw=False) if raw else None
 
 
+def shares_weights(mv: ModelVersion) -> bool:
+    """ENABLE_WEIGHT_SHARING, read as the worker reads booleans (it rejects bad values)."""
+    value = mv.config.parameters.get("ENABLE_WEIGHT_SHARING", "false").strip().lower()
+    return value in ("true", "on", "1")
+
+
 def instance_devices(group: InstanceGroup, gpus: list[int]) -> list[str]:
     """Triton's instance_group rules: `count` per listed GPU for KIND_GPU."""
     kind = group.kind
@@ -135,11 +142,24 @@ class Supervisor:
         return f"{self.segment_prefix}w{serial}."
 
     def spawn_instances(self, mv: ModelVersion) -> list[WorkerHandle]:
-        spawned = []
-        for gi, group in enumerate(mv.config.instance_groups):
-            for i, device in enumerate(instance_devices(group, self.gpus)):
-                spawned.append(self.spawn(mv, f"{group.name}_{i}", device))
-        return spawned
+        """Start a version's instances. With weight sharing only the first
+        starts now; the others wait in `mv.deferred` until it is ready (it
+        fills the shared weights they attach to)."""
+        instances = [(f"{group.name}_{i}", device)
+                     for group in mv.config.instance_groups
+                     for i, device in enumerate(instance_devices(group, self.gpus))]
+        if shares_weights(mv) and len(instances) > 1:
+            mv.deferred = instances[1:]
+            instances = instances[:1]
+        return [self.spawn(mv, name, device) for name, device in instances]
+
+    def spawn_deferred(self, mv: ModelVersion) -> list[WorkerHandle]:
+        deferred, mv.deferred = mv.deferred, []
+        return [self.spawn(mv, name, device) for name, device in deferred]
+
+    def weights_segment(self, mv: ModelVersion) -> str:
+        key = hashlib.sha1(f"{mv.name}\0{mv.version}\0{mv.model_file}".encode()).hexdigest()[:16]
+        return f"{self.segment_prefix}sw{key}"
 
     def spawn(self, mv: ModelVersion, instance: str, device: str) -> WorkerHandle:
         serial = next(self._serial)
@@ -147,7 +167,8 @@ class Supervisor:
                           model_path=mv.model_file, device=device,
                           segment_prefix=self.worker_prefix(serial), arena_chunk=self.arena_chunk,
                           arena_limit=self.arena_limit, log_level=self.log_level,
-                          busy_poll_us=self.busy_poll_us)
+                          busy_poll_us=self.busy_poll_us,
+                          shared_weights=self.weights_segment(mv) if shares_weights(mv) else "")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = _fork_context().Process(target=run_worker, args=(spec, theirs), daemon=False,

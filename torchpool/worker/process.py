@@ -32,6 +32,7 @@ from ..shm.arena import Arena, Block, SegmentCache
 from .binding import ExecutionError, ModelLoadError, load_model
 from .settings import after_execution, apply_process_settings, grad_context, parse_parameters
 from .spec import WorkerSpec
+from .weights import share_weights
 
 log = logging.getLogger("torchpool.worker")
 
@@ -74,6 +75,7 @@ class Worker:
         self.binding: Any = None
         self.settings: Any = None
         self.busy_poll_ns = spec.busy_poll_us * 1000
+        self.weights = None           # the shared weights segment, if any (kept mapped)
 
     def send(self, *msg: Any) -> None:
         self.sock.send(msgpack.packb(msg, use_bin_type=True))
@@ -114,6 +116,9 @@ class Worker:
         # "model instance"; users' tests look for that text.
         self.module, self.binding = load_model(spec.config, spec.model_path, map_location,
                                                spec.model, self.settings)
+        if spec.shared_weights and self.device.type == "cpu":
+            with grad_context(self.settings):   # the weights were loaded under it
+                self.weights = share_weights(self.module, spec.shared_weights, spec.model)
         # An output arena ready before the first request: its page faults are
         # paid now, not on the first answer.
         self.outputs.free(self.outputs.alloc(1))

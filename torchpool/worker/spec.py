@@ -29,6 +29,7 @@ class WorkerSpec:
     arena_limit: int
     log_level: int = logging.INFO
     busy_poll_us: int = 0         # poll this long after a batch before sleeping
+    shared_weights: str = ""      # ENABLE_WEIGHT_SHARING: the weights segment name
 
 
 def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
