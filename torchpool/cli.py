@@ -37,7 +37,8 @@ def _serve(args: argparse.Namespace) -> int:
                             shm_chunk=args.shm_chunk, shm_limit=args.shm_limit,
                             worker_shm_chunk=args.worker_shm_chunk,
                             grace_period=args.grace_period, busy_poll_us=args.busy_poll_us,
-                            worker_busy_poll_us=args.worker_busy_poll_us)
+                            worker_busy_poll_us=args.worker_busy_poll_us,
+                            client_shm_size=args.client_shm_size, client_lease=args.client_lease)
     try:
         return Server(options).run()
     except AddressInUse as exc:
@@ -111,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "VMs where waking a process is slow); 0 disables (default 500)")
     serve.add_argument("--worker-busy-poll-us", type=int, default=0,
                        help="the same for each worker after a batch; trades CPU for latency (default 0)")
+    serve.add_argument("--client-shm-size", type=_size, default=64 * MiB,
+                       help="arena segment given to each local client (default 64M)")
+    serve.add_argument("--client-lease", type=float, default=60.0,
+                       help="seconds after which an idle client's session and shared memory are "
+                            "released (default 60)")
     serve.set_defaults(func=_serve)
 
     infer = sub.add_parser("infer", help="send one request and print the outputs as JSON lines")

@@ -28,11 +28,16 @@ class InferRequest:
     request_id: Any
     version: ModelVersion
     inputs: list[list]                # worker descriptors
-    outputs: list[str]                # requested outputs (all when the client named none)
+    outputs: list                     # requested outputs for the worker: names, or
+                                      # [name, region ref, offset, capacity] to write into a region
     blocks: list[Block] = field(default_factory=list)
     deadline: Optional[float] = None  # time.monotonic() after which it may not start
     received: float = field(default_factory=time.monotonic)
     batch_size: int = 1
+    session: Any = None               # the client session, if the request named one
+    regions: list = field(default_factory=list)        # regions it uses (released when answered)
+    region_outputs: dict = field(default_factory=dict)  # output name -> (region name, offset)
+    output_shm: bool = False          # lend outputs in place instead of sending bytes
 
 
 def _bad(message: str) -> TorchpoolError:
@@ -64,10 +69,26 @@ def _model_shape(spec: TensorSpec, shape: list[int], batching: bool) -> list[int
     return prefix + list(spec.reshape)
 
 
-def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion) -> tuple[list[tuple], list[str], int]:
+def _payload(e: dict, frames: Sequence[Any], session: Any, sessions: Any, what: str,
+             regions: list) -> tuple[memoryview, Optional[list]]:
+    """The input's bytes, and where a worker finds them when they are already
+    in shared memory ([segment ref, offset, nbytes, generation]; None when
+    inline bytes must be staged)."""
+    if "shm" in e:
+        return sessions.arena_view(session, e["shm"], what)
+    if "region" in e:
+        region, offset, nbytes = sessions.region(session, e["region"], what)
+        regions.append(region)
+        return region.view(offset, nbytes), [region.worker_ref(), region.offset + offset, nbytes, 0]
+    return memoryview(tensor_payload(e, frames)).cast("B"), None
+
+
+def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion, session: Any = None,
+                   sessions: Any = None) -> tuple[list[tuple], list, int, list, dict]:
     """Check inputs and requested outputs against the config.
 
-    Returns ([(spec, shape, model_shape, payload)], requested outputs, batch size).
+    Returns ([(spec, shape, model_shape, payload, location)], requested
+    outputs for the worker, batch size, regions used, {output: (region, offset)}).
     """
     cfg: ModelConfig = mv.config
     model = mv.name
@@ -93,6 +114,7 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion) -> tup
                    f"Please provide all required input(s).")
 
     staged = []
+    regions: list = []
     batch_size = None
     for name, e in seen.items():
         spec = cfg.input(name)
@@ -117,7 +139,8 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion) -> tup
         if not _matches(expected, shape):
             raise _bad(f"unexpected shape for input '{name}' for model '{model}'. "
                        f"Expected {_shape_str(expected)}, got {_shape_str(shape)}")
-        payload = memoryview(tensor_payload(e, frames)).cast("B")
+        payload, location = _payload(e, frames, session, sessions,
+                                     f"input '{name}' for model '{model}'", regions)
         count = math.prod(shape)
         if datatype == "BYTES":
             try:
@@ -130,31 +153,56 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion) -> tup
             if len(payload) != want:
                 raise _bad(f"input byte size mismatch for input '{name}' for model '{model}'. "
                            f"Expected {want}, got {len(payload)}")
-        staged.append((spec, shape, _model_shape(spec, shape, batching), payload))
+        staged.append((spec, shape, _model_shape(spec, shape, batching), payload, location))
 
-    requested = header.get("outputs")
+    requested, region_outputs = _requested_outputs(header.get("outputs"), cfg, model, session,
+                                                   sessions, regions)
+    return staged, requested, batch_size or 1, regions, region_outputs
+
+
+def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: Any, sessions: Any,
+                       regions: list) -> tuple[list, dict]:
+    """Output names, or maps {name, region} that send an output into a region."""
     if requested is None:
-        requested = [t.name for t in cfg.outputs]
-    elif not isinstance(requested, list) or not all(isinstance(o, str) for o in requested):
+        return [t.name for t in cfg.outputs], {}
+    if not isinstance(requested, list):
         raise _bad(f"'outputs' for model '{model}' must be a list of output names")
-    else:
-        for out in requested:
-            if cfg.output(out) is None:
-                raise _bad(f"unexpected inference output '{out}' for model '{model}'")
-    return staged, list(dict.fromkeys(requested)), batch_size or 1
+    worker_outputs, region_outputs, seen = [], {}, set()
+    for out in requested:
+        name = out.get("name") if isinstance(out, dict) else out
+        if not isinstance(name, str):
+            raise _bad(f"'outputs' for model '{model}' must be a list of output names")
+        if cfg.output(name) is None:
+            raise _bad(f"unexpected inference output '{name}' for model '{model}'")
+        if name in seen:
+            continue
+        seen.add(name)
+        if isinstance(out, dict) and "region" in out:
+            region, offset, capacity = sessions.region(session, out["region"],
+                                                       f"output '{name}' for model '{model}'")
+            regions.append(region)
+            region_outputs[name] = (region.name, offset)
+            worker_outputs.append([name, region.worker_ref(), region.offset + offset, capacity])
+        else:
+            worker_outputs.append(name)
+    return worker_outputs, region_outputs
 
 
 def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[list], list[Block]]:
-    """Copy each input once into the arena; return worker descriptors."""
+    """Copy inline inputs once into the arena; inputs already in shared memory
+    are passed by descriptor. Returns worker descriptors and the blocks used."""
     descriptors, blocks = [], []
     try:
-        for spec, _shape, model_shape, payload in staged:
+        for spec, _shape, model_shape, payload, location in staged:
+            if location is not None:
+                descriptors.append([spec.name, spec.datatype, model_shape, *location])
+                continue
             block = arena.alloc(len(payload))
             blocks.append(block)
             if len(payload):
                 arena.view(block)[:] = payload
             descriptors.append([spec.name, spec.datatype, model_shape, block.segment,
-                                block.offset, block.size])
+                                block.offset, block.size, 0])
     except ArenaFull as exc:
         for block in blocks:
             arena.free(block)

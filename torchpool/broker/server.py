@@ -41,7 +41,8 @@ from ..shm import Arena, SegmentCache, daemon_id, remove_segments_with_prefix, r
 from .frontend import Frontend
 from .registry import LOADING, READY, UNAVAILABLE, ModelVersion, Registry
 from .requests import InferRequest, output_shape, stage_inputs, validate_infer
-from .supervisor import BUSY, IDLE, STARTING, Supervisor, WorkerHandle
+from .sessions import SessionManager
+from .supervisor import BUSY, DEAD, IDLE, STARTING, Supervisor, WorkerHandle
 
 log = logging.getLogger("torchpool.broker")
 
@@ -63,6 +64,9 @@ class ServerOptions:
     stop_timeout: float = 10.0          # time a worker gets to exit before SIGKILL
     max_restarts: int = 5               # crashes within restart_window before UNAVAILABLE
     restart_window: float = 60.0
+    client_shm_size: int = 64 * MiB     # a local client's arena segment
+    client_shm_limit: int = 1024 * MiB  # a local client's arena, all segments
+    client_lease: float = 60.0          # an idle client session is closed after this long
 
 
 @dataclass(order=True)
@@ -82,6 +86,7 @@ class Server:
         self.arena: Optional[Arena] = None
         self.registry: Optional[Registry] = None
         self.supervisor: Optional[Supervisor] = None
+        self.sessions: Optional[SessionManager] = None
         self.worker_segments = SegmentCache()
         self.poller = zmq.Poller()
         self._fd_handlers: dict[int, Callable[[], None]] = {}
@@ -122,6 +127,9 @@ class Server:
         self.frontend = Frontend(self.ctx, o.listen)
         for sock in self.frontend.sockets:
             self.poller.register(sock, zmq.POLLIN)
+        self.sessions = SessionManager(f"{self.prefix}", o.client_shm_size, o.client_shm_limit,
+                                       o.client_lease, self._give_back, self._forget)
+        self._call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
         self.registry = Registry(scan_repository(o.model_repository))
         for model in self.registry.models.values():
             if model.error:
@@ -182,6 +190,8 @@ class Server:
                                                             f"server is shutting down; {h.label} "
                                                             f"did not finish in the grace period"))
                         h.batch = None
+        if self.sessions is not None:
+            self.sessions.close_all()
         if self.supervisor is not None:
             self.supervisor.stop_all(self.options.stop_timeout)
         if self.frontend is not None:
@@ -289,12 +299,17 @@ class Server:
             header = messages.decode_header(frames[1].buffer)
             request_id = header.get("id")
             op = header.get("op")
+            session = self._session_of(header)
             if op == messages.OP_INFER:
-                self._accept_infer(sock, identity, request_id, header, [f.buffer for f in frames[2:]])
+                self._accept_infer(sock, identity, request_id, header, [f.buffer for f in frames[2:]],
+                                   session)
                 return
             if not isinstance(op, str) or op not in messages.CONTROL_OPS:
                 raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
-            result = self._control(op, header)
+            if op in messages.SESSION_OPS:
+                result = self._session_control(op, header, session)
+            else:
+                result = self._control(op, header)
         except TorchpoolError as exc:
             self.frontend.send(sock, identity, messages.error_response(request_id, exc))
             return
@@ -304,6 +319,47 @@ class Server:
                 request_id, TorchpoolError(errors.INVALID_ARG, f"malformed request: {exc!r}")))
             return
         self.frontend.send(sock, identity, messages.ok_response(request_id, result=result))
+
+    def _session_of(self, header: dict) -> Any:
+        """The request's client session (lease renewed), after it hands back
+        the output blocks it has finished reading."""
+        session = self.sessions.get(header.get("session"))
+        if session is not None and header.get("release"):
+            self.sessions.release(session, header["release"])
+        return session
+
+    def _session_control(self, op: str, header: dict, session: Any) -> Any:
+        sessions = self.sessions
+        if op == messages.OP_HELLO:
+            return sessions.hello(header)
+        if session is None:
+            raise TorchpoolError(errors.INVALID_ARG, f"'{op}' needs a session: say hello first")
+        if op == messages.OP_GOODBYE:
+            sessions.close(session)
+            return True
+        if op == messages.OP_ARENA_GROW:
+            return sessions.grow(session, header)
+        if op == messages.OP_REGISTER:
+            return sessions.register(session, header)
+        if op == messages.OP_UNREGISTER:
+            return sessions.unregister(session, header.get("name"))
+        return sessions.status(session, header.get("name"))
+
+    def _give_back(self, worker: WorkerHandle, blocks: list) -> None:
+        if worker.state != DEAD:
+            worker.releases.extend(blocks)
+
+    def _forget(self, refs: list) -> None:
+        """Every live worker unmaps segments of a closed session or region."""
+        for h in self.supervisor.workers.values():
+            try:
+                h.send(internal.FORGET, refs)
+            except OSError:
+                pass
+
+    def _expire_sessions(self) -> None:
+        self.sessions.expire()
+        self._call_later(max(0.2, self.options.client_lease / 4), self._expire_sessions)
 
     def _control(self, op: str, header: dict) -> Any:
         reg = self.registry
@@ -326,16 +382,24 @@ class Server:
         raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
 
     def _accept_infer(self, sock: zmq.Socket, identity: bytes, request_id: Any, header: dict,
-                      frames: list) -> None:
+                      frames: list, session: Any) -> None:
         if self.should_exit:
             raise TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
         mv = self.registry.resolve(header.get("model"), header.get("version"))
-        staged, outputs, batch_size = validate_infer(header, frames, mv)
+        staged, outputs, batch_size, regions, region_outputs = validate_infer(
+            header, frames, mv, session, self.sessions)
         descriptors, blocks = stage_inputs(staged, self.arena, mv.name)
         timeout_us = header.get("timeout_us") or 0
         deadline = time.monotonic() + timeout_us / 1e6 if isinstance(timeout_us, int) and timeout_us > 0 else None
         req = InferRequest(sock, identity, request_id, mv, descriptors, outputs, blocks, deadline,
-                           batch_size=batch_size)
+                           batch_size=batch_size, session=session, regions=regions,
+                           region_outputs=region_outputs,
+                           output_shm=bool(header.get("output_shm")) and session is not None and session.local)
+        # held until the request is answered: regions cannot go, the session cannot expire
+        for region in regions:
+            region.in_use += 1
+        if session is not None:
+            session.in_flight += 1
         mv.queue.append(req)
         self._dispatch(mv)
 
@@ -378,24 +442,43 @@ class Server:
     # ------------------------------------------------------------ answers
 
     def _release(self, req: InferRequest) -> None:
+        """Free what the request held, once: arena blocks, regions, its session."""
         for block in req.blocks:
             self.arena.free(block)
         req.blocks = []
+        if req.session is not None:
+            for region in req.regions:
+                self.sessions.region_done(req.session, region)
+            req.session.in_flight -= 1
+            req.session, req.regions = None, []
 
     def _fail(self, req: InferRequest, err: TorchpoolError) -> None:
         self._release(req)
         self.frontend.send(req.socket, req.identity, messages.error_response(req.request_id, err))
 
     def _answer(self, req: InferRequest, descriptors: list, worker: WorkerHandle) -> None:
-        """Send the outputs: small ones inline, large ones zero-copy from the
-        worker's shared memory (the block goes back to the worker once
+        """Send the outputs: into the caller's region when it asked; lent in
+        place to a local client; small ones inline; large ones zero-copy from
+        the worker's shared memory (the block goes back to the worker once
         ZeroMQ has finished sending it)."""
+        session, lend = req.session, req.output_shm
         self._release(req)
         cfg = req.version.config
         batching = cfg.max_batch_size > 0
-        outputs, frames, trackers = [], [], []
-        blocks = [[d[3], d[4], d[5]] for d in descriptors]
+        outputs, frames, trackers, blocks = [], [], [], []
         for name, datatype, shape, segment, offset, nbytes in descriptors:
+            entry = {"name": name, "datatype": datatype,
+                     "shape": output_shape(cfg.output(name), shape, batching)}
+            outputs.append(entry)
+            if name in req.region_outputs:
+                region_name, region_offset = req.region_outputs[name]
+                entry["region"] = [region_name, nbytes, region_offset]
+                continue
+            if lend and session is not None and session.token in self.sessions.sessions:
+                entry["shm"] = [segment, offset, nbytes,
+                                self.sessions.lend(session, worker, segment, offset, nbytes)]
+                continue
+            blocks.append([segment, offset, nbytes])
             data = memoryview(self.worker_segments.get(segment).buf)[offset:offset + nbytes]
             if nbytes <= messages.INLINE_LIMIT:
                 payload: Any = bytes(data)
@@ -404,8 +487,7 @@ class Server:
                 frames.append(frame)
                 trackers.append(frame.tracker)
                 payload = len(frames)
-            outputs.append({"name": name, "datatype": datatype,
-                            "shape": output_shape(cfg.output(name), shape, batching), "data": payload})
+            entry["data"] = payload
         self.frontend.send(req.socket, req.identity,
                            messages.ok_response(req.request_id, model_name=req.version.name,
                                                 model_version=str(req.version.version),
@@ -483,6 +565,7 @@ class Server:
         was = h.state
         how = self.supervisor.reap(h)
         self._sending = [s for s in self._sending if s[1] is not h]
+        self.sessions.worker_gone(h)
         self.worker_segments.drop(lambda name: name.startswith(h.spec.segment_prefix))
         mv = h.mv
         if h.batch is not None:

@@ -1,12 +1,17 @@
 """Broker <-> worker messages (internal; over a SOCK_SEQPACKET socket pair).
 
 Each message is one msgpack array; the first element says what it is.
-A tensor descriptor is `[name, datatype, shape, segment, offset, nbytes]`:
+A tensor descriptor is `[name, datatype, shape, segment, offset, nbytes, generation]`:
 the bytes live in shared memory, only the descriptor crosses the socket.
+`segment` names a daemon segment, or is `[key, inode]` for a client's
+registered region; a non-zero `generation` is checked against the client
+block header in front of `offset`. A requested output is a name, or
+`[name, [key, inode], offset, capacity]` to be written into a region.
 
 broker -> worker
     [RUN, batch_id, [descriptor, ...], [requested output names], [released block, ...]]
     [RELEASE, [released block, ...]]
+    [FORGET, [segment name | [key, inode], ...]]   unmap: a client session or region is gone
     [STOP]
 A released block is `[segment, offset, size]` of an output block the broker
 no longer reads: the worker may reuse it.
@@ -21,6 +26,7 @@ from __future__ import annotations
 RUN = 1
 STOP = 2
 RELEASE = 3
+FORGET = 4
 READY = 10
 LOAD_FAILED = 11
 DONE = 12

@@ -36,7 +36,16 @@ OP_MODEL_CONFIG = "model_config"
 OP_REPOSITORY_INDEX = "repository_index"
 OP_SERVER_METADATA = "server_metadata"
 
-CONTROL_OPS = frozenset({OP_SERVER_LIVE, OP_SERVER_READY, OP_MODEL_READY, OP_MODEL_METADATA,
+OP_HELLO = "hello"
+OP_GOODBYE = "goodbye"
+OP_ARENA_GROW = "arena_grow"
+OP_REGISTER = "register_system_shared_memory"
+OP_UNREGISTER = "unregister_system_shared_memory"
+OP_SHM_STATUS = "get_system_shared_memory_status"
+
+SESSION_OPS = frozenset({OP_HELLO, OP_GOODBYE, OP_ARENA_GROW, OP_REGISTER, OP_UNREGISTER, OP_SHM_STATUS})
+
+CONTROL_OPS = SESSION_OPS | frozenset({OP_SERVER_LIVE, OP_SERVER_READY, OP_MODEL_READY, OP_MODEL_METADATA,
                          OP_MODEL_CONFIG, OP_REPOSITORY_INDEX, OP_SERVER_METADATA})
 
 _packer = msgpack.Packer(use_bin_type=True)

@@ -28,11 +28,13 @@ import msgpack
 import torch
 
 from ..protocol import datatypes, errors, internal
+from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, Block, SegmentCache
 from .binding import ExecutionError, ModelLoadError, load_model
 from .settings import after_execution, apply_process_settings, grad_context, parse_parameters
 from .spec import WorkerSpec
 from .weights import share_weights
+from ..shm.regions import BLOCK_HEADER, BLOCK_MAGIC, HEADER_BYTES, RegionMaps
 
 log = logging.getLogger("torchpool.worker")
 
@@ -68,6 +70,7 @@ class Worker:
         self.spec = spec
         self.sock = sock
         self.inputs_shm = SegmentCache()
+        self.regions = RegionMaps()
         self.outputs = Arena(lambda i: f"{spec.segment_prefix}{i}", spec.arena_chunk,
                              spec.arena_limit, prefault=True)
         self.device = None
@@ -153,6 +156,16 @@ class Worker:
                 self.run(msg[1], msg[2], msg[3])
             elif msg[0] == internal.RELEASE:
                 self.release(msg[1])
+            elif msg[0] == internal.FORGET:
+                self.forget(msg[1])
+
+    def forget(self, refs: list) -> None:
+        """Unmap segments of closed client sessions and unregistered regions."""
+        for ref in refs:
+            if isinstance(ref, list):
+                self.regions.drop(ref)
+            else:
+                self.inputs_shm.drop(lambda name, ref=ref: name == ref)
 
     def release(self, blocks: list) -> None:
         for segment, offset, size in blocks:
@@ -163,11 +176,13 @@ class Worker:
         try:
             inputs = {d[0]: self.view_input(d) for d in descriptors}
             t1 = time.perf_counter_ns()
-            results = self.binding.run(self.module, inputs, requested or None)
+            names = [r if isinstance(r, str) else r[0] for r in requested]
+            targets = {r[0]: r[1:] for r in requested if not isinstance(r, str)}
+            results = self.binding.run(self.module, inputs, names or None)
             after_execution(self.settings, self.device)
             t2 = time.perf_counter_ns()
-            out = [self.write_output(name, value) for name, value in results.items()]
-        except (ExecutionError, ModelLoadError) as exc:
+            out = [self.write_output(name, value, targets.get(name)) for name, value in results.items()]
+        except TorchpoolError as exc:   # ExecutionError, ModelLoadError, RegionError
             self.send(internal.FAILED, batch_id, exc.code, exc.message)
             return
         except Exception as exc:  # never let one batch take the worker down
@@ -177,9 +192,24 @@ class Worker:
         t3 = time.perf_counter_ns()
         self.send(internal.DONE, batch_id, out, [t1 - t0, t2 - t1, t3 - t2])
 
+    def _buffer(self, ref: Any, offset: int, nbytes: int, generation: int, what: str) -> Any:
+        """The mapping that holds [offset, offset + nbytes): a daemon segment
+        (named) or a client's registered region ([key, inode])."""
+        if isinstance(ref, list):
+            return self.regions.get(ref, offset + nbytes, what)
+        buf = self.inputs_shm.get(ref).buf
+        if generation:
+            # the client may have reused the block since the broker checked it
+            magic, _, gen, size = BLOCK_HEADER.unpack_from(buf, offset - HEADER_BYTES)
+            if magic != BLOCK_MAGIC or gen != generation or size != nbytes:
+                raise ExecutionError(f"{what}: stale descriptor (the block was reused before the "
+                                     f"model ran)", errors.INVALID_ARG)
+        return buf
+
     def view_input(self, d: list) -> Any:
-        name, datatype, shape, segment, offset, nbytes = d
-        buf = self.inputs_shm.get(segment).buf
+        name, datatype, shape, segment, offset, nbytes, generation = d
+        buf = self._buffer(segment, offset, nbytes, generation,
+                           f"input '{name}' for model '{self.spec.model}'")
         if datatype == "BYTES":
             items = datatypes.decode_bytes(memoryview(buf)[offset:offset + nbytes])
             try:
@@ -198,17 +228,29 @@ class Worker:
             tensor = tensor.to(self.device)
         return tensor
 
-    def write_output(self, name: str, value: Any) -> list:
+    def write_output(self, name: str, value: Any, target: Any = None) -> list:
+        """Write one output once: into the caller's region when it named one,
+        else into this worker's arena. Returns its descriptor."""
         if isinstance(value, list):
-            data = datatypes.encode_bytes(value)
-            block = self.outputs.alloc(len(data))
-            self.outputs.view(block)[:] = data
-            return [name, "BYTES", [len(value)], block.segment, block.offset, block.size]
-        datatype = datatypes.wire_from_torch(value.dtype)
-        nbytes = value.numel() * value.element_size()
-        block = self.outputs.alloc(nbytes)
+            data: Any = datatypes.encode_bytes(value)
+            datatype, shape, nbytes = "BYTES", [len(value)], len(data)
+        else:
+            datatype, shape = datatypes.wire_from_torch(value.dtype), list(value.shape)
+            nbytes = value.numel() * value.element_size()
+            data = value.reshape(-1).view(torch.uint8) if nbytes else None
+        if target is not None:
+            ref, offset, capacity = target
+            if nbytes > capacity:
+                raise ExecutionError(f"output '{name}' of model '{self.spec.model}' needs {nbytes} "
+                                     f"bytes but its region provides {capacity}", errors.INVALID_ARG)
+            buf = self.regions.get(ref, offset + nbytes, f"output '{name}' for model '{self.spec.model}'")
+            segment: Any = ref
+        else:
+            block = self.outputs.alloc(nbytes)
+            buf, segment, offset = self.outputs.segments[block.segment].buf, block.segment, block.offset
         if nbytes:
-            dst = torch.frombuffer(self.outputs.segments[block.segment].buf, dtype=torch.uint8,
-                                   count=nbytes, offset=block.offset)
-            dst.copy_(value.reshape(-1).view(torch.uint8))
-        return [name, datatype, list(value.shape), block.segment, block.offset, nbytes]
+            if isinstance(data, bytes):
+                memoryview(buf)[offset:offset + nbytes] = data
+            else:
+                torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset).copy_(data)
+        return [name, datatype, shape, segment, offset, nbytes]
