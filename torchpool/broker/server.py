@@ -23,6 +23,7 @@ what went wrong (bad input, worker crash, timeout, shutdown).
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 import itertools
 import logging
 import os
@@ -87,6 +88,8 @@ class Server:
         self.registry: Optional[Registry] = None
         self.supervisor: Optional[Supervisor] = None
         self.sessions: Optional[SessionManager] = None
+        # bytes the broker copied vs. passed by descriptor, for benchmarks and tests
+        self.transfer: Counter = Counter()
         self.worker_segments = SegmentCache()
         self.poller = zmq.Poller()
         self._fd_handlers: dict[int, Callable[[], None]] = {}
@@ -378,7 +381,9 @@ class Server:
             return reg.repository_index()
         if op == messages.OP_SERVER_METADATA:
             from .. import __version__
-            return {"name": "torchpool", "version": __version__, "extensions": []}
+            return {"name": "torchpool", "version": __version__,
+                    "extensions": ["system_shared_memory", "local_shared_memory"],
+                    "transfer": dict(self.transfer)}
         raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
 
     def _accept_infer(self, sock: zmq.Socket, identity: bytes, request_id: Any, header: dict,
@@ -389,6 +394,8 @@ class Server:
         staged, outputs, batch_size, regions, region_outputs = validate_infer(
             header, frames, mv, session, self.sessions)
         descriptors, blocks = stage_inputs(staged, self.arena, mv.name)
+        for _spec, _shape, _model_shape, payload, location in staged:
+            self.transfer["input_bytes_in_place" if location else "input_bytes_copied"] += len(payload)
         timeout_us = header.get("timeout_us") or 0
         deadline = time.monotonic() + timeout_us / 1e6 if isinstance(timeout_us, int) and timeout_us > 0 else None
         req = InferRequest(sock, identity, request_id, mv, descriptors, outputs, blocks, deadline,
@@ -477,7 +484,9 @@ class Server:
             if lend and session is not None and session.token in self.sessions.sessions:
                 entry["shm"] = [segment, offset, nbytes,
                                 self.sessions.lend(session, worker, segment, offset, nbytes)]
+                self.transfer["output_bytes_lent"] += nbytes
                 continue
+            self.transfer["output_bytes_sent"] += nbytes
             blocks.append([segment, offset, nbytes])
             data = memoryview(self.worker_segments.get(segment).buf)[offset:offset + nbytes]
             if nbytes <= messages.INLINE_LIMIT:
