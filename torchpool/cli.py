@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -20,10 +21,30 @@ def _size(text: str) -> int:
     return int(text)
 
 
-def _setup_logging(level: str) -> int:
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log shippers (`--log-format json`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 6), "level": record.levelname, "logger": record.name,
+                 "pid": record.process, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(level: str, fmt: str = "text") -> int:
+    """Logs go to stderr: journald captures them under systemd. The text
+    format has no timestamp when journald adds its own (JOURNAL_STREAM set)."""
     numeric = getattr(logging, level.upper())
-    logging.basicConfig(level=numeric, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
+        handler.setFormatter(logging.Formatter(stamp + "%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(numeric)
     return numeric
 
 
@@ -31,14 +52,16 @@ def _serve(args: argparse.Namespace) -> int:
     from .broker.frontend import AddressInUse
     from .broker.server import Server, ServerOptions
 
-    level = _setup_logging(args.log_level)
+    level = setup_logging(args.log_level, args.log_format)
     options = ServerOptions(model_repository=args.model_repository,
                             listen=args.listen or [DEFAULT_LISTEN], log_level=level,
                             shm_chunk=args.shm_chunk, shm_limit=args.shm_limit,
                             worker_shm_chunk=args.worker_shm_chunk,
                             grace_period=args.grace_period, busy_poll_us=args.busy_poll_us,
                             worker_busy_poll_us=args.worker_busy_poll_us,
-                            client_shm_size=args.client_shm_size, client_lease=args.client_lease)
+                            client_shm_size=args.client_shm_size, client_lease=args.client_lease,
+                            execution_timeout=args.execution_timeout, metrics_port=args.metrics_port,
+                            metrics_host=args.metrics_host, log_format=args.log_format)
     try:
         return Server(options).run()
     except AddressInUse as exc:
@@ -99,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--listen", action="append", metavar="URL",
                        help=f"ipc:// or tcp:// address; repeat for several (default {DEFAULT_LISTEN})")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-format", default="text", choices=["text", "json"],
+                       help="text (journald-friendly) or json lines for log shippers")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus /metrics and /v2/health/{live,ready} on this port")
+    serve.add_argument("--metrics-host", default="127.0.0.1")
+    serve.add_argument("--execution-timeout", type=float, default=0.0,
+                       help="kill and restart a worker whose batch runs longer (seconds; 0 = never)")
     serve.add_argument("--shm-chunk", type=_size, default=64 * MiB,
                        help="size of each input shared-memory segment (default 64M)")
     serve.add_argument("--shm-limit", type=_size, default=2048 * MiB,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..config import ModelConfig, ModelEntry
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
+from .stats import VersionStats
 
 if TYPE_CHECKING:
     from .requests import InferRequest
@@ -34,6 +35,12 @@ class ModelVersion:
     queue: deque["InferRequest"] = field(default_factory=deque)
     idle: deque["WorkerHandle"] = field(default_factory=deque)
     deferred: list[tuple[str, str]] = field(default_factory=list)   # (instance, device) not yet started
+    stats: VersionStats = field(default_factory=VersionStats)
+
+    @property
+    def serving(self) -> bool:
+        """READY, and at least one instance is alive to run requests now."""
+        return self.state == READY and any(w.state in ("IDLE", "BUSY") for w in self.workers)
 
     @property
     def label(self) -> str:
@@ -108,18 +115,28 @@ class Registry:
     def server_ready(self) -> bool:
         """Strict readiness, as Triton's default: every model's versions are READY."""
         return all(m.error is None and m.versions and
-                   all(mv.state == READY for mv in m.versions.values())
+                   all(mv.serving for mv in m.versions.values())
                    for m in self.models.values())
 
     def loading(self) -> bool:
         return any(mv.state == LOADING for mv in self.all_versions())
 
     def model_ready(self, name: Any, version: Any) -> bool:
+        """Ready means a live worker can run it now (not only that it loaded)."""
         try:
-            self.resolve(name, version)
+            return self.resolve(name, version).serving
         except TorchpoolError:
             return False
-        return True
+
+    def statistics(self, name: Any, version: Any) -> dict:
+        """Triton's statistics: {"model_stats": [...]} for one model or all."""
+        if name in (None, ""):
+            versions = self.all_versions()
+        else:
+            model = self.model(name)
+            wanted = _parse_version(name, version)
+            versions = [mv for v, mv in sorted(model.versions.items()) if wanted is None or v == wanted]
+        return {"model_stats": [mv.stats.to_triton(mv.name, mv.version) for mv in versions]}
 
     def repository_index(self) -> list[dict]:
         index = []

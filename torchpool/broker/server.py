@@ -40,9 +40,11 @@ from ..protocol import errors, internal, messages
 from ..protocol.errors import TorchpoolError
 from ..shm import Arena, SegmentCache, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
 from .frontend import Frontend
+from .metrics import MetricsServer
 from .registry import LOADING, READY, UNAVAILABLE, ModelVersion, Registry
 from .requests import InferRequest, output_shape, stage_inputs, validate_infer
 from .sessions import SessionManager
+from .systemd import Notifier
 from .supervisor import BUSY, DEAD, IDLE, STARTING, Supervisor, WorkerHandle
 
 log = logging.getLogger("torchpool.broker")
@@ -68,6 +70,10 @@ class ServerOptions:
     client_shm_size: int = 64 * MiB     # a local client's arena segment
     client_shm_limit: int = 1024 * MiB  # a local client's arena, all segments
     client_lease: float = 60.0          # an idle client session is closed after this long
+    execution_timeout: float = 0.0      # a batch running longer gets its worker killed; 0 = never
+    metrics_port: Optional[int] = None  # Prometheus /metrics and /v2/health/* (None = off)
+    metrics_host: str = "127.0.0.1"
+    log_format: str = "text"
 
 
 @dataclass(order=True)
@@ -106,6 +112,8 @@ class Server:
         self.should_exit = False
         self.force_exit = False
         self._started = time.monotonic()
+        self.notifier = Notifier()
+        self.metrics: Optional[MetricsServer] = None
         self._announced_ready = False
 
     # ------------------------------------------------------------------ run
@@ -138,12 +146,21 @@ class Server:
             if model.error:
                 log.error("model '%s' is UNAVAILABLE: %s", model.name, model.error)
         self.supervisor = Supervisor(self.prefix, o.worker_shm_chunk, o.worker_shm_limit, o.log_level,
-                                     o.worker_busy_poll_us)
+                                     o.worker_busy_poll_us, o.log_format)
         for mv in self.registry.all_versions():
             for handle in self.supervisor.spawn_instances(mv):
                 self._watch_worker(handle)
         log.info("listening on %s; loading %d model versions from %s", ", ".join(o.listen),
                  len(self.registry.all_versions()), o.model_repository)
+        self.notifier.status(f"loading {len(self.registry.all_versions())} model versions")
+        if self.notifier.watchdog_interval:
+            self._watchdog()
+        if o.metrics_port is not None:
+            self.metrics = MetricsServer(o.metrics_host, o.metrics_port, self._metrics_snapshot,
+                                         lambda: not self.should_exit,
+                                         lambda: not self.should_exit and self.registry.server_ready())
+            self.metrics.start()
+            log.info("metrics and health on http://%s:%d/metrics", o.metrics_host, self.metrics.port)
         self._announce_if_ready()
 
     def main_loop(self) -> None:
@@ -159,6 +176,7 @@ class Server:
             if self.should_exit:
                 if drain_deadline is None:
                     drain_deadline = time.monotonic() + self.options.grace_period
+                    self.notifier.stopping()
                     log.info("shutting down: finishing %d accepted requests (grace %.0f s)",
                              self._pending(), self.options.grace_period)
                 if self.force_exit or not self._pending() or time.monotonic() >= drain_deadline:
@@ -205,7 +223,10 @@ class Server:
         if self.arena is not None:
             self.arena.close(unlink=True)
         remove_segments_with_prefix(self.prefix)
+        if self.metrics is not None:
+            self.metrics.close()
         self._restore_signal_handlers()
+        self.notifier.close()
         log.info("torchpool stopped")
 
     # -------------------------------------------------------------- signals
@@ -360,6 +381,17 @@ class Server:
             except OSError:
                 pass
 
+    def _watchdog(self) -> None:
+        """WATCHDOG=1 from the main loop itself: a stuck loop stops the pings."""
+        self.notifier.watchdog()
+        self._call_later(self.notifier.watchdog_interval, self._watchdog)
+
+    def _metrics_snapshot(self) -> tuple[list, dict]:
+        rows = [(mv.name, mv.version, mv.stats, len(mv.queue)) for mv in list(self.registry.all_versions())]
+        shm = {"input_mapped": self.arena.mapped_bytes, "input_used": self.arena.used_bytes,
+               "client_arenas": sum(s.arena_bytes for s in list(self.sessions.sessions.values()))}
+        return rows, shm
+
     def _expire_sessions(self) -> None:
         self.sessions.expire()
         self._call_later(max(0.2, self.options.client_lease / 4), self._expire_sessions)
@@ -379,6 +411,8 @@ class Server:
             return reg.config(name, version)
         if op == messages.OP_REPOSITORY_INDEX:
             return reg.repository_index()
+        if op == messages.OP_STATISTICS:
+            return reg.statistics(name, version)
         if op == messages.OP_SERVER_METADATA:
             from .. import __version__
             return {"name": "torchpool", "version": __version__,
@@ -422,12 +456,30 @@ class Server:
             worker.state = BUSY
             worker.batch = req
             worker.batch_id = next(self._batch_ids)
+            mv.stats.queue.add(int((time.monotonic() - req.received) * 1e9))
+            limit = self._execution_timeout(mv)
+            if limit:
+                self._call_later(limit, lambda w=worker, b=worker.batch_id: self._kill_if_hung(w, b, limit))
             self._collect_finished_sends()
             releases, worker.releases = worker.releases, []
             try:
                 worker.send(internal.RUN, worker.batch_id, req.inputs, req.outputs, releases)
             except OSError:
                 pass  # the worker is dying; its sentinel will answer this request
+
+    def _execution_timeout(self, mv: ModelVersion) -> float:
+        """Seconds a batch may run: the model's TORCHPOOL_EXECUTION_TIMEOUT_S, else the daemon's."""
+        value = mv.config.parameters.get("TORCHPOOL_EXECUTION_TIMEOUT_S")
+        try:
+            return float(value) if value is not None else self.options.execution_timeout
+        except ValueError:
+            return self.options.execution_timeout
+
+    def _kill_if_hung(self, worker: WorkerHandle, batch_id: int, limit: float) -> None:
+        if worker.state == BUSY and worker.batch_id == batch_id and worker.batch is not None:
+            log.error("%s exceeded the execution timeout of %g s; killing it", worker.label, limit)
+            worker.timed_out = limit
+            worker.process.kill()      # the sentinel answers its request and respawns it
 
     def _expire_queued(self) -> None:
         now = time.monotonic()
@@ -460,6 +512,7 @@ class Server:
             req.session, req.regions = None, []
 
     def _fail(self, req: InferRequest, err: TorchpoolError) -> None:
+        req.version.stats.fail.add(int((time.monotonic() - req.received) * 1e9))
         self._release(req)
         self.frontend.send(req.socket, req.identity, messages.error_response(req.request_id, err))
 
@@ -469,6 +522,7 @@ class Server:
         the worker's shared memory (the block goes back to the worker once
         ZeroMQ has finished sending it)."""
         session, lend = req.session, req.output_shm
+        req.version.stats.success.add(int((time.monotonic() - req.received) * 1e9))
         self._release(req)
         cfg = req.version.config
         batching = cfg.max_batch_size > 0
@@ -544,6 +598,7 @@ class Server:
             req, h.batch = h.batch, None
             if req is not None and msg[1] == h.batch_id:
                 if kind == internal.DONE:
+                    mv.stats.record_execution(req.batch_size, 1, *msg[3][:3])
                     try:
                         self._answer(req, msg[2], h)
                     except Exception as exc:  # never lose the request
@@ -579,14 +634,19 @@ class Server:
         mv = h.mv
         if h.batch is not None:
             req, h.batch = h.batch, None
-            self._fail(req, TorchpoolError(errors.INTERNAL,
-                                           f"{h.label} {how} while running this request"))
+            if h.timed_out:
+                why = (f"{h.label} exceeded the execution timeout of {h.timed_out:g} s and was killed; "
+                       f"it is being restarted")
+            else:
+                why = f"{h.label} {how} while running this request"
+            self._fail(req, TorchpoolError(errors.INTERNAL, why))
         if self.should_exit or mv.state == UNAVAILABLE:
             return
         if was == STARTING:
             self._version_failed(mv, f"instance '{h.spec.instance}' {how} while loading")
             return
         log.error("%s %s; restarting it", h.label, how)
+        mv.stats.worker_restarts += 1
         now = time.monotonic()
         crashes = [t for t in self._crashes.get(id(mv), []) if now - t < self.options.restart_window]
         crashes.append(now)
@@ -613,3 +673,5 @@ class Server:
         log.info("torchpool ready: %d of %d model versions READY%s, in %.2f s; listening on %s",
                  ready, len(versions), f", {broken} models failed to load" if broken else "",
                  time.monotonic() - self._started, ", ".join(self.options.listen))
+        self.notifier.ready(f"serving {ready} of {len(versions)} model versions"
+                            + (f"; {broken} models failed to load" if broken else ""))

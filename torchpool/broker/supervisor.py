@@ -83,6 +83,7 @@ class WorkerHandle:
     batch: Any = None                 # the InferRequest it is running
     batch_id: int = 0
     releases: list = field(default_factory=list)   # output blocks to hand back on the next RUN
+    timed_out: float = 0.0            # set when killed for exceeding the execution timeout
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -128,8 +129,9 @@ def instance_devices(group: InstanceGroup, gpus: list[int]) -> list[str]:
 
 class Supervisor:
     def __init__(self, segment_prefix: str, arena_chunk: int, arena_limit: int, log_level: int,
-                 busy_poll_us: int = 0) -> None:
+                 busy_poll_us: int = 0, log_format: str = "text") -> None:
         self.segment_prefix = segment_prefix
+        self.log_format = log_format
         self.busy_poll_us = busy_poll_us
         self.arena_chunk = arena_chunk
         self.arena_limit = arena_limit
@@ -167,7 +169,7 @@ class Supervisor:
                           model_path=mv.model_file, device=device,
                           segment_prefix=self.worker_prefix(serial), arena_chunk=self.arena_chunk,
                           arena_limit=self.arena_limit, log_level=self.log_level,
-                          busy_poll_us=self.busy_poll_us,
+                          busy_poll_us=self.busy_poll_us, log_format=self.log_format,
                           shared_weights=self.weights_segment(mv) if shares_weights(mv) else "")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:

@@ -60,8 +60,9 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     if os.getppid() != parent:  # parent died before prctl took effect
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the broker's to handle
-    logging.basicConfig(level=spec.log_level, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s worker[{spec.instance} v{spec.version}] %(message)s")
+    from ..cli import setup_logging
+
+    setup_logging(logging.getLevelName(spec.log_level).lower(), spec.log_format)
     Worker(spec, sock).serve()
 
 

@@ -30,6 +30,7 @@ class WorkerSpec:
     log_level: int = logging.INFO
     busy_poll_us: int = 0         # poll this long after a batch before sleeping
     shared_weights: str = ""      # ENABLE_WEIGHT_SHARING: the weights segment name
+    log_format: str = "text"
 
 
 def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
