@@ -61,7 +61,9 @@ def _serve(args: argparse.Namespace) -> int:
                             worker_busy_poll_us=args.worker_busy_poll_us,
                             client_shm_size=args.client_shm_size, client_lease=args.client_lease,
                             execution_timeout=args.execution_timeout, metrics_port=args.metrics_port,
-                            metrics_host=args.metrics_host, log_format=args.log_format)
+                            metrics_host=args.metrics_host, log_format=args.log_format,
+                            model_control_mode=args.model_control_mode, load_models=args.load_model or [],
+                            repository_poll_secs=args.repository_poll_secs)
     try:
         return Server(options).run()
     except AddressInUse as exc:
@@ -127,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus /metrics and /v2/health/{live,ready} on this port")
     serve.add_argument("--metrics-host", default="127.0.0.1")
+    serve.add_argument("--model-control-mode", default="none", choices=["none", "poll", "explicit"],
+                       help="Triton's: none = load all at start; poll = rescan the repository "
+                            "(and on SIGHUP); explicit = load/unload calls from clients")
+    serve.add_argument("--load-model", action="append", metavar="NAME",
+                       help="explicit mode: load this model at start ('*' = all); repeatable")
+    serve.add_argument("--repository-poll-secs", type=float, default=15.0,
+                       help="poll mode: seconds between repository scans (default 15)")
     serve.add_argument("--execution-timeout", type=float, default=0.0,
                        help="kill and restart a worker whose batch runs longer (seconds; 0 = never)")
     serve.add_argument("--shm-chunk", type=_size, default=64 * MiB,

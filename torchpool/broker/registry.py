@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 LOADING = "LOADING"
 READY = "READY"
 UNAVAILABLE = "UNAVAILABLE"
+UNLOADING = "UNLOADING"       # retired: finishing its requests, then its workers stop
 
 PLATFORM = "pytorch_libtorch"
 
@@ -52,10 +53,27 @@ class ModelVersion:
 
 
 @dataclass(eq=False)
+class Generation:
+    """A (re)load in progress: new versions loading beside the serving ones."""
+
+    entry: ModelEntry
+    fingerprint: str
+    versions: dict[int, ModelVersion] = field(default_factory=dict)
+    waiters: list = field(default_factory=list)     # callables(error or None), answered when settled
+
+    def settled(self) -> bool:
+        return all(mv.state != LOADING for mv in self.versions.values())
+
+
+@dataclass(eq=False)
 class Model:
     name: str
     entry: ModelEntry
     versions: dict[int, ModelVersion] = field(default_factory=dict)
+    pending: Optional[Generation] = None
+    unloaded: bool = False
+    fingerprint: str = ""
+    unload_waiters: list = field(default_factory=list)
 
     @property
     def error(self) -> Optional[str]:
@@ -65,18 +83,30 @@ class Model:
         return sorted(v for v, mv in self.versions.items() if mv.state == READY)
 
 
+def new_versions(entry: ModelEntry) -> dict[int, ModelVersion]:
+    if entry.error is not None or entry.config is None:
+        return {}
+    return {v: ModelVersion(entry.name, v, entry.config, str(entry.model_file(v))) for v in entry.versions}
+
+
 class Registry:
     def __init__(self, entries: list[ModelEntry]) -> None:
         self.models: dict[str, Model] = {}
+        self.retiring: list[ModelVersion] = []
         for entry in entries:
-            model = self.models[entry.name] = Model(entry.name, entry)
-            if entry.error is None and entry.config is not None:
-                for v in entry.versions:
-                    model.versions[v] = ModelVersion(entry.name, v, entry.config,
-                                                     str(entry.model_file(v)))
+            self.models[entry.name] = Model(entry.name, entry, new_versions(entry))
 
     def all_versions(self) -> list[ModelVersion]:
-        return [mv for m in self.models.values() for mv in m.versions.values()]
+        """Every version with workers: serving, loading beside them, or retiring."""
+        found = []
+        for m in self.models.values():
+            found.extend(m.versions.values())
+            if m.pending is not None:
+                found.extend(m.pending.versions.values())
+        return found + self.retiring
+
+    def model_of(self, mv: ModelVersion) -> Optional[Model]:
+        return self.models.get(mv.name)
 
     # --- lookups used by requests ------------------------------------------
 
@@ -92,6 +122,8 @@ class Registry:
         wanted = _parse_version(name, version)
         if model.error:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
+        if model.unloaded:
+            raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is unloaded")
         if wanted is None:
             ready = model.ready_versions()
             if not ready:
@@ -116,10 +148,13 @@ class Registry:
         """Strict readiness, as Triton's default: every model's versions are READY."""
         return all(m.error is None and m.versions and
                    all(mv.serving for mv in m.versions.values())
-                   for m in self.models.values())
+                   for m in self.server_ready_models())
 
     def loading(self) -> bool:
         return any(mv.state == LOADING for mv in self.all_versions())
+
+    def server_ready_models(self) -> list[Model]:
+        return [m for m in self.models.values() if not m.unloaded]
 
     def model_ready(self, name: Any, version: Any) -> bool:
         """Ready means a live worker can run it now (not only that it loaded)."""
@@ -142,9 +177,9 @@ class Registry:
         index = []
         for name in sorted(self.models):
             model = self.models[name]
-            if model.error or not model.versions:
+            if model.error or model.unloaded or not model.versions:
                 index.append({"name": name, "version": "", "state": UNAVAILABLE,
-                              "reason": model.error or "no versions"})
+                              "reason": model.error or ("unloaded" if model.unloaded else "no versions")})
                 continue
             for v, mv in sorted(model.versions.items()):
                 index.append({"name": name, "version": str(v), "state": mv.state, "reason": mv.reason})

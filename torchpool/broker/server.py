@@ -23,13 +23,13 @@ what went wrong (bad input, worker crash, timeout, shutdown).
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 import itertools
 import logging
 import os
 import signal
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -41,7 +41,8 @@ from ..protocol.errors import TorchpoolError
 from ..shm import Arena, SegmentCache, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
 from .frontend import Frontend
 from .metrics import MetricsServer
-from .registry import LOADING, READY, UNAVAILABLE, ModelVersion, Registry
+from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
+from .registry import LOADING, READY, UNAVAILABLE, UNLOADING, ModelVersion, Registry
 from .requests import InferRequest, output_shape, stage_inputs, validate_infer
 from .sessions import SessionManager
 from .systemd import Notifier
@@ -74,6 +75,9 @@ class ServerOptions:
     metrics_port: Optional[int] = None  # Prometheus /metrics and /v2/health/* (None = off)
     metrics_host: str = "127.0.0.1"
     log_format: str = "text"
+    model_control_mode: str = "none"    # none | poll | explicit (Triton's)
+    load_models: list[str] = field(default_factory=list)   # explicit mode: load these at start ("*" = all)
+    repository_poll_secs: float = 15.0
 
 
 @dataclass(order=True)
@@ -113,6 +117,7 @@ class Server:
         self.force_exit = False
         self._started = time.monotonic()
         self.notifier = Notifier()
+        self.control: Optional[ModelControl] = None
         self.metrics: Optional[MetricsServer] = None
         self._announced_ready = False
 
@@ -141,15 +146,22 @@ class Server:
         self.sessions = SessionManager(f"{self.prefix}", o.client_shm_size, o.client_shm_limit,
                                        o.client_lease, self._give_back, self._forget)
         self._call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
-        self.registry = Registry(scan_repository(o.model_repository))
+        entries = scan_repository(o.model_repository)
+        if o.model_control_mode == EXPLICIT and "*" not in o.load_models:
+            entries = [e for e in entries if e.name in o.load_models]
+        self.registry = Registry(entries)
+        self.control = ModelControl(self, o.model_repository, o.model_control_mode)
+        for model in self.registry.models.values():
+            model.fingerprint = fingerprint(model.entry.path)
+        if o.model_control_mode == POLL:
+            self._call_later(o.repository_poll_secs, self._poll_repository)
         for model in self.registry.models.values():
             if model.error:
                 log.error("model '%s' is UNAVAILABLE: %s", model.name, model.error)
         self.supervisor = Supervisor(self.prefix, o.worker_shm_chunk, o.worker_shm_limit, o.log_level,
                                      o.worker_busy_poll_us, o.log_format)
         for mv in self.registry.all_versions():
-            for handle in self.supervisor.spawn_instances(mv):
-                self._watch_worker(handle)
+            self.start_version(mv)
         log.info("listening on %s; loading %d model versions from %s", ", ".join(o.listen),
                  len(self.registry.all_versions()), o.model_repository)
         self.notifier.status(f"loading {len(self.registry.all_versions())} model versions")
@@ -267,7 +279,12 @@ class Server:
                     self.force_exit = True
                 self.should_exit = True
             elif sig == signal.SIGHUP:
-                log.info("SIGHUP received; model control mode 'none' keeps the loaded models")
+                if self.control is not None and self.control.mode == POLL:
+                    log.info("SIGHUP: rescanning the model repository")
+                    self.control.poll()
+                else:
+                    log.info("SIGHUP ignored: model control mode '%s' does not rescan the repository",
+                             self.options.model_control_mode)
 
     # --------------------------------------------------------------- fds
 
@@ -330,6 +347,14 @@ class Server:
                 return
             if not isinstance(op, str) or op not in messages.CONTROL_OPS:
                 raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
+            if op in (messages.OP_LOAD, messages.OP_UNLOAD):
+                self.control.check_explicit(op)
+                waiter = self._deferred_reply(sock, identity, request_id)
+                if op == messages.OP_LOAD:
+                    self.control.load(header.get("model"), header.get("config"), waiter)
+                else:
+                    self.control.unload(header.get("model"), waiter)
+                return
             if op in messages.SESSION_OPS:
                 result = self._session_control(op, header, session)
             else:
@@ -380,6 +405,31 @@ class Server:
                 h.send(internal.FORGET, refs)
             except OSError:
                 pass
+
+    # ------------------------------------------------------- model control
+
+    def start_version(self, mv: ModelVersion) -> None:
+        for handle in self.supervisor.spawn_instances(mv):
+            self._watch_worker(handle)
+
+    def version_gone(self, mv: ModelVersion) -> None:
+        """A retired version's workers are all gone: drop what it shared."""
+        from ..shm.segment import unlink_segment
+
+        unlink_segment(self.supervisor.weights_segment(mv))
+        log.info("%s unloaded", mv.label)
+
+    def _poll_repository(self) -> None:
+        self.control.poll()
+        self._call_later(self.options.repository_poll_secs, self._poll_repository)
+
+    def _deferred_reply(self, sock: zmq.Socket, identity: bytes, request_id: Any) -> Callable:
+        """Answer a request later (load / unload finish after the call returns)."""
+        def reply(err: Optional[TorchpoolError]) -> None:
+            header = messages.error_response(request_id, err) if err else \
+                messages.ok_response(request_id, result=True)
+            self.frontend.send(sock, identity, header)
+        return reply
 
     def _watchdog(self) -> None:
         """WATCHDOG=1 from the main loop itself: a stuck loop stops the pings."""
@@ -591,6 +641,7 @@ class Server:
                 log.info("%s READY (%d instance%s)", mv.label, len(mv.workers),
                          "" if len(mv.workers) == 1 else "s")
                 self._announce_if_ready()
+                self.control.version_settled(mv)
             self._dispatch(mv)
         elif kind == internal.LOAD_FAILED:
             self._version_failed(mv, msg[2])
@@ -609,6 +660,8 @@ class Server:
             h.state = IDLE
             mv.idle.append(h)
             self._dispatch(mv)
+            if self.registry.retiring:
+                self.control.progress()
 
     def _version_failed(self, mv: ModelVersion, reason: str) -> None:
         first = mv.state != UNAVAILABLE
@@ -622,6 +675,7 @@ class Server:
             if w.process.exitcode is None:
                 w.process.kill()      # the sentinel fires and reaps it
         self._announce_if_ready()
+        self.control.version_settled(mv)
 
     def _on_worker_exit(self, h: WorkerHandle) -> None:
         self._unwatch_fd(h.sentinel)
@@ -640,6 +694,13 @@ class Server:
             else:
                 why = f"{h.label} {how} while running this request"
             self._fail(req, TorchpoolError(errors.INTERNAL, why))
+        if mv.state == UNLOADING:
+            if not any(w.state != DEAD for w in mv.workers):
+                for req in list(mv.queue):
+                    self._fail(req, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} was unloaded"))
+                mv.queue.clear()
+            self.control.progress()
+            return
         if self.should_exit or mv.state == UNAVAILABLE:
             return
         if was == STARTING:
@@ -659,7 +720,7 @@ class Server:
         self._call_later(delay, lambda: self._respawn(mv, h.spec.instance, h.spec.device))
 
     def _respawn(self, mv: ModelVersion, instance: str, device: str) -> None:
-        if self.should_exit or mv.state == UNAVAILABLE:
+        if self.should_exit or mv.state in (UNAVAILABLE, UNLOADING):
             return
         self._watch_worker(self.supervisor.spawn(mv, instance, device))
 

@@ -84,6 +84,7 @@ class WorkerHandle:
     batch_id: int = 0
     releases: list = field(default_factory=list)   # output blocks to hand back on the next RUN
     timed_out: float = 0.0            # set when killed for exceeding the execution timeout
+    stopping: bool = False            # asked to stop (its version was retired)
     started: float = field(default_factory=time.monotonic)
 
     @property
