@@ -27,7 +27,9 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
 class Daemon:
     """`python -m torchpool serve` in a subprocess, logging to a file."""
 
-    def __init__(self, repository: Path, workdir: Path, *extra: str, tcp_port: Optional[int] = None) -> None:
+    def __init__(self, repository: Path, workdir: Path, *extra: str, tcp_port: Optional[int] = None,
+                 env: Optional[dict] = None) -> None:
+        self.env = None if env is None else {**os.environ, **env}
         self.socket_path = workdir / "torchpool.sock"
         self.url = f"ipc://{self.socket_path}"
         self.urls = [self.url] + ([f"tcp://127.0.0.1:{tcp_port}"] if tcp_port else [])
@@ -43,7 +45,8 @@ class Daemon:
         # log() shows this run only: a daemon restarted in the same workdir
         # must not be taken as ready by its predecessor's ready line
         self._log_offset = self._log.tell()
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env=self.env)
         if wait_ready:
             wait_for(lambda: "torchpool ready" in self.log() or self.proc.poll() is not None,
                      timeout, "the daemon's ready line")

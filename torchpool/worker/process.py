@@ -16,12 +16,14 @@ it dispatched other work).
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
 import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -64,6 +66,32 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
 
     setup_logging(logging.getLevelName(spec.log_level).lower(), spec.log_format)
     Worker(spec, sock).serve()
+
+
+def load_extensions(model: str, model_dir: Path, parameters: dict) -> None:
+    """Custom operators a model needs, loaded in its own worker process only:
+    TORCHPOOL_OP_LIBRARIES (shared libraries, torch.ops.load_library) and
+    TORCHPOOL_PYTHON_MODULES (Python files registering ops with torch.library),
+    comma-separated paths relative to the model directory. Like the model
+    file itself, they run with the daemon's rights: trust the repository."""
+    for key in ("TORCHPOOL_OP_LIBRARIES", "TORCHPOOL_PYTHON_MODULES"):
+        for item in filter(None, (p.strip() for p in parameters.get(key, "").split(","))):
+            path = (model_dir / item).resolve()
+            if not path.is_relative_to(model_dir.resolve()) or not path.is_file():
+                raise ModelLoadError(f"failed to load model '{model}': {key} names '{item}', which is "
+                                     f"not a file inside the model directory", errors.INVALID_ARG)
+            try:
+                if key == "TORCHPOOL_OP_LIBRARIES":
+                    torch.ops.load_library(str(path))
+                else:
+                    name = f"torchpool_ext_{model}_{path.stem}"
+                    module_spec = importlib.util.spec_from_file_location(name, path)
+                    module = importlib.util.module_from_spec(module_spec)
+                    sys.modules[name] = module
+                    module_spec.loader.exec_module(module)
+            except Exception as exc:
+                raise ModelLoadError(f"failed to load model '{model}': loading {key} '{item}' "
+                                     f"failed: {exc}") from None
 
 
 class Worker:
@@ -115,6 +143,7 @@ class Worker:
         self.device = torch.device("cpu" if spec.device == "model" else spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        load_extensions(spec.model, Path(spec.model_path).parent.parent, spec.config.parameters)
         map_location = None if spec.device == "model" else self.device
         # Triton names the model where its "unable to find" message says
         # "model instance"; users' tests look for that text.
