@@ -27,7 +27,9 @@ def test_server_ready_with_only_good_models(small_repository: Path, tmp_path: Pa
     # a small input arena, to see what happens when a request does not fit
     d = Daemon(small_repository, tmp_path, "--shm-chunk", "1M", "--shm-limit", "2M").start()
     try:
-        with Client(d.url, timeout=30) as client:
+        # local=False: inputs travel inline and are staged in the daemon's input
+        # arena (a local client's inputs are in its own arena and never hit the limit)
+        with Client(d.url, timeout=30, local=False) as client:
             assert client.server_live() is True
             assert client.server_ready() is True
             index = client.repository_index()

@@ -4,70 +4,69 @@
     with Client("ipc:///tmp/torchpool.sock") as c:
         out = c.infer("addsub", {"INPUT0": a, "INPUT1": b})
 
-Both clients speak the same wire format (docs/protocol.md); the encoding and
-decoding below is shared, only the transport differs. This module never
-imports torch: torch tensors given as inputs are converted through
-`Tensor.numpy()`.
+Both clients speak the same wire format (docs/protocol.md); the encoding,
+decoding, session and shared-memory logic is shared (torchpool/client_shm.py),
+only the transport differs. This module never imports torch: torch tensors
+given as inputs are viewed through `Tensor.numpy()`.
+
+Local clients (same host): at the first `infer` the client says `hello`; when
+the daemon agrees it is local, inputs are copied once into the client's
+shared-memory arena and only descriptors cross the socket, and outputs come
+back as read-only numpy views of the worker's shared memory (no copy at all),
+released to the daemon once the last view is garbage. Turn it off with
+`Client(url, local=False)` or `TORCHPOOL_LOCAL=0`. A daemon that does not
+speak sessions is used inline, as before.
+
+- `c.empty(shape, datatype)` allocates an input in the arena: fill it and pass
+  it (or a torch view, `torch.from_numpy(buf)`) to `infer` and nothing is
+  copied. For BF16 it is a uint16 array: `torch.from_numpy(buf).view(torch.bfloat16)`.
+- `c.infer(..., copy=True)` returns ordinary (writable) arrays and hands the
+  daemon's memory back at once. Without it, outputs of a local session view
+  the daemon's memory: they stay valid while referenced, until `close()` (or
+  until the session's lease expires after `lease_s` seconds without any
+  request). Copy what must outlive the client.
+- The dict `infer` returns is a context manager: `with c.infer(...) as out:`.
+- `c.transfer_stats()`: bytes copied into shared memory, sent zero-copy
+  (descriptors of `empty()` buffers, registered regions) and sent inline.
+- Triton's system shared-memory API: `register_system_shared_memory`,
+  `unregister_system_shared_memory`, `get_system_shared_memory_status`;
+  inputs `SharedMemoryRef(region, byte_size, offset, datatype, shape)`, and
+  `outputs=[OutputRef(name, region, byte_size, offset)]` (answered as a
+  `RegionOutput`: name, region, offset, nbytes, datatype, shape).
 """
 from __future__ import annotations
 
 import asyncio
-import itertools
+import json
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import zmq
 import zmq.asyncio
 
-from .protocol import datatypes, errors, messages
+from .client_shm import (DEFAULT_ARENA_CAP, Call, ClientState, InferResult, NoAnswer, OutputRef,
+                         RegionOutput, SessionLost, SharedMemoryRef, inline_buffer, needs_session,
+                         output_array, prepare_input, run_async, run_sync)
+from .protocol import errors, messages
 from .protocol.errors import InferenceError
 
 DEFAULT_TIMEOUT = 60.0   # seconds a call waits for the server before giving up
+GOODBYE_WAIT = 1.0       # seconds close() waits for the daemon to acknowledge goodbye
+
+__all__ = ["AsyncClient", "Client", "InferResult", "OutputRef", "RegionOutput", "SharedMemoryRef",
+           "decode_infer", "encode_control", "encode_infer"]
 
 
 # ----------------------------------------------------------------- encoding
 
-def _as_array(name: str, value: Any) -> tuple[str, list[int], Any]:
-    """(datatype, shape, contiguous buffer) for one input value."""
-    if type(value).__module__.startswith("torch"):
-        import torch  # the caller already has torch loaded
-
-        t = value.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        if t.dtype == torch.bfloat16:
-            return "BF16", list(t.shape), t.view(torch.int16).numpy()
-        value = t.numpy()
-    if isinstance(value, (list, tuple)):
-        if value and all(isinstance(v, (str, bytes, bytearray)) for v in value):
-            return "BYTES", [len(value)], datatypes.encode_bytes(value)
-        value = np.asarray(value)
-    if not isinstance(value, np.ndarray):
-        value = np.asarray(value)
-    if value.dtype.kind in ("O", "S", "U"):
-        flat = value.reshape(-1)
-        return "BYTES", list(value.shape), datatypes.encode_bytes(flat.tolist())
-    try:
-        datatype = datatypes.wire_from_numpy(value.dtype)
-    except TypeError:
-        raise InferenceError(errors.INVALID_ARG,
-                             f"input '{name}': numpy dtype {value.dtype} is not supported") from None
-    if not value.dtype.isnative:
-        value = value.astype(value.dtype.newbyteorder("="))
-    return datatype, list(value.shape), np.ascontiguousarray(value)
-
-
 def encode_infer(request_id: int, model: str, inputs: Mapping[str, Any],
                  outputs: Optional[Sequence[str]], version: Any, timeout: Optional[float]) -> list:
-    """The frames of an infer request: header first, then large tensors."""
+    """The frames of an inline infer request: header first, then large tensors."""
     entries, frames = [], []
     for name, value in inputs.items():
-        datatype, shape, buf = _as_array(name, value)
-        if isinstance(buf, np.ndarray):
-            buf = buf.reshape(-1)   # memoryview cannot cast a view with a 0 in its shape
-        data = memoryview(buf).cast("B")
+        datatype, shape, src = prepare_input(name, value)
+        data = inline_buffer(src)
         if data.nbytes <= messages.INLINE_LIMIT:
             payload: Any = bytes(data)
         else:
@@ -85,60 +84,77 @@ def encode_control(request_id: int, op: str, **fields: Any) -> list:
     return [messages.pack({"v": messages.PROTOCOL_VERSION, "op": op, "id": request_id, **fields})]
 
 
-def _output_array(entry: dict, frames: Sequence[Any]) -> Any:
-    data = messages.tensor_payload(entry, frames)
-    datatype, shape = entry["datatype"], entry["shape"]
-    if datatype == "BYTES":
-        items = datatypes.decode_bytes(data)
-        arr = np.empty(len(items), dtype=object)
-        arr[:] = items
-        return arr.reshape(shape)
-    if datatype == "BF16":
-        import torch
-
-        raw = np.frombuffer(data, dtype=np.int16).copy()
-        return torch.from_numpy(raw).view(torch.bfloat16).reshape(shape)
-    # A read-only view, no copy: it keeps the ZeroMQ frame (or bytes) alive.
-    return np.frombuffer(data, dtype=datatypes.numpy_dtype(datatype)).reshape(shape)
-
-
 def decode_infer(header: dict, frames: Sequence[Any]) -> dict[str, Any]:
-    return {e["name"]: _output_array(e, frames) for e in header.get("outputs", [])}
+    """Outputs that came as bytes (inline or payload frames)."""
+    return {e["name"]: output_array(e, frames) for e in header.get("outputs", [])}
 
 
 def _timeout_error(url: str, timeout: float) -> InferenceError:
-    return InferenceError(errors.UNAVAILABLE,
-                          f"no answer from torchpool at {url} within {timeout:g} s "
-                          f"(is the server running and listening there?)")
+    return NoAnswer(errors.UNAVAILABLE,
+                    f"no answer from torchpool at {url} within {timeout:g} s "
+                    f"(is the server running and listening there?)")
+
+
+def _error_of(header: dict) -> InferenceError:
+    err = header.get("error") or {}
+    return InferenceError(err.get("code", errors.UNKNOWN), err.get("message", "unknown error"))
 
 
 class _Calls:
-    """The public calls, written once over a `_call(op_frames, timeout)` transport."""
+    """What both clients share: the state (session, arena, stats) and helpers."""
 
-    def _control(self, op: str, timeout: Optional[float] = None, **fields: Any) -> Any:
-        raise NotImplementedError
+    _state: ClientState
 
     @staticmethod
     def _version_field(version: Any) -> str:
         return "" if version is None else str(version)
 
+    def transfer_stats(self) -> dict:
+        """{"bytes_copied", "bytes_zero_copy", "bytes_inline"} since the client was made:
+        input bytes copied into shared memory, sent as descriptors with no copy
+        (`empty()` buffers, registered regions), and sent over the socket."""
+        return self._state.transfer_stats()
+
+    @property
+    def session(self) -> Optional[str]:
+        """The session token, once the client has one."""
+        return self._state.session
+
+    @property
+    def is_local(self) -> bool:
+        """True once the daemon agreed this client shares its host (arena in use)."""
+        return self._state.local
+
+    def _control_flow(self, op: str, timeout: Optional[float], fields: dict) -> Callable:
+        return lambda: self._state.control_flow(op, timeout, fields)
+
 
 # --------------------------------------------------------------- sync client
 
 class Client(_Calls):
-    """A synchronous client. One call at a time per client; thread-confined."""
+    """A synchronous client. One call at a time per client; thread-confined.
 
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    `local`: None (default) uses the shared-memory path when the daemon is on
+    this host (unless TORCHPOOL_LOCAL=0); False never does. `arena_cap`: the
+    most arena memory this client asks the daemon for.
+    """
+
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, local: Optional[bool] = None,
+                 arena_cap: int = DEFAULT_ARENA_CAP) -> None:
         self.url = url
         self.timeout = timeout
-        self._ids = itertools.count(1)
+        self._state = ClientState(url, local, arena_cap)
+        self._ids = self._state.ids
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(url)
 
+    # -- transport
     def _call(self, frames: list, request_id: int, timeout: Optional[float]) -> tuple[dict, list]:
         limit = self.timeout if timeout is None else timeout
+        if self._sock.closed:
+            raise InferenceError(errors.CANCELLED, "client closed")
         self._sock.send_multipart(frames, copy=len(frames) == 1)
         deadline = time.monotonic() + limit
         while True:
@@ -146,15 +162,40 @@ class Client(_Calls):
             if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
                 raise _timeout_error(self.url, limit)
             reply = self._sock.recv_multipart(copy=False)
-            header = decode_response_checked(reply, request_id)
-            if header is not None:
-                return header, [f.buffer for f in reply[1:]]
+            header = messages.unpack(reply[0].buffer)
+            if not isinstance(header, dict) or header.get("id") != request_id:
+                self._state.late_reply(header)   # the late answer of a call that timed out
+                continue
+            if not header.get("ok"):
+                raise _error_of(header)
+            return header, [f.buffer for f in reply[1:]]
+
+    def _send(self, call: Call) -> tuple[dict, list]:
+        return self._call(call.frames, call.rid, call.timeout)
+
+    def _perform(self, make_flow: Callable, timeout: Optional[float], session: bool = False) -> Any:
+        """Run a flow; say hello first when due; once more after a lost session."""
+        st = self._state
+        for attempt in range(2):
+            if st.needs_hello(session):
+                run_sync(st.hello_flow(timeout), self._send)
+            if session:
+                st.require_session()
+            try:
+                return run_sync(make_flow(), self._send)
+            except SessionLost as lost:
+                st.session_lost(lost.token)
+                if attempt:
+                    raise lost.error from None
 
     def _control(self, op: str, timeout: Optional[float] = None, **fields: Any) -> Any:
-        rid = next(self._ids)
-        header, _ = self._call(encode_control(rid, op, **fields), rid, timeout)
-        return header.get("result")
+        if self._state.session is None:     # the plain path: as before sessions existed
+            rid = next(self._ids)
+            header, _ = self._call(encode_control(rid, op, **fields), rid, timeout)
+            return header.get("result")
+        return self._perform(self._control_flow(op, timeout, fields), timeout)
 
+    # -- control calls
     def server_live(self, timeout: Optional[float] = None) -> bool:
         return bool(self._control(messages.OP_SERVER_LIVE, timeout))
 
@@ -176,21 +217,80 @@ class Client(_Calls):
     def server_metadata(self) -> dict:
         return self._control(messages.OP_SERVER_METADATA)
 
-    def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[str]] = None,
-              version: Any = None, timeout: Optional[float] = None) -> dict[str, Any]:
+    def statistics(self, model: Optional[str] = None, version: Any = None) -> dict:
+        """Triton's statistics: {"model_stats": [{name, version, inference_count,
+        execution_count, inference_stats: {success, fail, queue, compute_*}, batch_stats}]}."""
+        return self._control(messages.OP_STATISTICS, model=model or "", version=self._version_field(version))
+
+    def load(self, name: str, config: Any = None, timeout: Optional[float] = None) -> None:
+        """Load or reload a model (--model-control-mode explicit); returns once
+        it serves. `config` (dict or JSON text) overrides its config file."""
+        self._control(messages.OP_LOAD, timeout, model=name,
+                      config=json.dumps(config) if isinstance(config, dict) else config)
+
+    def unload(self, name: str, timeout: Optional[float] = None) -> None:
+        """Unload a model; returns once its in-flight requests have finished."""
+        self._control(messages.OP_UNLOAD, timeout, model=name)
+
+    # -- inference
+    def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
+              version: Any = None, timeout: Optional[float] = None, copy: bool = False) -> InferResult:
         """Run `model` on `inputs`; returns {output name: numpy array}.
 
-        `timeout` (seconds) bounds the whole call; the server also drops the
-        request if it could not start within it.
+        `inputs` values: numpy arrays, torch tensors, lists of str/bytes
+        (BYTES), arrays from `empty()` (sent with no copy) or
+        `SharedMemoryRef`s. `outputs`: names, or `OutputRef`s to have an
+        output written into a registered region. `timeout` (seconds) bounds
+        the whole call; the server also drops the request if it could not
+        start within it. `copy=True` returns ordinary arrays instead of views
+        of the daemon's shared memory.
         """
-        rid = next(self._ids)
-        frames = encode_infer(rid, model, inputs, outputs, version, timeout)
-        header, payload = self._call(frames, rid, timeout)
-        return decode_infer(header, payload)
+        return self._perform(lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy),
+                             timeout, needs_session(inputs, outputs))
 
-    def close(self) -> None:
-        if not self._sock.closed:
-            self._sock.close(linger=0)
+    def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:
+        """A writable array in this client's shared-memory arena: fill it and
+        pass it to `infer` and its bytes are not copied (see module doc).
+        Without a local session it is an ordinary array."""
+        return self._perform(lambda: self._state.empty_flow(shape, datatype, None), None)
+
+    # -- registered regions (Triton's system shared memory)
+    def register_system_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
+        """Register `byte_size` bytes at `offset` of the POSIX shm segment `key`
+        (which this client must be able to open and write) under `name`."""
+        self._perform(lambda: self._state.register_flow(name, key, byte_size, offset, None), None, True)
+
+    def unregister_system_shared_memory(self, name: Optional[str] = None) -> None:
+        """Unregister `name` (None: every region of this client)."""
+        self._perform(lambda: self._state.unregister_flow(name, None), None, True)
+
+    def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[dict]:
+        """[{name, key, offset, byte_size, in_use}] of this client's regions."""
+        return self._perform(lambda: self._state.status_flow(name, None), None, True)
+
+    # -- lifetime
+    def close(self, wait: float = GOODBYE_WAIT) -> None:
+        """Say goodbye (returning everything lent to us) and close the socket.
+        Outputs of a local session must not be used after this."""
+        if self._sock.closed:
+            return
+        call = self._state.goodbye_call(None)
+        self._state.close()
+        linger = 0
+        if call is not None:
+            try:
+                self._sock.send_multipart(call.frames, flags=zmq.NOBLOCK)
+                linger = int(GOODBYE_WAIT * 1000)    # let ZeroMQ deliver it if we do not wait
+                deadline = time.monotonic() + wait
+                while (remaining := deadline - time.monotonic()) > 0 and \
+                        self._sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+                    header = messages.unpack(self._sock.recv_multipart()[0])
+                    if isinstance(header, dict) and header.get("id") == call.rid:
+                        linger = 0
+                        break
+            except zmq.ZMQError:
+                pass
+        self._sock.close(linger=linger)
 
     def __enter__(self) -> "Client":
         return self
@@ -200,7 +300,7 @@ class Client(_Calls):
 
     def __del__(self) -> None:  # a forgotten client must not leak its socket
         try:
-            self.close()
+            self.close(wait=0)
         except Exception:
             pass
 
@@ -211,36 +311,43 @@ def decode_response_checked(reply: list, request_id: int) -> Optional[dict]:
     if header.get("id") != request_id:
         return None     # the late answer of a call that already timed out
     if not header.get("ok"):
-        err = header.get("error") or {}
-        raise InferenceError(err.get("code", errors.UNKNOWN), err.get("message", "unknown error"))
+        raise _error_of(header)
     return header
 
 
 # -------------------------------------------------------------- async client
 
 class AsyncClient(_Calls):
-    """An asyncio client: many concurrent calls over one socket."""
+    """An asyncio client: many concurrent calls over one socket. The same
+    features as `Client`; `empty()` and the region calls are coroutines."""
 
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, local: Optional[bool] = None,
+                 arena_cap: int = DEFAULT_ARENA_CAP) -> None:
         self.url = url
         self.timeout = timeout
-        self._ids = itertools.count(1)
+        self._state = ClientState(url, local, arena_cap)
+        self._ids = self._state.ids
         self._ctx = zmq.asyncio.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(url)
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: Optional[asyncio.Task] = None
+        self._hello_lock: Optional[asyncio.Lock] = None
 
     async def _read_replies(self) -> None:
         while True:
             reply = await self._sock.recv_multipart(copy=False)
             header = messages.unpack(reply[0].buffer)
-            fut = self._pending.pop(header.get("id"), None)
+            fut = self._pending.pop(header.get("id"), None) if isinstance(header, dict) else None
             if fut is not None and not fut.done():
                 fut.set_result((header, [f.buffer for f in reply[1:]]))
+            else:
+                self._state.late_reply(header)
 
     async def _call(self, frames: list, request_id: int, timeout: Optional[float]) -> tuple[dict, list]:
+        if self._sock.closed:
+            raise InferenceError(errors.CANCELLED, "client closed")
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read_replies())
         fut = asyncio.get_running_loop().create_future()
@@ -254,14 +361,36 @@ class AsyncClient(_Calls):
         finally:
             self._pending.pop(request_id, None)
         if not header.get("ok"):
-            err = header.get("error") or {}
-            raise InferenceError(err.get("code", errors.UNKNOWN), err.get("message", "unknown error"))
+            raise _error_of(header)
         return header, payload
 
+    def _send(self, call: Call) -> Any:
+        return self._call(call.frames, call.rid, call.timeout)
+
+    async def _perform(self, make_flow: Callable, timeout: Optional[float], session: bool = False) -> Any:
+        st = self._state
+        for attempt in range(2):
+            if st.needs_hello(session):
+                if self._hello_lock is None:
+                    self._hello_lock = asyncio.Lock()
+                async with self._hello_lock:       # one hello for many concurrent calls
+                    if st.needs_hello(session):
+                        await run_async(st.hello_flow(timeout), self._send)
+            if session:
+                st.require_session()
+            try:
+                return await run_async(make_flow(), self._send)
+            except SessionLost as lost:
+                st.session_lost(lost.token)
+                if attempt:
+                    raise lost.error from None
+
     async def _control(self, op: str, timeout: Optional[float] = None, **fields: Any) -> Any:
-        rid = next(self._ids)
-        header, _ = await self._call(encode_control(rid, op, **fields), rid, timeout)
-        return header.get("result")
+        if self._state.session is None:
+            rid = next(self._ids)
+            header, _ = await self._call(encode_control(rid, op, **fields), rid, timeout)
+            return header.get("result")
+        return await self._perform(self._control_flow(op, timeout, fields), timeout)
 
     async def server_live(self, timeout: Optional[float] = None) -> bool:
         return bool(await self._control(messages.OP_SERVER_LIVE, timeout))
@@ -284,14 +413,43 @@ class AsyncClient(_Calls):
     async def repository_index(self) -> list[dict]:
         return await self._control(messages.OP_REPOSITORY_INDEX)
 
-    async def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[str]] = None,
-                    version: Any = None, timeout: Optional[float] = None) -> dict[str, Any]:
-        rid = next(self._ids)
-        frames = encode_infer(rid, model, inputs, outputs, version, timeout)
-        header, payload = await self._call(frames, rid, timeout)
-        return decode_infer(header, payload)
+    async def server_metadata(self) -> dict:
+        return await self._control(messages.OP_SERVER_METADATA)
 
-    def close(self) -> None:
+    async def statistics(self, model: Optional[str] = None, version: Any = None) -> dict:
+        return await self._control(messages.OP_STATISTICS, model=model or "",
+                                   version=self._version_field(version))
+
+    async def load(self, name: str, config: Any = None, timeout: Optional[float] = None) -> None:
+        await self._control(messages.OP_LOAD, timeout, model=name,
+                            config=json.dumps(config) if isinstance(config, dict) else config)
+
+    async def unload(self, name: str, timeout: Optional[float] = None) -> None:
+        await self._control(messages.OP_UNLOAD, timeout, model=name)
+
+    async def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
+                    version: Any = None, timeout: Optional[float] = None, copy: bool = False) -> InferResult:
+        """As `Client.infer`."""
+        return await self._perform(
+            lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy),
+            timeout, needs_session(inputs, outputs))
+
+    async def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:
+        """As `Client.empty` (a coroutine: the first call may say hello)."""
+        return await self._perform(lambda: self._state.empty_flow(shape, datatype, None), None)
+
+    async def register_system_shared_memory(self, name: str, key: str, byte_size: int,
+                                            offset: int = 0) -> None:
+        await self._perform(lambda: self._state.register_flow(name, key, byte_size, offset, None),
+                            None, True)
+
+    async def unregister_system_shared_memory(self, name: Optional[str] = None) -> None:
+        await self._perform(lambda: self._state.unregister_flow(name, None), None, True)
+
+    async def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[dict]:
+        return await self._perform(lambda: self._state.status_flow(name, None), None, True)
+
+    def _stop(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None
@@ -299,11 +457,42 @@ class AsyncClient(_Calls):
             if not fut.done():
                 fut.set_exception(InferenceError(errors.CANCELLED, "client closed"))
         self._pending.clear()
-        if not self._sock.closed:
-            self._sock.close(linger=0)
+
+    async def aclose(self, wait: float = GOODBYE_WAIT) -> None:
+        """Say goodbye, wait (briefly) for the daemon to acknowledge, close."""
+        if self._sock.closed:
+            return
+        call = self._state.goodbye_call(None)
+        if call is not None and wait > 0:
+            try:
+                await self._call(call.frames, call.rid, wait)
+            except (InferenceError, zmq.ZMQError):
+                pass
+            call = None
+        self._state.close()
+        self._finish_close(call)
+
+    def close(self) -> None:
+        """Close now; a goodbye is sent without waiting for its answer."""
+        if self._sock.closed:
+            return
+        call = self._state.goodbye_call(None)
+        self._state.close()
+        self._finish_close(call)
+
+    def _finish_close(self, call: Optional[Call]) -> None:
+        self._stop()
+        linger = 0
+        if call is not None:
+            try:   # the plain socket under the asyncio one: send now, without a loop
+                zmq.Socket.shadow(self._sock.underlying).send_multipart(call.frames, flags=zmq.NOBLOCK)
+                linger = int(GOODBYE_WAIT * 1000)
+            except zmq.ZMQError:
+                pass
+        self._sock.close(linger=linger)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        self.close()
+        await self.aclose()
