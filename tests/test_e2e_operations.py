@@ -249,6 +249,15 @@ def test_explicit_load_and_unload(small_repository: Path, tmp_path: Path) -> Non
     try:
         index = raw_call(d.url, "repository_index")["result"]
         assert [m["name"] for m in index] == ["addsub"]
+        with Client(d.url, local=False) as c:
+            c.load("mlp")                                 # returns once it serves
+            assert c.model_ready("mlp")
+            c.unload("mlp")
+            assert not c.model_ready("mlp")
+            with pytest.raises(InferenceError) as exc:
+                c.load("no_such_model")
+            assert exc.value.code == "UNAVAILABLE"
+            assert c.statistics("addsub")["model_stats"][0]["name"] == "addsub"
         assert raw_call(d.url, "load", model="mlp")["result"] is True
         assert raw_call(d.url, "model_ready", model="mlp")["result"] is True
         assert raw_call(d.url, "load", model="no_such_model")["error"]["code"] == "UNAVAILABLE"

@@ -57,6 +57,7 @@ class Frontend:
     def __init__(self, ctx: zmq.Context, urls: Sequence[str]) -> None:
         self.urls = list(urls)
         self.sockets: list[zmq.Socket] = []
+        self.notifies_disconnect = False        # ROUTER_NOTIFY took (libzmq with drafts)
         self._ipc_files: list[str] = []
         try:
             for url in self.urls:
@@ -70,11 +71,19 @@ class Frontend:
         if path:
             _claim_ipc_path(path)
         sock = ctx.socket(zmq.ROUTER)
+        self.sockets.append(sock)               # closed by close() whatever fails below
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # a vanished client must not raise
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
-        self.sockets.append(sock)
+        try:
+            # an empty message tells us a client went away: its session is released
+            # at once. It is a draft option in libzmq builds without drafts; the
+            # client lease covers those.
+            sock.setsockopt(zmq.ROUTER_NOTIFY, zmq.NOTIFY_DISCONNECT)
+            self.notifies_disconnect = True
+        except (zmq.ZMQError, AttributeError):
+            pass
         try:
             sock.bind(url)
         except zmq.ZMQError as exc:

@@ -42,8 +42,9 @@ from ..shm import Arena, SegmentCache, daemon_id, remove_segments_with_prefix, r
 from .frontend import Frontend
 from .metrics import MetricsServer
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
+from .batcher import Batch, DynamicBatcher, split_outputs, stage_batch_inputs
 from .registry import LOADING, READY, UNAVAILABLE, UNLOADING, ModelVersion, Registry
-from .requests import InferRequest, output_shape, stage_inputs, validate_infer
+from .requests import InferRequest, batch_layout, stage_inputs, validate_infer
 from .sessions import SessionManager
 from .systemd import Notifier
 from .supervisor import BUSY, DEAD, IDLE, STARTING, Supervisor, WorkerHandle
@@ -80,6 +81,25 @@ class ServerOptions:
     repository_poll_secs: float = 15.0
 
 
+@dataclass(eq=False)
+class _OutBlock:
+    """A worker output block that answers read from (several, for a batch):
+    it goes back to the worker once every send and every lend of it is done."""
+
+    worker: WorkerHandle
+    block: list                       # [segment, offset, size]
+    refs: int = 1                     # 1 while the answers are being sent
+
+
+class _Copied:
+    """Output bytes copied out of a worker that died before they were sent."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
 @dataclass(order=True)
 class _Timer:
     when: float
@@ -108,7 +128,9 @@ class Server:
         self._batch_ids = itertools.count(1)
         self._crashes: dict[int, list[float]] = {}
         # zero-copy sends of worker output blocks still being written by ZeroMQ
-        self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list]] = []
+        self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list[_OutBlock]]] = []
+        # output sub-ranges lent to local clients: (segment, offset) -> the block they are part of
+        self._lent: dict[tuple[str, int], _OutBlock] = {}
         self._signals: list[int] = []
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
@@ -214,15 +236,18 @@ class Server:
     def shutdown(self) -> None:
         if self.registry is not None:
             for mv in self.registry.all_versions():
+                if isinstance(mv.queue, DynamicBatcher):
+                    self._flush_held(mv.queue)
                 for req in list(mv.queue):
                     self._fail(req, TorchpoolError(errors.UNAVAILABLE, "server is shutting down"))
                 mv.queue.clear()
                 for h in mv.workers:
                     if h.batch is not None:
-                        self._fail(h.batch, TorchpoolError(errors.UNAVAILABLE,
-                                                            f"server is shutting down; {h.label} "
-                                                            f"did not finish in the grace period"))
-                        h.batch = None
+                        batch, h.batch = h.batch, None
+                        self._free_batch(batch)
+                        self._fail_batch(batch, TorchpoolError(errors.UNAVAILABLE,
+                                                               f"server is shutting down; {h.label} "
+                                                               f"did not finish in the grace period"))
         if self.sessions is not None:
             self.sessions.close_all()
         if self.supervisor is not None:
@@ -230,7 +255,7 @@ class Server:
         if self.frontend is not None:
             self.frontend.close()
         if self.ctx is not None:
-            self.ctx.term()
+            self.ctx.destroy(linger=1000)   # closes any socket still open, then terminates
         self.worker_segments.close()
         if self.arena is not None:
             self.arena.close(unlink=True)
@@ -314,8 +339,13 @@ class Server:
         deadlines = [t.when for t in self._timers[:1]]
         if drain_deadline is not None:
             deadlines.append(drain_deadline)
-        if any(req.deadline for mv in self.registry.all_versions() for req in mv.queue):
-            deadlines.append(time.monotonic() + 0.01)
+        for mv in self.registry.all_versions():
+            if isinstance(mv.queue, DynamicBatcher):
+                due = mv.queue.next_deadline()
+                if due is not None:
+                    deadlines.append(due)
+            elif any(req.deadline for req in mv.queue):
+                deadlines.append(time.monotonic() + 0.01)
         if not deadlines:
             return None
         return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
@@ -334,13 +364,17 @@ class Server:
     def _handle_request(self, sock: zmq.Socket, frames: list) -> None:
         identity = frames[0].bytes
         request_id = None
+        if len(frames) == 2 and len(frames[1]) == 0 and self.frontend.notifies_disconnect:
+            # ROUTER_NOTIFY: the peer disconnected (closed, crashed, killed)
+            self.sessions.disconnected(identity)
+            return
         try:
             if len(frames) < 2:
                 raise TorchpoolError(errors.INVALID_ARG, "empty request: expected a header frame")
             header = messages.decode_header(frames[1].buffer)
             request_id = header.get("id")
             op = header.get("op")
-            session = self._session_of(header)
+            session = self._session_of(header, identity)
             if op == messages.OP_INFER:
                 self._accept_infer(sock, identity, request_id, header, [f.buffer for f in frames[2:]],
                                    session)
@@ -356,7 +390,7 @@ class Server:
                     self.control.unload(header.get("model"), waiter)
                 return
             if op in messages.SESSION_OPS:
-                result = self._session_control(op, header, session)
+                result = self._session_control(op, header, session, identity)
             else:
                 result = self._control(op, header)
         except TorchpoolError as exc:
@@ -369,18 +403,18 @@ class Server:
             return
         self.frontend.send(sock, identity, messages.ok_response(request_id, result=result))
 
-    def _session_of(self, header: dict) -> Any:
+    def _session_of(self, header: dict, identity: bytes) -> Any:
         """The request's client session (lease renewed), after it hands back
         the output blocks it has finished reading."""
-        session = self.sessions.get(header.get("session"))
+        session = self.sessions.get(header.get("session"), identity)
         if session is not None and header.get("release"):
             self.sessions.release(session, header["release"])
         return session
 
-    def _session_control(self, op: str, header: dict, session: Any) -> Any:
+    def _session_control(self, op: str, header: dict, session: Any, identity: bytes) -> Any:
         sessions = self.sessions
         if op == messages.OP_HELLO:
-            return sessions.hello(header)
+            return sessions.hello(header, identity)
         if session is None:
             raise TorchpoolError(errors.INVALID_ARG, f"'{op}' needs a session: say hello first")
         if op == messages.OP_GOODBYE:
@@ -395,8 +429,13 @@ class Server:
         return sessions.status(session, header.get("name"))
 
     def _give_back(self, worker: WorkerHandle, blocks: list) -> None:
-        if worker.state != DEAD:
-            worker.releases.extend(blocks)
+        """A client released lent outputs (or its session closed)."""
+        for block in blocks:
+            shared = self._lent.pop((block[0], block[1]), None)
+            if shared is not None:
+                self._unref(shared)
+            elif worker.state != DEAD:
+                worker.releases.append(block)
 
     def _forget(self, refs: list) -> None:
         """Every live worker unmaps segments of a closed session or region."""
@@ -409,6 +448,8 @@ class Server:
     # ------------------------------------------------------- model control
 
     def start_version(self, mv: ModelVersion) -> None:
+        if mv.config.dynamic_batching is not None and not isinstance(mv.queue, DynamicBatcher):
+            mv.queue = DynamicBatcher(mv.config, self.arena, self.transfer)
         for handle in self.supervisor.spawn_instances(mv):
             self._watch_worker(handle)
 
@@ -585,7 +626,8 @@ class Server:
                 region_name, region_offset = req.region_outputs[name]
                 entry["region"] = [region_name, nbytes, region_offset]
                 continue
-            if lend and session is not None and session.token in self.sessions.sessions:
+            if lend and nbytes > messages.LOCAL_MIN_BYTES and session is not None \
+                    and session.token in self.sessions.sessions:
                 entry["shm"] = [segment, offset, nbytes,
                                 self.sessions.lend(session, worker, segment, offset, nbytes)]
                 self.transfer["output_bytes_lent"] += nbytes

@@ -110,6 +110,7 @@ class Session:
     token: str
     local: bool
     last_seen: float
+    identity: bytes = b""         # the client's ZeroMQ routing id (its connection)
     arena: dict[str, Segment] = field(default_factory=dict)
     lent: dict[tuple[str, int], tuple[int, Any, int]] = field(default_factory=dict)  # (seg, off) -> (gen, worker, size)
     regions: dict[str, Region] = field(default_factory=dict)
@@ -136,9 +137,9 @@ class SessionManager:
 
     # --- lifecycle -------------------------------------------------------
 
-    def hello(self, header: dict) -> dict:
+    def hello(self, header: dict, identity: bytes = b"") -> dict:
         local = bool(header.get("local")) and header.get("boot_id") == self.boot_id and bool(self.boot_id)
-        session = Session(secrets.token_hex(16), local, time.monotonic())
+        session = Session(secrets.token_hex(16), local, time.monotonic(), identity)
         if local:
             self._add_segment(session, self.arena_size)
         self.sessions[session.token] = session
@@ -164,7 +165,7 @@ class SessionManager:
         seg = self._add_segment(session, max(size, self.arena_size))
         return {"segment": seg.name, "size": seg.size}
 
-    def get(self, token: Any) -> Optional[Session]:
+    def get(self, token: Any, identity: bytes = b"") -> Optional[Session]:
         """The request's session (renewing its lease); None when it names none."""
         if token is None:
             return None
@@ -173,7 +174,18 @@ class SessionManager:
             raise TorchpoolError(errors.NOT_FOUND, "unknown session (its lease expired or the daemon "
                                                    "restarted); say hello again")
         session.last_seen = time.monotonic()
+        if identity:
+            session.identity = identity
         return session
+
+    def disconnected(self, identity: bytes) -> None:
+        """The client's connection closed: nobody can read its outputs any more."""
+        for s in [s for s in self.sessions.values() if s.identity == identity]:
+            if s.in_flight:
+                s.last_seen = 0.0           # closed by the lease sweep once its requests finish
+            else:
+                log.debug("client session %s… disconnected: releasing its shared memory", s.token[:8])
+                self.close(s)
 
     def close(self, session: Session) -> None:
         """Give back everything the session held."""
@@ -192,10 +204,13 @@ class SessionManager:
             self.forget(forgotten)
 
     def expire(self) -> int:
-        """Close sessions idle past their lease with nothing in flight."""
+        """Close sessions idle past their lease with nothing in flight. A
+        session still holding lent outputs gets ten leases: its client may be
+        reading them (a disconnect, where libzmq reports it, ends it at once)."""
         now = time.monotonic()
         idle = [s for s in self.sessions.values()
-                if s.in_flight == 0 and now - s.last_seen > self.lease_s]
+                if s.in_flight == 0
+                and now - s.last_seen > self.lease_s * (10 if s.lent and s.last_seen else 1)]
         for s in idle:
             log.info("client session %s… idle for %.0f s: releasing its shared memory", s.token[:8],
                      now - s.last_seen)
@@ -213,18 +228,25 @@ class SessionManager:
         session.lent[(segment, offset)] = (gen, worker, size)
         return gen
 
-    def release(self, session: Session, releases: Any) -> None:
+    def release(self, session: Session, releases: Any) -> int:
+        """Give back the blocks the client names. A release that matches no
+        block lent to this session with that generation (a worker that died
+        since, a duplicate) frees nothing and is ignored: it can never free
+        a block someone else reads. Returns how many were ignored."""
         if not isinstance(releases, list):
             raise _bad("'release' must be a list of [segment, offset, generation]")
+        ignored = 0
         for item in releases:
             if not (isinstance(item, list) and len(item) == 3):
                 raise _bad("'release' must be a list of [segment, offset, generation]")
             key = (item[0], item[1])
             lent = session.lent.get(key) if isinstance(item[0], str) and isinstance(item[1], int) else None
             if lent is None or lent[0] != item[2]:
-                raise _bad("stale descriptor in 'release': no such output block is lent to this session")
+                ignored += 1
+                continue
             del session.lent[key]
             self.give_back(lent[1], [[item[0], item[1], lent[2]]])
+        return ignored
 
     def worker_gone(self, worker: Any) -> None:
         """A dead worker's lent blocks need no release (its memory is gone with it)."""

@@ -27,6 +27,10 @@ PROTOCOL_VERSION = 1
 # Tensors up to this size ride inside the header frame.
 INLINE_LIMIT = 64 * 1024
 
+# Below this size a local client's tensors travel inline anyway: a descriptor
+# and its bookkeeping cost more than copying a few kilobytes.
+LOCAL_MIN_BYTES = 16 * 1024
+
 OP_INFER = "infer"
 OP_SERVER_LIVE = "server_live"
 OP_SERVER_READY = "server_ready"
