@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
 from ..protocol import datatypes, errors, internal
@@ -282,5 +283,7 @@ class Worker:
             if isinstance(data, bytes):
                 memoryview(buf)[offset:offset + nbytes] = data
             else:
-                torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset).copy_(data)
+                # numpy's single memcpy: torch's multi-threaded copy_ into a shared
+                # mapping measured 6x slower here (8 ms vs 1.3 ms for 16 MiB)
+                np.copyto(np.frombuffer(buf, np.uint8, count=nbytes, offset=offset), data.numpy())
         return [name, datatype, shape, segment, offset, nbytes]
