@@ -479,3 +479,32 @@ def test_small_inputs_stay_inline_by_default(arena, monkeypatch: pytest.MonkeyPa
     assert "data" in s_ and "shm" in b and "shm" in p
     assert enc.stats == [big.nbytes, in_place.nbytes, small.nbytes]
     st.finish(enc, arena, answered=True)
+
+
+def test_concurrent_requests_grow_the_arena_once(daemon_segments) -> None:
+    """Two flows interleaved (as AsyncClient runs them) that both find the arena
+    full: one asks for a segment; the other goes inline instead of adding one more."""
+    d = FakeDaemon(daemon_segments)
+    st = local_state()
+    try:
+        run(st.hello_flow(5), d)
+        a, b = np.ones(2 * KiB, np.float32), np.full(2 * KiB, 2, np.float32)   # 8 KiB each: no room
+        f1 = st.infer_flow("m", {"X": a}, None, None, 5, copy=True)
+        f2 = st.infer_flow("m", {"X": b}, None, None, 5, copy=True)
+        grow = next(f1)
+        assert messages.unpack(grow.frames[0])["op"] == "arena_grow"
+        inline = next(f2)                                    # while the grow is in flight
+        h2 = messages.unpack(inline.frames[0])
+        assert h2["op"] == "infer" and "data" in h2["inputs"][0]
+        infer1 = f1.send(d(grow))
+        assert "shm" in messages.unpack(infer1.frames[0])["inputs"][0]
+        for flow, call, x in ((f1, infer1, a), (f2, inline, b)):
+            with pytest.raises(StopIteration) as done:
+                flow.send(d(call))
+            assert np.array_equal(done.value.value["X"], x)
+        assert [h["op"] for h in d.seen].count("arena_grow") == 1 and len(st.arena.segments) == 2
+        # the grow is over: the next request that finds no room may grow again
+        assert not st.arena.growing
+    finally:
+        st.close()
+        d.close()

@@ -286,6 +286,7 @@ class ClientArena:
         self._dead: collections.deque = collections.deque()   # empty() blocks whose array is gone
         self.user_blocks: dict[int, ArenaBlock] = {}          # data address -> live empty() block
         self.grow_refused = False
+        self.growing = False            # an arena_grow is in flight (asyncio: one at a time)
 
     # segments
     def map_segment(self, name: str, prefault: bool = True) -> Segment:
@@ -765,21 +766,31 @@ class ClientState:
             return self.encode_inputs(inputs, arena), arena
         except _NeedRoom as room:
             need = room.nbytes
-        if not arena.grow_refused and arena.mapped_bytes + need <= arena.cap:
+        if (yield from self._grow(arena, need, timeout)):
             try:
-                header, _ = yield from self.exchange(OP_ARENA_GROW, timeout, {"size": need})
-                res = header.get("result") or {}
-                arena.map_segment(res["segment"])
-            except (NoAnswer, SessionLost):
-                raise
-            except (InferenceError, KeyError, TypeError, OSError, ValueError):
-                arena.grow_refused = True
-            else:
-                try:
-                    return self.encode_inputs(inputs, arena), arena
-                except _NeedRoom:
-                    pass
+                return self.encode_inputs(inputs, arena), arena
+            except _NeedRoom:
+                pass
         return self.encode_inputs(inputs, None), None      # this request goes inline
+
+    def _grow(self, arena: ClientArena, need: int, timeout: Optional[float]) -> Flow:
+        """Add an arena segment of at least `need` bytes; False if not now.
+        One grow at a time: concurrent requests (asyncio) that find no room
+        while one is in flight go inline instead of each adding a segment."""
+        if arena.growing or arena.grow_refused or arena.mapped_bytes + need > arena.cap:
+            return False
+        arena.growing = True
+        try:
+            header, _ = yield from self.exchange(OP_ARENA_GROW, timeout, {"size": need})
+            arena.map_segment((header.get("result") or {})["segment"])
+        except (NoAnswer, SessionLost):
+            raise
+        except (InferenceError, KeyError, TypeError, OSError, ValueError):
+            arena.grow_refused = True
+            return False
+        finally:
+            arena.growing = False
+        return True
 
     def infer_flow(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
                    version: Any, timeout: Optional[float], copy: bool) -> Flow:
@@ -903,16 +914,8 @@ class ClientState:
         arr = arena.empty(shape, dtype)
         if arr is None:
             need = block_size(math.prod(shape) * dtype.itemsize)
-            if not arena.grow_refused and arena.mapped_bytes + need <= arena.cap:
-                try:
-                    header, _ = yield from self.exchange(OP_ARENA_GROW, timeout, {"size": need})
-                    arena.map_segment((header.get("result") or {})["segment"])
-                except (NoAnswer, SessionLost):
-                    raise
-                except (InferenceError, KeyError, TypeError, OSError, ValueError):
-                    arena.grow_refused = True
-                else:
-                    arr = arena.empty(shape, dtype)
+            if (yield from self._grow(arena, need, timeout)):
+                arr = arena.empty(shape, dtype)
         return np.empty(shape, dtype) if arr is None else arr
 
     # -- registered regions
