@@ -7,7 +7,12 @@ ratios are meaningful even on a noisy 2-core machine.
      ipc:// and tcp://, against calling the same TorchScript model in-process
      and against a raw ZeroMQ DEALER/ROUTER echo of the same bytes;
   2. startup: time until 20 single-instance models are ready, and the memory
-     (PSS) of the daemon with all its processes.
+     (PSS) of the daemon with all its processes;
+  3. dynamic batching: throughput and p50/p99 latency at concurrency 1, 8 and
+     32 for the example repository's MLP (256-1024-1024-10, one instance),
+     once with its `dynamic_batching { }` and once as a copy without it
+     (`mlp_nobatch`: one request per execution), with the executions the
+     daemon counted (requests per execution = the mean batch size).
 """
 from __future__ import annotations
 
@@ -217,6 +222,80 @@ def bench_torchpool(url: str, n_small: int, n_big: int, seconds: float) -> dict:
     return out
 
 
+def load_test(make_call, threads: int, seconds: float) -> dict:
+    """Closed-loop callers: requests per second and latency percentiles."""
+    stop = [0.0]
+    samples: list[list[float]] = [[] for _ in range(threads)]
+    start = threading.Barrier(threads + 1)
+
+    def loop(i: int) -> None:
+        call = make_call()
+        for _ in range(3):
+            call()
+        start.wait()
+        mine = samples[i]
+        while time.monotonic() < stop[0]:
+            t0 = time.perf_counter()
+            call()
+            mine.append(time.perf_counter() - t0)
+
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    stop[0] = time.monotonic() + seconds
+    start.wait()
+    t0 = time.monotonic()
+    for w in workers:
+        w.join()
+    elapsed = time.monotonic() - t0
+    every = [v for s in samples for v in s]
+    p50, p99 = percentiles(every)
+    return {"rps": len(every) / elapsed, "p50": p50, "p99": p99, "requests": len(every)}
+
+
+def add_unbatched_mlp(repo: Path) -> None:
+    """`mlp_nobatch`: the example MLP without dynamic_batching (Triton's default
+    scheduler: every request is one execution)."""
+    from torchpool.examples import MLP_CONFIG
+
+    target = repo / "mlp_nobatch"
+    (target / "1").mkdir(parents=True, exist_ok=True)
+    (target / "1" / "model.pt").write_bytes((repo / "mlp" / "1" / "model.pt").read_bytes())
+    config = MLP_CONFIG.replace('name: "mlp"', 'name: "mlp_nobatch"')
+    config = "\n".join(line for line in config.splitlines()
+                       if "dynamic_batching" not in line and "queue delay" not in line)
+    (target / "config.pbtxt").write_text(config + "\n")
+
+
+def bench_batching(url: str, seconds: float, concurrency: tuple = (1, 8, 32)) -> dict:
+    x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    out: dict = {}
+    for model in ("mlp_nobatch", "mlp"):
+        with Client(url, local=False) as c:
+            c.infer(model, {"INPUT__0": x})
+        for n in concurrency:
+            with Client(url, local=False) as c:
+                before = c.statistics(model)["model_stats"][0]
+            clients: list = []
+
+            def make():
+                # 1 KiB in, 40 bytes out: inline either way, so no client arenas
+                c = Client(url, local=False)
+                clients.append(c)
+                return lambda: c.infer(model, {"INPUT__0": x})
+
+            r = load_test(make, n, seconds)
+            for c in clients:
+                c.close()
+            with Client(url, local=False) as c:
+                after = c.statistics(model)["model_stats"][0]
+            executions = after["execution_count"] - before["execution_count"]
+            items = after["inference_count"] - before["inference_count"]
+            r["mean_batch"] = items / executions if executions else 0.0
+            out.setdefault(model, {})[f"c{n}"] = r
+    return out
+
+
 def bench_startup(workdir: Path, count: int) -> dict:
     from torchpool.examples import addsub_repository
 
@@ -257,6 +336,7 @@ def main() -> int:
         work = Path(tmp)
         repo = work / "repo"
         build_example_repository(repo)
+        add_unbatched_mlp(repo)
         print("in-process TorchScript ...", flush=True)
         results["inprocess"] = bench_inprocess(repo, n_small, n_big, secs)
         urls = {"ipc": f"ipc://{work}/tp.sock", "tcp": "tcp://127.0.0.1:18555"}
@@ -269,6 +349,8 @@ def main() -> int:
             for name, url in urls.items():
                 print(f"torchpool over {name} ...", flush=True)
                 results[f"torchpool_{name}"] = bench_torchpool(url, n_small, n_big, secs)
+            print("dynamic batching: MLP at concurrency 1, 8, 32 ...", flush=True)
+            results["batching"] = bench_batching(urls["ipc"], secs)
         finally:
             daemon.stop()
         if not args.skip_startup:
@@ -302,6 +384,20 @@ def render(r: dict) -> str:
         lines.append(f"| add/sub throughput, c=8, {t} | {ip['addsub']['c8']:,.0f}/s | | {tp['addsub']['c8']:,.0f}/s | |")
         lines.append(f"| identity 16 MiB throughput, c=8, {t} | {ip['identity16']['c8']:,.1f}/s | "
                      f"| {tp['identity16']['c8']:,.1f}/s | |")
+    if "batching" in r:
+        b = r["batching"]
+        cs = sorted(b["mlp"], key=lambda k: int(k[1:]))
+        lines += ["", "dynamic batching, MLP 256-1024-1024-10 ([1,256] FP32 per request, one instance, ipc):", "",
+                  "| | " + " | ".join(f"c={k[1:]}" for k in cs) + " |", "|---" * (len(cs) + 1) + "|"]
+        for model, label in (("mlp_nobatch", "without batching"), ("mlp", "dynamic_batching { }")):
+            row = b[model]
+            lines.append(f"| {label}: throughput | " + " | ".join(f"{row[k]['rps']:,.0f}/s" for k in cs) + " |")
+            lines.append(f"| {label}: p50 / p99 | "
+                         + " | ".join(f"{us(row[k]['p50'])} / {us(row[k]['p99'])}" for k in cs) + " |")
+            lines.append(f"| {label}: requests per execution | "
+                         + " | ".join(f"{row[k]['mean_batch']:.1f}" for k in cs) + " |")
+        lines.append("| speed-up with batching | " + " | ".join(
+            f"{b['mlp'][k]['rps'] / b['mlp_nobatch'][k]['rps']:.1f}x" for k in cs) + " |")
     if "startup" in r:
         s = r["startup"]
         lines += ["", f"startup: {s['models']} single-instance models ready in {s['ready_s']:.2f} s; "

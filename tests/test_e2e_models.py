@@ -333,8 +333,6 @@ def test_inference_mode_parameter(client: Client) -> None:
     assert default["INFERENCE_MODE"].tolist() == [True] and default["GRAD_ENABLED"].tolist() == [False]
 
 
-@pytest.mark.xfail(reason="ragged batching (batch_input BATCH_ACCUMULATED_ELEMENT_COUNT) is "
-                          "not implemented by the broker yet", strict=False)
 def test_ragged_sum_single_request(url: str) -> None:
     with Client(url, timeout=10) as client:
         result = client.infer("ragged_sum", {"INPUT__0": np.array([[1.0, 2.0, 3.0]], np.float32)})

@@ -33,10 +33,12 @@ class ModelVersion:
     state: str = LOADING
     reason: str = ""
     workers: list["WorkerHandle"] = field(default_factory=list)
-    queue: deque["InferRequest"] = field(default_factory=deque)
+    queue: deque["InferRequest"] = field(default_factory=deque)   # a DynamicBatcher (same container
+                                                                  # protocol) with dynamic_batching
     idle: deque["WorkerHandle"] = field(default_factory=deque)
     deferred: list[tuple[str, str]] = field(default_factory=list)   # (instance, device) not yet started
     stats: VersionStats = field(default_factory=VersionStats)
+    consecutive_crashes: int = 0      # worker crashes since the last successful execution
 
     @property
     def serving(self) -> bool:

@@ -38,6 +38,18 @@ class InferRequest:
     regions: list = field(default_factory=list)        # regions it uses (released when answered)
     region_outputs: dict = field(default_factory=dict)  # output name -> (region name, offset)
     output_shm: bool = False          # lend outputs in place instead of sending bytes
+    # --- batching (see broker/batcher.py) ---
+    rows: int = 1                     # rows along dim 0 (batch_size counts a 0-row request as 1)
+    shapes: dict = field(default_factory=dict)   # input name -> shape as sent
+    staged: list = field(default_factory=list)   # [(spec, shape, model shape, bytes, location)] until batched
+    key: Any = None                   # requests with equal keys may share a batch
+    exclusive: bool = False           # runs alone (outputs into regions, or no batch dimension)
+    level: int = 1                    # priority level (1 = highest)
+    timeout_us: int = 0               # the client's timeout, for the queue policy
+    enqueued: float = 0.0
+    arrival: int = 0
+    queued: bool = False
+    delayed: bool = False             # timed out with DELAY: behind its level's other requests
 
 
 def _bad(message: str) -> TorchpoolError:
@@ -62,7 +74,10 @@ def _check_shape(entry: dict, model: str) -> list[int]:
 
 
 def _model_shape(spec: TensorSpec, shape: list[int], batching: bool) -> list[int]:
-    """The shape the model sees: the config's `reshape` applied, if any."""
+    """The shape the model sees: the config's `reshape` applied, if any; a
+    ragged input (`allow_ragged_batch`) is one flat run of elements."""
+    if batching and spec.allow_ragged_batch:
+        return [math.prod(shape)]
     if spec.reshape is None:
         return shape
     prefix = shape[:1] if batching else []
@@ -155,9 +170,32 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion, sessio
                            f"Expected {want}, got {len(payload)}")
         staged.append((spec, shape, _model_shape(spec, shape, batching), payload, location))
 
+    present = {spec.name for spec, *_ in staged}
+    for entry in (*cfg.batch_inputs, *cfg.batch_outputs):
+        source = entry["source_input"][0]
+        if source not in present:
+            what = "batch input" if entry in cfg.batch_inputs else "batch output"
+            raise _bad(f"input '{source}' for model '{model}' is required: {what} "
+                       f"'{entry['target_name'][0]}' is computed from it")
     requested, region_outputs = _requested_outputs(header.get("outputs"), cfg, model, session,
                                                    sessions, regions)
     return staged, requested, batch_size or 1, regions, region_outputs
+
+
+def batch_layout(req: "InferRequest", staged: list[tuple], cfg: ModelConfig) -> None:
+    """Fill in what batching needs to know about an accepted request: its
+    input shapes, its rows, and the key of the requests it may share a batch
+    with (the same inputs, with the same shapes beyond the batch dimension,
+    except ragged inputs)."""
+    batching = cfg.max_batch_size > 0
+    req.shapes = {spec.name: shape for spec, shape, *_ in staged}
+    req.rows = staged[0][1][0] if batching and staged and staged[0][1] else 1
+    req.exclusive = not batching or bool(req.region_outputs)
+    if req.exclusive:
+        req.key = ("alone", id(req))
+    else:
+        req.key = tuple(sorted((spec.name, "ragged" if spec.allow_ragged_batch else tuple(shape[1:]))
+                               for spec, shape, *_ in staged))
 
 
 def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: Any, sessions: Any,

@@ -14,6 +14,12 @@
                                       the torch template): views inputs in shm,
                                       runs TorchScript, writes outputs to its arena
 
+Models with `dynamic_batching` queue in a `DynamicBatcher` (broker/batcher.py)
+instead: it writes the next batch's inputs contiguously while the instances
+are busy, a RUN goes out as soon as a DONE comes in (before that batch is
+answered), and each request is answered with its own byte ranges of the
+batch's outputs.
+
 Everything happens on one thread around one poller: frontend sockets, worker
 sockets, worker process sentinels and a signal wake-up pipe. Signal handlers
 only record the signal; the loop acts on it. Every accepted request is
@@ -39,6 +45,7 @@ from ..config import scan_repository
 from ..protocol import errors, internal, messages
 from ..protocol.errors import TorchpoolError
 from ..shm import Arena, SegmentCache, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
+from ..shm.arena import ArenaFull
 from .frontend import Frontend
 from .metrics import MetricsServer
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
@@ -67,8 +74,7 @@ class ServerOptions:
     busy_poll_us: int = 500             # keep polling this long after activity before sleeping
     worker_busy_poll_us: int = 0        # the same for workers, after each batch
     stop_timeout: float = 10.0          # time a worker gets to exit before SIGKILL
-    max_restarts: int = 5               # crashes within restart_window before UNAVAILABLE
-    restart_window: float = 60.0
+    max_restarts: int = 5               # crashes in a row, no batch done in between: UNAVAILABLE
     client_shm_size: int = 64 * MiB     # a local client's arena segment
     client_shm_limit: int = 1024 * MiB  # a local client's arena, all segments
     client_lease: float = 60.0          # an idle client session is closed after this long
@@ -126,11 +132,11 @@ class Server:
         self._timers: list[_Timer] = []
         self._timer_seq = itertools.count()
         self._batch_ids = itertools.count(1)
-        self._crashes: dict[int, list[float]] = {}
         # zero-copy sends of worker output blocks still being written by ZeroMQ
         self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list[_OutBlock]]] = []
         # output sub-ranges lent to local clients: (segment, offset) -> the block they are part of
         self._lent: dict[tuple[str, int], _OutBlock] = {}
+        self._burst: Optional[set] = None    # batched versions with requests accepted in this burst
         self._signals: list[int] = []
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
@@ -354,12 +360,20 @@ class Server:
 
     def _on_frontend(self, sock: zmq.Socket) -> None:
         # Drain what is there now, but give the workers' answers a turn too.
-        for _ in range(64):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._handle_request(sock, frames)
+        # Batched models see the whole burst before a batch goes out: what
+        # is already waiting is batched together.
+        self._burst = set()
+        try:
+            for _ in range(64):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._handle_request(sock, frames)
+        finally:
+            burst, self._burst = self._burst, None
+            for mv in burst:
+                self._dispatch(mv)
 
     def _handle_request(self, sock: zmq.Socket, frames: list) -> None:
         identity = frames[0].bytes
@@ -518,45 +532,119 @@ class Server:
         mv = self.registry.resolve(header.get("model"), header.get("version"))
         staged, outputs, batch_size, regions, region_outputs = validate_infer(
             header, frames, mv, session, self.sessions)
-        descriptors, blocks = stage_inputs(staged, self.arena, mv.name)
-        for _spec, _shape, _model_shape, payload, location in staged:
-            self.transfer["input_bytes_in_place" if location else "input_bytes_copied"] += len(payload)
         timeout_us = header.get("timeout_us") or 0
-        deadline = time.monotonic() + timeout_us / 1e6 if isinstance(timeout_us, int) and timeout_us > 0 else None
-        req = InferRequest(sock, identity, request_id, mv, descriptors, outputs, blocks, deadline,
+        if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or timeout_us < 0:
+            timeout_us = 0
+        req = InferRequest(sock, identity, request_id, mv, [], outputs, [], None,
                            batch_size=batch_size, session=session, regions=regions,
-                           region_outputs=region_outputs,
+                           region_outputs=region_outputs, timeout_us=timeout_us,
                            output_shm=bool(header.get("output_shm")) and session is not None and session.local)
+        batch_layout(req, staged, mv.config)
+        batcher = mv.queue if isinstance(mv.queue, DynamicBatcher) else None
+        if batcher is not None:
+            # written into its batch's contiguous inputs by the batcher, once
+            req.staged = staged
+            req.level = batcher.level_of(header.get("priority"))
+            batcher.check_room(req)
+        else:
+            self._stage(req, staged)
+            if timeout_us > 0:
+                req.deadline = time.monotonic() + timeout_us / 1e6
         # held until the request is answered: regions cannot go, the session cannot expire
         for region in regions:
             region.in_use += 1
         if session is not None:
             session.in_flight += 1
-        mv.queue.append(req)
+        if batcher is not None:
+            batcher.push(req, time.monotonic())
+            if self._burst is not None:
+                self._burst.add(mv)          # dispatched once the burst is read
+                return
+        else:
+            mv.queue.append(req)
         self._dispatch(mv)
+
+    def _stage(self, req: InferRequest, staged: list) -> None:
+        """A request run on its own: inline inputs copied once into the arena,
+        inputs already in shared memory passed by descriptor, and its
+        `batch_input` tensors computed."""
+        mv = req.version
+        req.inputs, req.blocks = stage_inputs(staged, self.arena, mv.name)
+        for _spec, _shape, _model_shape, payload, location in staged:
+            self.transfer["input_bytes_in_place" if location else "input_bytes_copied"] += len(payload)
+        if mv.config.batch_inputs:
+            try:
+                extra, blocks = stage_batch_inputs(mv.config, [req], self.arena)
+            except ArenaFull as exc:
+                for block in req.blocks:
+                    self.arena.free(block)
+                raise TorchpoolError(errors.UNAVAILABLE, f"model '{mv.name}': {exc}; retry later or "
+                                                         f"raise --shm-limit") from None
+            req.inputs = req.inputs + extra
+            req.blocks = req.blocks + blocks
 
     # ----------------------------------------------------------- dispatch
 
     def _dispatch(self, mv: ModelVersion) -> None:
-        while mv.queue and mv.idle:
-            req = mv.queue.popleft()
+        queue = mv.queue
+        if isinstance(queue, DynamicBatcher):
+            self._dispatch_batches(mv, queue)
+            return
+        while queue and mv.idle:
+            req = queue.popleft()
             if req.deadline is not None and time.monotonic() > req.deadline:
                 self._fail(req, TorchpoolError(errors.UNAVAILABLE, "Request timeout expired"))
                 continue
-            worker = mv.idle.popleft()
-            worker.state = BUSY
-            worker.batch = req
-            worker.batch_id = next(self._batch_ids)
-            mv.stats.queue.add(int((time.monotonic() - req.received) * 1e9))
-            limit = self._execution_timeout(mv)
-            if limit:
-                self._call_later(limit, lambda w=worker, b=worker.batch_id: self._kill_if_hung(w, b, limit))
-            self._collect_finished_sends()
-            releases, worker.releases = worker.releases, []
+            self._run(mv, Batch.single(req))
+
+    def _dispatch_batches(self, mv: ModelVersion, batcher: DynamicBatcher) -> None:
+        """Send formed batches to idle instances; form the next one meanwhile."""
+        now = time.monotonic()
+        while batcher and mv.idle:
             try:
-                worker.send(internal.RUN, worker.batch_id, req.inputs, req.outputs, releases)
-            except OSError:
-                pass  # the worker is dying; its sentinel will answer this request
+                batch, due = batcher.take(now)
+            except Exception as exc:  # a bug must not lose requests or stop the daemon
+                log.exception("forming a batch of %s failed", mv.label)
+                for req in list(batcher):
+                    self._fail(req, TorchpoolError(errors.INTERNAL, f"{mv.label}: forming a batch "
+                                                                    f"failed: {exc}"))
+                batcher.clear()
+                return
+            if batch is None:
+                if due is not None and (batcher.wake_at is None or due < batcher.wake_at):
+                    batcher.wake_at = due
+                    self._call_later(max(0.0, due - now), lambda: self._batch_due(mv, batcher))
+                break
+            if batch.error is not None:
+                self._fail_batch(batch, batch.error)
+                continue
+            self._run(mv, batch)
+        if batcher:
+            batcher.prepare(now)
+
+    def _batch_due(self, mv: ModelVersion, batcher: DynamicBatcher) -> None:
+        if batcher.wake_at is not None and batcher.wake_at <= time.monotonic():
+            batcher.wake_at = None
+        if mv.queue is batcher:
+            self._dispatch(mv)
+
+    def _run(self, mv: ModelVersion, batch: Batch) -> None:
+        worker = mv.idle.popleft()
+        worker.state = BUSY
+        worker.batch = batch
+        worker.batch_id = next(self._batch_ids)
+        now = time.monotonic()
+        for req in batch.requests:
+            mv.stats.queue.add(int((now - req.received) * 1e9))
+        limit = self._execution_timeout(mv)
+        if limit:
+            self._call_later(limit, lambda w=worker, b=worker.batch_id: self._kill_if_hung(w, b, limit))
+        self._collect_finished_sends()
+        releases, worker.releases = worker.releases, []
+        try:
+            worker.send(internal.RUN, worker.batch_id, batch.inputs, batch.outputs, releases)
+        except OSError:
+            pass  # the worker is dying; its sentinel will answer this batch
 
     def _execution_timeout(self, mv: ModelVersion) -> float:
         """Seconds a batch may run: the model's TORCHPOOL_EXECUTION_TIMEOUT_S, else the daemon's."""
@@ -570,20 +658,28 @@ class Server:
         if worker.state == BUSY and worker.batch_id == batch_id and worker.batch is not None:
             log.error("%s exceeded the execution timeout of %g s; killing it", worker.label, limit)
             worker.timed_out = limit
-            worker.process.kill()      # the sentinel answers its request and respawns it
+            worker.process.kill()      # the sentinel answers its requests and respawns it
 
     def _expire_queued(self) -> None:
         now = time.monotonic()
         for mv in self.registry.all_versions():
-            if mv.queue and any(r.deadline is not None and now > r.deadline for r in mv.queue):
+            queue = mv.queue
+            if isinstance(queue, DynamicBatcher):
+                due = queue.next_deadline()
+                if due is not None and due <= now:
+                    for req in queue.expire(now):
+                        self._fail(req, TorchpoolError(errors.UNAVAILABLE, "Request timeout expired"))
+                    self._dispatch(mv)
+                continue
+            if queue and any(r.deadline is not None and now > r.deadline for r in queue):
                 keep = []
-                for req in mv.queue:
+                for req in queue:
                     if req.deadline is not None and now > req.deadline:
                         self._fail(req, TorchpoolError(errors.UNAVAILABLE, "Request timeout expired"))
                     else:
                         keep.append(req)
-                mv.queue.clear()
-                mv.queue.extend(keep)
+                queue.clear()
+                queue.extend(keep)
 
     def _pending(self) -> int:
         return sum(len(mv.queue) + sum(1 for h in mv.workers if h.batch is not None)
@@ -596,6 +692,7 @@ class Server:
         for block in req.blocks:
             self.arena.free(block)
         req.blocks = []
+        req.staged = []
         if req.session is not None:
             for region in req.regions:
                 self.sessions.region_done(req.session, region)
@@ -607,40 +704,117 @@ class Server:
         self._release(req)
         self.frontend.send(req.socket, req.identity, messages.error_response(req.request_id, err))
 
-    def _answer(self, req: InferRequest, descriptors: list, worker: WorkerHandle) -> None:
-        """Send the outputs: into the caller's region when it asked; lent in
-        place to a local client; small ones inline; large ones zero-copy from
-        the worker's shared memory (the block goes back to the worker once
-        ZeroMQ has finished sending it)."""
+    def _fail_batch(self, batch: Batch, err: TorchpoolError) -> None:
+        for req in batch.requests:
+            self._fail(req, err)
+
+    def _free_batch(self, batch: Batch) -> None:
+        """The worker is done with the batch's inputs."""
+        for block in batch.blocks:
+            self.arena.free(block)
+        batch.blocks = []
+
+    def _complete(self, mv: ModelVersion, batch: Batch, outcome: tuple) -> None:
+        """Answer a finished batch: `("done", descriptors, worker)` or
+        `("failed", error)`. With preserve_ordering, batches are answered in
+        the order they were sent; one that finished early waits."""
+        queue = mv.queue
+        if batch.seq is None or not isinstance(queue, DynamicBatcher):
+            self._settle(batch, outcome)
+            return
+        queue.held[batch.seq] = (batch, outcome)
+        while queue.next_answer in queue.held:
+            held_batch, held_outcome = queue.held.pop(queue.next_answer)
+            queue.next_answer += 1
+            self._settle(held_batch, held_outcome)
+
+    def _flush_held(self, queue: DynamicBatcher) -> None:
+        """Answer every finished batch still waiting for its turn (shutdown)."""
+        for seq in sorted(queue.held):
+            batch, outcome = queue.held.pop(seq)
+            self._settle(batch, outcome)
+
+    def _settle(self, batch: Batch, outcome: tuple) -> None:
+        if outcome[0] == "failed":
+            self._fail_batch(batch, outcome[1])
+            return
+        _, descriptors, worker = outcome
+        mv = batch.requests[0].version
+        try:
+            parts = split_outputs(mv.config, batch, descriptors, self._read_output)
+        except Exception as exc:
+            if not isinstance(exc, TorchpoolError):
+                log.exception("splitting the outputs of a batch of %s failed", mv.label)
+                exc = TorchpoolError(errors.INTERNAL, f"{mv.label}: {exc}")
+            self._fail_batch(batch, exc)
+            parts = None
+        blocks = {}
+        for d in descriptors:
+            if isinstance(d[3], str) and worker is not None:
+                blocks[d[3], d[4]] = _OutBlock(worker, [d[3], d[4], d[5]])
+        if parts is not None:
+            owner_of = {d[0]: blocks.get((d[3], d[4])) if isinstance(d[3], str) else None
+                        for d in descriptors}
+            for req, pieces in zip(batch.requests, parts):
+                try:
+                    self._answer(req, pieces, owner_of)
+                except Exception as exc:  # never lose the request
+                    log.exception("answering a request of %s failed", mv.label)
+                    self._fail(req, TorchpoolError(errors.INTERNAL, f"{mv.label}: {exc}"))
+        for shared in blocks.values():
+            self._unref(shared)
+
+    def _read_output(self, segment: Any, offset: int, nbytes: int) -> memoryview:
+        if isinstance(segment, _Copied):
+            return memoryview(segment.data)[offset:offset + nbytes]
+        return memoryview(self.worker_segments.get(segment).buf)[offset:offset + nbytes]
+
+    def _unref(self, shared: _OutBlock) -> None:
+        shared.refs -= 1
+        if shared.refs == 0 and shared.worker.state != DEAD:
+            shared.worker.releases.append(shared.block)
+
+    def _answer(self, req: InferRequest, pieces: list, owner_of: dict) -> None:
+        """Send one request's outputs (its own byte ranges of the worker's
+        output blocks): into the caller's region when it asked; lent in place
+        to a local client; small ones inline; large ones zero-copy from the
+        worker's shared memory (the block goes back to the worker once every
+        answer that reads it has been sent and every lend released)."""
         session, lend = req.session, req.output_shm
+        if session is not None and session.token not in self.sessions.sessions:
+            lend = False
         req.version.stats.success.add(int((time.monotonic() - req.received) * 1e9))
         self._release(req)
-        cfg = req.version.config
-        batching = cfg.max_batch_size > 0
-        outputs, frames, trackers, blocks = [], [], [], []
-        for name, datatype, shape, segment, offset, nbytes in descriptors:
-            entry = {"name": name, "datatype": datatype,
-                     "shape": output_shape(cfg.output(name), shape, batching)}
+        outputs, frames, trackers, sending = [], [], [], []
+        for name, datatype, shape, segment, offset, nbytes in pieces:
+            entry = {"name": name, "datatype": datatype, "shape": shape}
             outputs.append(entry)
             if name in req.region_outputs:
                 region_name, region_offset = req.region_outputs[name]
                 entry["region"] = [region_name, nbytes, region_offset]
                 continue
-            if lend and nbytes > messages.LOCAL_MIN_BYTES and session is not None \
-                    and session.token in self.sessions.sessions:
+            owner = owner_of.get(name)
+            if lend and owner is not None and nbytes > messages.LOCAL_MIN_BYTES:
                 entry["shm"] = [segment, offset, nbytes,
-                                self.sessions.lend(session, worker, segment, offset, nbytes)]
+                                self.sessions.lend(session, owner.worker, segment, offset, nbytes)]
+                owner.refs += 1
+                self._lent[segment, offset] = owner
                 self.transfer["output_bytes_lent"] += nbytes
                 continue
             self.transfer["output_bytes_sent"] += nbytes
-            blocks.append([segment, offset, nbytes])
-            data = memoryview(self.worker_segments.get(segment).buf)[offset:offset + nbytes]
+            data = self._read_output(segment, offset, nbytes)
             if nbytes <= messages.INLINE_LIMIT:
                 payload: Any = bytes(data)
+            elif owner is None:          # copied out of a worker that died: nothing to track
+                frames.append(data)
+                payload = len(frames)
             else:
                 frame = zmq.Frame(data, copy=False, track=True)
                 frames.append(frame)
                 trackers.append(frame.tracker)
+                if owner not in sending:
+                    owner.refs += 1
+                    sending.append(owner)
                 payload = len(frames)
             entry["data"] = payload
         self.frontend.send(req.socket, req.identity,
@@ -648,19 +822,18 @@ class Server:
                                                 model_version=str(req.version.version),
                                                 outputs=outputs), frames)
         if trackers:
-            self._sending.append((trackers, worker, blocks))
-        else:
-            worker.releases.extend(blocks)
+            self._sending.append((trackers, sending[0].worker, sending))
 
     def _collect_finished_sends(self) -> None:
         if not self._sending:
             return
         still = []
-        for trackers, worker, blocks in self._sending:
+        for trackers, worker, shared in self._sending:
             if all(t.done for t in trackers):
-                worker.releases.extend(blocks)
+                for s in shared:
+                    self._unref(s)
             else:
-                still.append((trackers, worker, blocks))
+                still.append((trackers, worker, shared))
         self._sending = still
 
     # ------------------------------------------------------------ workers
@@ -688,20 +861,26 @@ class Server:
         elif kind == internal.LOAD_FAILED:
             self._version_failed(mv, msg[2])
         elif kind in (internal.DONE, internal.FAILED):
-            req, h.batch = h.batch, None
-            if req is not None and msg[1] == h.batch_id:
-                if kind == internal.DONE:
-                    mv.stats.record_execution(req.batch_size, 1, *msg[3][:3])
-                    try:
-                        self._answer(req, msg[2], h)
-                    except Exception as exc:  # never lose the request
-                        log.exception("answering a request of %s failed", mv.label)
-                        self._fail(req, TorchpoolError(errors.INTERNAL, f"{mv.label}: {exc}"))
-                else:
-                    self._fail(req, TorchpoolError(msg[2], msg[3]))
+            batch, h.batch = h.batch, None
+            batch_id = h.batch_id
             h.state = IDLE
             mv.idle.append(h)
+            if batch is not None:
+                self._free_batch(batch)
+            # the next batch (already written while this one ran) goes first
             self._dispatch(mv)
+            if batch is not None:
+                if msg[1] != batch_id:
+                    outcome: tuple = ("failed", TorchpoolError(
+                        errors.INTERNAL, f"{h.label} answered batch {msg[1]} while running "
+                                         f"batch {batch_id}"))
+                elif kind == internal.DONE:
+                    mv.stats.record_execution(batch.items, len(batch.requests), *msg[3][:3])
+                    mv.consecutive_crashes = 0
+                    outcome = ("done", msg[2], h)
+                else:
+                    outcome = ("failed", TorchpoolError(msg[2], msg[3]))
+                self._complete(mv, batch, outcome)
             if self.registry.retiring:
                 self.control.progress()
 
@@ -726,16 +905,21 @@ class Server:
         how = self.supervisor.reap(h)
         self._sending = [s for s in self._sending if s[1] is not h]
         self.sessions.worker_gone(h)
-        self.worker_segments.drop(lambda name: name.startswith(h.spec.segment_prefix))
+        if self._lent:
+            self._lent = {k: v for k, v in self._lent.items() if v.worker is not h}
         mv = h.mv
+        if isinstance(mv.queue, DynamicBatcher):
+            self._rescue_held(mv.queue, h)
+        self.worker_segments.drop(lambda name: name.startswith(h.spec.segment_prefix))
         if h.batch is not None:
-            req, h.batch = h.batch, None
+            batch, h.batch = h.batch, None
+            self._free_batch(batch)
             if h.timed_out:
                 why = (f"{h.label} exceeded the execution timeout of {h.timed_out:g} s and was killed; "
                        f"it is being restarted")
             else:
                 why = f"{h.label} {how} while running this request"
-            self._fail(req, TorchpoolError(errors.INTERNAL, why))
+            self._complete(mv, batch, ("failed", TorchpoolError(errors.INTERNAL, why)))
         if mv.state == UNLOADING:
             if not any(w.state != DEAD for w in mv.workers):
                 for req in list(mv.queue):
@@ -750,16 +934,27 @@ class Server:
             return
         log.error("%s %s; restarting it", h.label, how)
         mv.stats.worker_restarts += 1
-        now = time.monotonic()
-        crashes = [t for t in self._crashes.get(id(mv), []) if now - t < self.options.restart_window]
-        crashes.append(now)
-        self._crashes[id(mv)] = crashes
-        if len(crashes) > self.options.max_restarts:
-            self._version_failed(mv, f"instance '{h.spec.instance}' crashed {len(crashes)} times in "
-                                     f"{self.options.restart_window:.0f} s (last: {how})")
+        # A crash loop is crashes with no successful execution in between: a
+        # model that serves between crashes (a bad input now and then, an OOM
+        # kill) is restarted for ever, with backoff; one that never gets a
+        # batch through is given up on.
+        mv.consecutive_crashes += 1
+        if mv.consecutive_crashes > self.options.max_restarts:
+            self._version_failed(mv, f"instance '{h.spec.instance}' crashed {mv.consecutive_crashes} "
+                                     f"times without a successful execution in between (last: {how})")
             return
-        delay = min(0.1 * 2 ** (len(crashes) - 1), 10.0)
+        delay = min(0.1 * 2 ** (mv.consecutive_crashes - 1), 10.0)
         self._call_later(delay, lambda: self._respawn(mv, h.spec.instance, h.spec.device))
+
+    def _rescue_held(self, queue: DynamicBatcher, h: WorkerHandle) -> None:
+        """Answers of `h` waiting for their turn (preserve_ordering) keep their
+        outputs: copied out before the worker's memory goes."""
+        for seq, (batch, outcome) in list(queue.held.items()):
+            if outcome[0] == "done" and outcome[2] is h:
+                copied = [[name, datatype, shape, _Copied(bytes(self._read_output(seg, off, n))), 0, n]
+                          if isinstance(seg, str) else [name, datatype, shape, seg, off, n]
+                          for name, datatype, shape, seg, off, n in outcome[1]]
+                queue.held[seq] = (batch, ("done", copied, None))
 
     def _respawn(self, mv: ModelVersion, instance: str, device: str) -> None:
         if self.should_exit or mv.state in (UNAVAILABLE, UNLOADING):
