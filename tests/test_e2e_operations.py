@@ -359,3 +359,24 @@ def test_poll_mode_reload_under_load_drops_nothing(tmp_path: Path) -> None:
                  "the removed model to be unloaded")
     finally:
         d.stop()
+
+
+def test_a_model_that_crashes_on_every_batch_is_given_up(crash_repository: Path, tmp_path: Path) -> None:
+    d = Daemon(crash_repository, tmp_path).start()
+    try:
+        codes = []
+        with Client(d.url, timeout=60, local=False) as c:
+            for _ in range(12):
+                try:
+                    c.infer("crashy", {"INPUT__0": -np.ones(2, np.float32)})
+                except InferenceError as exc:
+                    codes.append(exc.code)
+                    if exc.code == "UNAVAILABLE":
+                        break
+            assert codes[:6] == ["INTERNAL"] * 6 and codes[-1] == "UNAVAILABLE", codes
+            assert not c.model_ready("crashy")
+            entry = next(e for e in c.repository_index() if e["name"] == "crashy")
+            assert entry["state"] == "UNAVAILABLE" and "without a successful execution" in entry["reason"]
+            np.testing.assert_array_equal(c.infer("addsub", ADDSUB)["OUTPUT0"], A + A)   # the others serve
+    finally:
+        d.stop()
