@@ -251,6 +251,7 @@ class Raw:
     """Requests spoken by hand, for the header fields the client has no argument for."""
 
     def __init__(self, url: str) -> None:
+        self.url = url
         self.conn = RawConnection(url)
         self.sent: dict = {}
 
@@ -262,6 +263,19 @@ class Raw:
                              for k, v in inputs.items()]}
         self.sent[rid] = time.monotonic()
         self.conn.send(msgpack.packb(header, use_bin_type=True))
+
+    def dispatched(self, model: str) -> int:
+        """Requests of `model` that have left the queue for a worker."""
+        with RawConnection(self.url) as rc:
+            header, _ = rc.call(msgpack.packb({"v": 1, "op": "statistics", "id": 0, "model": model},
+                                              use_bin_type=True))
+        return header["result"]["model_stats"][0]["inference_stats"]["queue"]["count"]
+
+    def send_running(self, rid, model: str, x: np.ndarray, pause: float = 0.0, **fields) -> None:
+        """Send, then wait (with a deadline) until a worker is running it."""
+        before = self.dispatched(model)
+        self.send(rid, model, x, pause, **fields)
+        wait_for(lambda: self.dispatched(model) > before, 10, f"request {rid!r} to reach a worker")
 
     def collect(self, n: int, timeout: float = 30.0) -> list[tuple]:
         """[(id, ok, outputs or error, seconds after sending)] in arrival order."""
@@ -379,8 +393,7 @@ def test_ragged_sum_from_the_test_repository(url: str) -> None:
 def test_priorities_are_served_first(bdaemon: Daemon) -> None:
     raw = Raw(bdaemon.url)
     try:
-        raw.send("blocker", "probe_priority", np.zeros((1, 2), np.float32), pause=0.8, priority=2)
-        time.sleep(0.2)
+        raw.send_running("blocker", "probe_priority", np.zeros((1, 2), np.float32), pause=0.8, priority=2)
         for i in range(4):
             raw.send(f"low{i}", "probe_priority", np.full((1, 2), i, np.float32), priority=2)
         for i in range(2):
@@ -396,8 +409,7 @@ def test_priorities_are_served_first(bdaemon: Daemon) -> None:
 def test_reject_timeout(bdaemon: Daemon) -> None:
     raw = Raw(bdaemon.url)
     try:
-        raw.send("blocker", "probe_reject", np.zeros((1, 2), np.float32), pause=1.0, timeout_us=10_000_000)
-        time.sleep(0.15)
+        raw.send_running("blocker", "probe_reject", np.zeros((1, 2), np.float32), pause=1.0, timeout_us=10_000_000)
         raw.send("default", "probe_reject", np.ones((1, 2), np.float32))              # policy: 150 ms
         raw.send("short", "probe_reject", np.ones((1, 2), np.float32), timeout_us=50_000)   # shortened
         raw.send("long", "probe_reject", np.ones((1, 2), np.float32), timeout_us=5_000_000)  # not extended
@@ -415,8 +427,7 @@ def test_reject_timeout(bdaemon: Daemon) -> None:
 def test_delay_timeout_moves_behind(bdaemon: Daemon) -> None:
     raw = Raw(bdaemon.url)
     try:
-        raw.send("blocker", "probe_delayed", np.zeros((1, 2), np.float32), pause=0.8)
-        time.sleep(0.15)
+        raw.send_running("blocker", "probe_delayed", np.zeros((1, 2), np.float32), pause=0.8)
         raw.send("late", "probe_delayed", np.ones((1, 2), np.float32), timeout_us=20_000)
         raw.send("a", "probe_delayed", np.ones((1, 2), np.float32))
         raw.send("b", "probe_delayed", np.ones((1, 2), np.float32))
@@ -431,8 +442,7 @@ def test_delay_timeout_moves_behind(bdaemon: Daemon) -> None:
 def test_full_queue_rejects_at_once(bdaemon: Daemon) -> None:
     raw = Raw(bdaemon.url)
     try:
-        raw.send("blocker", "probe_full", np.zeros((1, 2), np.float32), pause=0.8)
-        time.sleep(0.15)
+        raw.send_running("blocker", "probe_full", np.zeros((1, 2), np.float32), pause=0.8)
         for i in range(3):
             raw.send(i, "probe_full", np.ones((1, 2), np.float32))
         got = {rid: (ok, out, took) for rid, ok, out, took in raw.collect(4)}
@@ -451,8 +461,7 @@ def test_preserve_ordering(bdaemon: Daemon, model: str, in_order: bool) -> None:
             c.infer(model, probe_inputs(np.ones((1, 2), np.float32)))
     raw = Raw(bdaemon.url)
     try:
-        raw.send("slow", model, np.zeros((1, 2), np.float32), pause=0.6)
-        time.sleep(0.05)
+        raw.send_running("slow", model, np.zeros((1, 2), np.float32), pause=0.6)
         raw.send("fast", model, np.ones((1, 2), np.float32))
         order = [rid for rid, ok, _, _ in raw.collect(2) if ok]
     finally:

@@ -234,7 +234,8 @@ class Client(_Calls):
 
     # -- inference
     def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
-              version: Any = None, timeout: Optional[float] = None, copy: bool = False) -> InferResult:
+              version: Any = None, timeout: Optional[float] = None, copy: bool = False,
+              priority: int = 0) -> InferResult:
         """Run `model` on `inputs`; returns {output name: numpy array}.
 
         `inputs` values: numpy arrays, torch tensors, lists of str/bytes
@@ -243,10 +244,12 @@ class Client(_Calls):
         output written into a registered region. `timeout` (seconds) bounds
         the whole call; the server also drops the request if it could not
         start within it. `copy=True` returns ordinary arrays instead of views
-        of the daemon's shared memory.
+        of the daemon's shared memory. `priority` (1 = highest) picks the
+        dynamic batcher's priority level; 0 = the model's default.
         """
-        return self._perform(lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy),
-                             timeout, needs_session(inputs, outputs))
+        return self._perform(
+            lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy, priority),
+            timeout, needs_session(inputs, outputs))
 
     def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:
         """A writable array in this client's shared-memory arena: fill it and
@@ -428,10 +431,11 @@ class AsyncClient(_Calls):
         await self._control(messages.OP_UNLOAD, timeout, model=name)
 
     async def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
-                    version: Any = None, timeout: Optional[float] = None, copy: bool = False) -> InferResult:
+                    version: Any = None, timeout: Optional[float] = None, copy: bool = False,
+                    priority: int = 0) -> InferResult:
         """As `Client.infer`."""
         return await self._perform(
-            lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy),
+            lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy, priority),
             timeout, needs_session(inputs, outputs))
 
     async def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:

@@ -793,7 +793,7 @@ class ClientState:
         return True
 
     def infer_flow(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
-                   version: Any, timeout: Optional[float], copy: bool) -> Flow:
+                   version: Any, timeout: Optional[float], copy: bool, priority: int = 0) -> Flow:
         enc, arena = yield from self._encode(inputs, timeout)
         wanted = None
         if outputs is not None:
@@ -802,6 +802,8 @@ class ClientState:
                   "model": model, "version": "" if version is None else str(version),
                   "inputs": enc.entries, "outputs": wanted,
                   "timeout_us": int(timeout * 1e6) if timeout else 0}
+        if priority:
+            header["priority"] = int(priority)
         if self.local:
             header["output_shm"] = True
         extra = self.session_fields()
