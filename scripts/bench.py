@@ -8,7 +8,9 @@ ratios are meaningful even on a noisy 2-core machine.
      and against a raw ZeroMQ DEALER/ROUTER echo of the same bytes;
   2. startup: time until 20 single-instance models are ready, and the memory
      (PSS) of the daemon with all its processes;
-  3. dynamic batching: throughput and p50/p99 latency at concurrency 1, 8 and
+  3. the local shared-memory path (16 MiB identity against two memcpys and
+     against inline frames; allocate-in-place; a tiny model local vs inline);
+  4. dynamic batching: throughput and p50/p99 latency at concurrency 1, 8 and
      32 for the example repository's MLP (256-1024-1024-10, one instance),
      once with its `dynamic_batching { }` and once as a copy without it
      (`mlp_nobatch`: one request per execution), with the executions the
@@ -36,6 +38,9 @@ import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
 from torchpool import Client  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_local import bench_local, render_local  # noqa: E402
 
 MiB = 1 << 20
 
@@ -204,16 +209,17 @@ def bench_echo(url: str, n_small: int, n_big: int) -> dict:
 
 
 def bench_torchpool(url: str, n_small: int, n_big: int, seconds: float) -> dict:
+    """Inline frames (local=False): the path of a client on another host."""
     a = np.ones((1, 16), np.float32)
     big = np.ones(4 * MiB, np.float32)
     out = {}
-    with Client(url) as c:
+    with Client(url, local=False) as c:
         out["addsub"] = {"c1": time_calls(lambda: c.infer("addsub", {"INPUT0": a, "INPUT1": a}), n_small)}
         out["identity16"] = {"c1": time_calls(lambda: c.infer("identity", {"INPUT__0": big}), n_big, warmup=3)}
 
     def client_call(model, inputs):
         def make():
-            c = Client(url)
+            c = Client(url, local=False)
             return lambda: c.infer(model, inputs)
         return make
 
@@ -349,6 +355,8 @@ def main() -> int:
             for name, url in urls.items():
                 print(f"torchpool over {name} ...", flush=True)
                 results[f"torchpool_{name}"] = bench_torchpool(url, n_small, n_big, secs)
+            print("local shared-memory path ...", flush=True)
+            results["local"] = bench_local(urls["ipc"], n_small, n_big)
             print("dynamic batching: MLP at concurrency 1, 8, 32 ...", flush=True)
             results["batching"] = bench_batching(urls["ipc"], secs)
         finally:
@@ -384,6 +392,8 @@ def render(r: dict) -> str:
         lines.append(f"| add/sub throughput, c=8, {t} | {ip['addsub']['c8']:,.0f}/s | | {tp['addsub']['c8']:,.0f}/s | |")
         lines.append(f"| identity 16 MiB throughput, c=8, {t} | {ip['identity16']['c8']:,.1f}/s | "
                      f"| {tp['identity16']['c8']:,.1f}/s | |")
+    if "local" in r:
+        lines += render_local(r["local"], us)
     if "batching" in r:
         b = r["batching"]
         cs = sorted(b["mlp"], key=lambda k: int(k[1:]))
