@@ -380,3 +380,42 @@ def test_a_model_that_crashes_on_every_batch_is_given_up(crash_repository: Path,
             np.testing.assert_array_equal(c.infer("addsub", ADDSUB)["OUTPUT0"], A + A)   # the others serve
     finally:
         d.stop()
+
+
+def test_sigterm_under_load_answers_every_accepted_request(small_repository: Path, tmp_path: Path) -> None:
+    d = Daemon(small_repository, tmp_path, "--grace-period", "20").start()
+    outcomes: list = []
+    lock = threading.Lock()
+    signalled = threading.Event()
+    n = slow_iterations(0.05)
+
+    def load(model: str, inputs: dict) -> None:
+        with Client(d.url, timeout=30, local=False) as c:
+            while not signalled.is_set():
+                try:
+                    c.infer(model, inputs)
+                    result = "ok"
+                except InferenceError as exc:
+                    result = exc
+                with lock:
+                    outcomes.append(result)
+                if result != "ok":
+                    return      # "shutting down": stop sending
+
+    threads = [threading.Thread(target=load, args=("slow", {"INPUT__0": np.array([n])})) for _ in range(3)]
+    threads += [threading.Thread(target=load, args=("addsub", ADDSUB)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(outcomes) > 50, 30, "load before the signal")
+    d.proc.send_signal(signal.SIGTERM)
+    signalled.set()                     # requests sent from now on are not "accepted" ones
+    for t in threads:
+        t.join(60)
+    assert d.stop() == 0
+    errors_ = [o for o in outcomes if o != "ok"]
+    # every request sent before the signal got an answer: a result, or at most
+    # one "shutting down" per thread; nothing timed out
+    assert len(errors_) <= len(threads), errors_
+    for exc in errors_:
+        assert exc.code == "UNAVAILABLE" and "shutting down" in exc.message, exc
+    assert "torchpool stopped" in d.log()

@@ -259,6 +259,7 @@ class Server:
         if self.supervisor is not None:
             self.supervisor.stop_all(self.options.stop_timeout)
         if self.frontend is not None:
+            self._refuse_waiting()
             self.frontend.close()
         if self.ctx is not None:
             self.ctx.destroy(linger=1000)   # closes any socket still open, then terminates
@@ -271,6 +272,23 @@ class Server:
         self._restore_signal_handlers()
         self.notifier.close()
         log.info("torchpool stopped")
+
+    def _refuse_waiting(self) -> None:
+        """Requests that arrived while the workers stopped still get an answer."""
+        refusal = TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
+        for sock in self.frontend.sockets:
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    break
+                if len(frames) < 2 or not frames[1]:
+                    continue
+                try:
+                    request_id = messages.decode_header(frames[1]).get("id")
+                except TorchpoolError:
+                    request_id = None
+                self.frontend.send(sock, frames[0], messages.error_response(request_id, refusal))
 
     # -------------------------------------------------------------- signals
 
