@@ -32,7 +32,6 @@ import mmap
 import os
 import re
 import secrets
-import struct
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterable, Mapping, Optional, Sequence
@@ -47,20 +46,17 @@ from .shm.segment import SHM_DIR, Segment
 # --- the block header (docs/protocol.md "Sessions") ---------------------------------
 
 BLOCK_HEADER = 64                      # bytes in front of every arena block's data
-BLOCK_MAGIC = 0x31425054               # "TPB1" little-endian
-HEADER = struct.Struct("<IIQQ")        # magic, reserved (0), generation, nbytes
+# the block header the daemon checks: magic "TPB1", reserved, generation, nbytes
+from .shm.regions import BLOCK_HEADER as HEADER, BLOCK_MAGIC  # noqa: E402
+from .shm.naming import boot_id  # noqa: E402
 ALIGN = 64                             # blocks start (and so data starts) 64-byte aligned
 TOKEN_BYTES = 16                       # the ownership proof of a registered region
 
 DEFAULT_ARENA_CAP = 1 << 30            # the most arena this client asks the daemon for
 ENV_LOCAL = "TORCHPOOL_LOCAL"          # "0" turns the automatic local path off
 
-OP_HELLO = "hello"
-OP_GOODBYE = "goodbye"
-OP_ARENA_GROW = "arena_grow"
-OP_REGISTER = "register_system_shared_memory"
-OP_UNREGISTER = "unregister_system_shared_memory"
-OP_SHM_STATUS = "get_system_shared_memory_status"
+from .protocol.messages import (  # noqa: E402
+    OP_ARENA_GROW, OP_GOODBYE, OP_HELLO, OP_REGISTER, OP_SHM_STATUS, OP_UNREGISTER)
 
 
 def _align(n: int) -> int:
@@ -81,14 +77,6 @@ def read_header(buf: Any, start: int) -> tuple[int, int, int]:
     """(magic, generation, nbytes) of the block header at `start`."""
     magic, _, generation, nbytes = HEADER.unpack_from(buf, start)
     return magic, generation, nbytes
-
-
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def local_wanted(local: Optional[bool]) -> bool:

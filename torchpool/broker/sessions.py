@@ -29,7 +29,7 @@ import posix_ipc
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
-from ..shm.naming import PREFIX
+from ..shm.naming import PREFIX, boot_id
 from ..shm.regions import BLOCK_HEADER as BLOCK_HEADER_STRUCT, BLOCK_MAGIC, HEADER_BYTES
 from ..shm.segment import Segment
 
@@ -53,14 +53,6 @@ def _check_range(what: str, offset: Any, nbytes: Any, size: int) -> None:
     if offset + nbytes > size:
         raise _bad(f"{what}: offset {offset} + byte size {nbytes} = {offset + nbytes} exceeds "
                    f"the {size} bytes available")
-
-
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 @dataclass(eq=False)

@@ -65,3 +65,13 @@ def remove_segments_with_prefix(prefix: str) -> list[str]:
     except FileNotFoundError:
         return []
     return [n for n in names if n.startswith(prefix) and unlink_segment(n)]
+
+
+def boot_id() -> str:
+    """This host's boot id: a client and a daemon that see the same one share
+    /dev/shm (the handshake of the local shared-memory path)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
