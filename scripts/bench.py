@@ -41,27 +41,12 @@ from torchpool import Client  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_local import bench_local, render_local  # noqa: E402
+from bench_timing import percentiles, time_calls  # noqa: E402
 
 MiB = 1 << 20
 
 
 # ------------------------------------------------------------------ helpers
-
-def percentiles(samples: list[float]) -> tuple[float, float]:
-    s = sorted(samples)
-    return statistics.median(s), s[min(len(s) - 1, int(len(s) * 0.99))]
-
-
-def time_calls(fn, n: int, warmup: int = 20) -> tuple[float, float]:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return percentiles(samples)
-
 
 def throughput(make_call, threads: int, seconds: float) -> float:
     """Requests per second with `threads` closed-loop callers."""

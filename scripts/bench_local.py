@@ -6,34 +6,21 @@ of the output into the worker's arena (the client reads the output in place).
 """
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Callable
 
 import numpy as np
 
+from bench_timing import time_calls
 from torchpool import Client
 
 MiB = 1 << 20
-
-
-def _p50_p99(fn: Callable[[], object], n: int, warmup: int) -> tuple[float, float]:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    samples.sort()
-    return statistics.median(samples), samples[min(len(samples) - 1, int(len(samples) * 0.99))]
 
 
 def bench_local(url: str, n_small: int, n_big: int) -> dict:
     src = np.ones(4 * MiB, np.float32)
     dst = np.empty_like(src)
     dst[:] = 0                                            # pre-faulted, like the arenas
-    memcpy = _p50_p99(lambda: np.copyto(dst, src), n_big * 2, 3)[0]
+    memcpy = time_calls(lambda: np.copyto(dst, src), n_big * 2, 3)[0]
     a = np.ones((1, 16), np.float32)
     out: dict = {"memcpy_16MiB": memcpy}
     with Client(url, local=True) as local, Client(url, local=False) as inline:
@@ -43,19 +30,19 @@ def bench_local(url: str, n_small: int, n_big: int) -> dict:
                     pass
             return run
 
-        out["local_16MiB"] = _p50_p99(call(local, "identity", {"INPUT__0": src}), n_big, 3)
+        out["local_16MiB"] = time_calls(call(local, "identity", {"INPUT__0": src}), n_big, 3)
         assert local.is_local, "the client did not get a local session"
-        out["inline_16MiB"] = _p50_p99(call(inline, "identity", {"INPUT__0": src}), n_big, 3)
+        out["inline_16MiB"] = time_calls(call(inline, "identity", {"INPUT__0": src}), n_big, 3)
         buf = local.empty((4 * MiB,), "FP32")
         buf[:] = 1.0
         before = local.transfer_stats()
-        out["in_place_16MiB"] = _p50_p99(call(local, "identity", {"INPUT__0": buf}), n_big, 3)
+        out["in_place_16MiB"] = time_calls(call(local, "identity", {"INPUT__0": buf}), n_big, 3)
         after = local.transfer_stats()
         runs = n_big + 3
         out["in_place_bytes_copied"] = after["bytes_copied"] - before["bytes_copied"]
         out["in_place_bytes_zero_copy"] = (after["bytes_zero_copy"] - before["bytes_zero_copy"]) // runs
-        out["local_tiny"] = _p50_p99(call(local, "addsub", {"INPUT0": a, "INPUT1": a}), n_small, 20)
-        out["inline_tiny"] = _p50_p99(call(inline, "addsub", {"INPUT0": a, "INPUT1": a}), n_small, 20)
+        out["local_tiny"] = time_calls(call(local, "addsub", {"INPUT0": a, "INPUT1": a}), n_small, 20)
+        out["inline_tiny"] = time_calls(call(inline, "addsub", {"INPUT0": a, "INPUT1": a}), n_small, 20)
     return out
 
 
