@@ -105,6 +105,17 @@ class _Calls:
 
     _state: ClientState
 
+    def _open(self, url: str, timeout: float, local: Optional[bool], arena_cap: int,
+              ctx: zmq.Context) -> None:
+        """What both clients set up: the shared state and a DEALER socket."""
+        self.url = url
+        self.timeout = timeout
+        self._state = ClientState(url, local, arena_cap)
+        self._ids = self._state.ids
+        self._ctx = ctx
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+
     @staticmethod
     def _version_field(version: Any) -> str:
         return "" if version is None else str(version)
@@ -141,13 +152,7 @@ class Client(_Calls):
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, local: Optional[bool] = None,
                  arena_cap: int = DEFAULT_ARENA_CAP) -> None:
-        self.url = url
-        self.timeout = timeout
-        self._state = ClientState(url, local, arena_cap)
-        self._ids = self._state.ids
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._open(url, timeout, local, arena_cap, zmq.Context.instance())
         self._sock.connect(url)
 
     # -- transport
@@ -326,13 +331,7 @@ class AsyncClient(_Calls):
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, local: Optional[bool] = None,
                  arena_cap: int = DEFAULT_ARENA_CAP) -> None:
-        self.url = url
-        self.timeout = timeout
-        self._state = ClientState(url, local, arena_cap)
-        self._ids = self._state.ids
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._open(url, timeout, local, arena_cap, zmq.asyncio.Context.instance())
         self._sock.connect(url)
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: Optional[asyncio.Task] = None

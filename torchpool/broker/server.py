@@ -221,10 +221,12 @@ class Server:
                              self._pending(), self.options.grace_period)
                 if self.force_exit or not self._pending() or time.monotonic() >= drain_deadline:
                     return
-            if time.perf_counter() - last_activity < busy_poll:
+            spinning = time.perf_counter() - last_activity < busy_poll
+            if spinning:
                 events = self.poller.poll(0)
                 if not events:
                     os.sched_yield()
+                    continue    # an empty spin: timers and deadlines wait (at most busy_poll_us)
             else:
                 events = self.poller.poll(self._poll_timeout(drain_deadline))
             if events:
