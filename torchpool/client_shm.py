@@ -40,6 +40,7 @@ import numpy as np
 
 from .protocol import datatypes, errors, messages
 from .protocol.errors import InferenceError
+from .shm.bulkcopy import copy_into
 from .shm.arena import _FreeList
 from .shm.segment import SHM_DIR, Segment
 
@@ -329,15 +330,12 @@ class ClientArena:
         byte-swapped ones are converted on the way) into the block's data."""
         start = block.data_offset
         buf = self.segments[block.segment].buf
-        if isinstance(src, np.ndarray):
-            if src.flags.c_contiguous and src.dtype.isnative:
-                buf[start:start + nbytes] = memoryview(src).cast("B")
-                return
+        if isinstance(src, np.ndarray) and not (src.flags.c_contiguous and src.dtype.isnative):
             dst = np.frombuffer(buf, dtype=src.dtype.newbyteorder("="), count=src.size,
                                 offset=start).reshape(src.shape)
             np.copyto(dst, src, casting="equiv")
             return
-        buf[start:start + nbytes] = src
+        copy_into(memoryview(buf)[start:start + nbytes], src)
 
     def hand_out(self, block: ArenaBlock, nbytes: int) -> list:
         """Stamp a fresh generation and `nbytes` into the header; the descriptor."""

@@ -52,6 +52,7 @@ from ..config import ModelConfig, TensorSpec
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, ArenaFull, Block
+from ..shm.bulkcopy import copy_into
 from .requests import InferRequest, output_shape
 
 MiB = 1 << 20
@@ -276,7 +277,7 @@ class _Buffer:
             self.ensure(start + n)
             seg = self.arena.segments[self.block.segment].buf
             base = self.block.offset + start
-            memoryview(seg)[base:base + n] = payload
+            copy_into(memoryview(seg)[base:base + n], payload)
         return n
 
     def take(self) -> Optional[Block]:

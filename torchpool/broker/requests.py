@@ -16,6 +16,7 @@ from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
 from ..protocol.messages import tensor_payload
 from ..shm.arena import Arena, ArenaFull, Block
+from ..shm.bulkcopy import copy_into
 from .registry import ModelVersion
 
 
@@ -238,7 +239,7 @@ def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[li
             block = arena.alloc(len(payload))
             blocks.append(block)
             if len(payload):
-                arena.view(block)[:] = payload
+                copy_into(arena.view(block), payload)
             descriptors.append([spec.name, spec.datatype, model_shape, block.segment,
                                 block.offset, block.size, 0])
     except ArenaFull as exc:
