@@ -126,6 +126,10 @@ Shapes, batching and reshape
   identity_batched INPUT__0 FP32 [-1, 3], mbs 4 -> OUTPUT__0 = INPUT__0, shape
                    [n, k, 3] with n <= 4; n = 5 must be rejected (batch size
                    above max_batch_size 4).
+  input_views      INPUT__0 FP32 [-1], mbs 0 -> OUTPUT__0 = INPUT__0 (the input
+                   itself), OUTPUT__1 = INPUT__0[8:] (a contiguous view into it),
+                   OUTPUT__2 = INPUT__0[::2] (a strided view), all FP32 [-1]:
+                   which outputs may come back in a local client's own input block.
   reshape_model    mbs 0. INPUT__0 FP32 dims [2, 6] reshape { shape: [3, 4] }.
                    OUTPUT__0 INT64 dims [2] = the shape the model saw: [3, 4].
                    OUTPUT__1 FP32 dims [4, 3] reshape { shape: [12] }: the
@@ -329,6 +333,11 @@ class UpperStrings(nn.Module):
 class Identity(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return x
+
+
+class InputViews(nn.Module):
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        return x, x[8:], x[::2]
 
 
 class ShapeAndFlat(nn.Module):
@@ -642,6 +651,10 @@ def build_test_repository(root: Path) -> None:
           config("identity_batched", inputs=[tensor("INPUT__0", "FP32", [-1, 3])],
                  outputs=[tensor("OUTPUT__0", "FP32", [-1, 3])], max_batch_size=4),
           identity)
+    write("input_views",
+          config("input_views", inputs=[tensor("INPUT__0", "FP32", [-1])],
+                 outputs=[tensor(f"OUTPUT__{i}", "FP32", [-1]) for i in range(3)], max_batch_size=0),
+          serialize(InputViews()))
     write("reshape_model",
           config("reshape_model",
                  inputs=[tensor("INPUT__0", "FP32", [2, 6], reshape=[3, 4])],
@@ -860,7 +873,7 @@ EXPECTED_READY: dict[str, tuple[int, ...]] = {
         "custom_filename", "multi_instance", "identity_bf16",
         "naming_forward_argument", "naming_named_index", "naming_strict",
         "naming_bad_suffix", "dict_input", "all_dtypes", "string_io",
-        "string_batched", "identity_fp32", "identity_batched", "reshape_model",
+        "string_batched", "identity_fp32", "identity_batched", "input_views", "reshape_model",
         "reshape_batched", "batch_probe", "params", "params_default",
         "raise_on_negative", "bad_output_index", "bad_output_dtype",
         "bad_scalar_output", "bad_list_tensor_output", "slow", "slow_x2",

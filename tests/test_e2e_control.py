@@ -34,7 +34,7 @@ def test_server_ready_with_only_good_models(small_repository: Path, tmp_path: Pa
             assert client.server_ready() is True
             index = client.repository_index()
             assert {r["name"] for r in index} == {"addsub", "mlp", "strings", "dict_input",
-                                                  "identity", "slow"}
+                                                  "identity", "clone", "slow"}
             assert all(r["state"] == "READY" and r["version"] == "1" for r in index), index
             assert all(client.model_ready(r["name"]) for r in index)
 

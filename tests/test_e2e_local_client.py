@@ -137,7 +137,7 @@ def test_local_round_trip_copies_in_once_and_lends_the_output(local_daemon: Daem
     x = np.random.default_rng(1).standard_normal(4 * MiB // 4, dtype=np.float32)     # 16 MiB
     with Client(local_daemon.url, timeout=30) as c:
         lent0 = lent_total(c)
-        out = c.infer("identity", {"INPUT__0": x})
+        out = c.infer("clone", {"INPUT__0": x})
         assert c.is_local and c.session
         y = out["OUTPUT__0"]
         np.testing.assert_array_equal(y, x)
@@ -151,7 +151,7 @@ def test_local_round_trip_copies_in_once_and_lends_the_output(local_daemon: Daem
         assert re.fullmatch(r"/dev/shm/torchpool\.[0-9a-f]{8}\.\d+\.w\d+\.\d+", mapped_file(y)), mapped_file(y)
         assert lent_total(c) - lent0 == x.nbytes
         # copy=True: an ordinary writable array, nothing of the daemon's kept
-        z = c.infer("identity", {"INPUT__0": x}, copy=True)["OUTPUT__0"]
+        z = c.infer("clone", {"INPUT__0": x}, copy=True)["OUTPUT__0"]
         assert z.flags.writeable and z.flags.owndata and not mapped_file(z).startswith("/dev/shm")
         z[0] = 42.0
         np.testing.assert_array_equal(z[1:], x[1:])
@@ -168,12 +168,12 @@ def test_small_tensors_travel_inline_even_when_local(local_daemon: Daemon) -> No
         assert c.is_local
         s0, t0 = c.transfer_stats(), daemon_transfer(c)
         at = np.arange(limit, dtype=np.float32)
-        np.testing.assert_array_equal(c.infer("identity", {"INPUT__0": at})["OUTPUT__0"], at)
+        np.testing.assert_array_equal(c.infer("clone", {"INPUT__0": at})["OUTPUT__0"], at)
         s1, t1 = c.transfer_stats(), daemon_transfer(c)
         assert delta(s1, s0) == {"bytes_copied": 0, "bytes_zero_copy": 0, "bytes_inline": at.nbytes}
         assert t1["output_bytes_lent"] == t0["output_bytes_lent"]          # 16 KiB back inline too
         above = np.arange(limit + 1, dtype=np.float32)
-        np.testing.assert_array_equal(c.infer("identity", {"INPUT__0": above})["OUTPUT__0"], above)
+        np.testing.assert_array_equal(c.infer("clone", {"INPUT__0": above})["OUTPUT__0"], above)
         s2, t2 = c.transfer_stats(), daemon_transfer(c)
         assert delta(s2, s1) == {"bytes_copied": above.nbytes, "bytes_zero_copy": 0, "bytes_inline": 0}
         assert t2["output_bytes_lent"] - t1["output_bytes_lent"] == above.nbytes
@@ -183,13 +183,13 @@ def test_released_outputs_are_reused_and_held_ones_never(local_daemon: Daemon) -
     n = MiB // 4                                                 # 1 MiB outputs: lent
     x = np.arange(n, dtype=np.float32)
     with Client(local_daemon.url, timeout=30) as c:
-        out = c.infer("identity", {"INPUT__0": x})
+        out = c.infer("clone", {"INPUT__0": x})
         del out
         gc.collect()
         before = worker_output_bytes(local_daemon)
         # dropped results: each release rides on a later request; the worker reuses the blocks
         for i in range(100):
-            out = c.infer("identity", {"INPUT__0": x})
+            out = c.infer("clone", {"INPUT__0": x})
             assert out["OUTPUT__0"][i] == i
             del out                          # refcounting frees it: no gc.collect() needed
         gc.collect()
@@ -198,26 +198,26 @@ def test_released_outputs_are_reused_and_held_ones_never(local_daemon: Daemon) -
         # result objects themselves are kept
         exited = []
         for i in range(100):
-            with c.infer("identity", {"INPUT__0": x}) as out:
+            with c.infer("clone", {"INPUT__0": x}) as out:
                 assert out["OUTPUT__0"][-1 - i] == n - 1 - i
             exited.append(out)
         assert not any(exited)
         assert worker_output_bytes(local_daemon) - before <= 4 * MiB
         # copy=True: private copies, the daemon's blocks handed back at once
-        copies = [c.infer("identity", {"INPUT__0": x + i}, copy=True)["OUTPUT__0"] for i in range(50)]
+        copies = [c.infer("clone", {"INPUT__0": x + i}, copy=True)["OUTPUT__0"] for i in range(50)]
         assert all(a[0] == i and a.flags.writeable for i, a in enumerate(copies))
         assert worker_output_bytes(local_daemon) - before <= 4 * MiB
         del copies, exited
         # an array kept beyond the `with` stays valid and unchanged while others come and go
         first = x * 2
-        with c.infer("identity", {"INPUT__0": first}) as out:
+        with c.infer("clone", {"INPUT__0": first}) as out:
             kept = out["OUTPUT__0"]
         assert not out
         held = []
         for i in range(12):
-            held.append(c.infer("identity", {"INPUT__0": np.full(n, i, np.float32)})["OUTPUT__0"])
+            held.append(c.infer("clone", {"INPUT__0": np.full(n, i, np.float32)})["OUTPUT__0"])
         for i in range(50):
-            c.infer("identity", {"INPUT__0": np.full(n, -i, np.float32)})
+            c.infer("clone", {"INPUT__0": np.full(n, -i, np.float32)})
         np.testing.assert_array_equal(kept, first)
         for i, h in enumerate(held):
             assert h.min() == h.max() == i
@@ -228,9 +228,52 @@ def test_released_outputs_are_reused_and_held_ones_never(local_daemon: Daemon) -
         # released again: a further round fits in what the worker has already
         grown = worker_output_bytes(local_daemon)
         for i in range(20):
-            with c.infer("identity", {"INPUT__0": x}) as out:
+            with c.infer("clone", {"INPUT__0": x}) as out:
                 assert out["OUTPUT__0"][5] == 5
         assert worker_output_bytes(local_daemon) == grown
+
+
+def test_outputs_that_are_views_of_the_input_come_back_in_its_block(daemon: Daemon) -> None:
+    n = MiB // 4
+    x = np.arange(n, dtype=np.float32)                              # 1 MiB: copied into the arena
+    ipc = next(u for u in daemon.urls if u.startswith("ipc"))
+    with Client(ipc, timeout=30) as c:
+        c.infer("input_views", {"INPUT__0": x})                     # session and arena exist
+        before_arena = sum(shm_size(s) for s in client_arenas(daemon))
+        t0 = c.server_metadata()["transfer"]
+        out = c.infer("input_views", {"INPUT__0": x})
+        whole, tail, strided = out["OUTPUT__0"], out["OUTPUT__1"], out["OUTPUT__2"]
+        np.testing.assert_array_equal(whole, x)
+        np.testing.assert_array_equal(tail, x[8:])
+        np.testing.assert_array_equal(strided, x[::2])
+        t1 = c.server_metadata()["transfer"]
+        # the input itself and the slice of it: the client's own arena block, no output copy
+        assert re.fullmatch(r"/dev/shm/torchpool\.[0-9a-f]{8}\.\d+\.c\d+", mapped_file(whole))
+        assert tail.__array_interface__["data"][0] == whole.__array_interface__["data"][0] + 32
+        assert t1.get("output_bytes_reused", 0) - t0.get("output_bytes_reused", 0) == x.nbytes + tail.nbytes
+        # the strided view is not contiguous memory: written out by the worker and lent
+        assert re.search(r"\.w\d+\.\d+$", mapped_file(strided))
+        assert t1.get("output_bytes_lent", 0) - t0.get("output_bytes_lent", 0) == strided.nbytes
+        assert not whole.flags.writeable and not tail.flags.writeable
+        with pytest.raises(ValueError):
+            whole[0] = 1.0
+        # the block stays the outputs' while they live: later requests never write into it
+        for i in range(30):
+            again = c.infer("input_views", {"INPUT__0": np.full(n, -i, np.float32)})
+            assert again["OUTPUT__0"][0] == -i
+            del again
+        np.testing.assert_array_equal(whole, x)
+        np.testing.assert_array_equal(tail, x[8:])
+        # copy=True: a private writable copy, the block freed with the request
+        mine = c.infer("input_views", {"INPUT__0": x}, copy=True)["OUTPUT__0"]
+        assert mine.flags.writeable and mine.flags.owndata
+        np.testing.assert_array_equal(mine, x)
+        # dropped outputs free their blocks: a hundred more requests fit in the arena as it is
+        del out, whole, tail, strided
+        for i in range(100):
+            with c.infer("input_views", {"INPUT__0": x}) as res:
+                assert res["OUTPUT__1"][0] == 8
+        assert sum(shm_size(s) for s in client_arenas(daemon)) == before_arena
 
 
 # --- 2. allocate in place ------------------------------------------------------------------
@@ -559,7 +602,7 @@ def test_async_client_concurrent_local_infers(local_daemon: Daemon) -> None:
     async def main() -> set:
         async with AsyncClient(local_daemon.url, timeout=30) as c:
             xs = [np.arange(n, dtype=np.float32) + i * n for i in range(32)]        # 1 MiB each, distinct
-            lent0 = (await c.server_metadata())["transfer"].get("output_bytes_lent", 0)
+            t0 = (await c.server_metadata())["transfer"]
             outs = await asyncio.gather(*(c.infer("identity", {"INPUT__0": x}) for x in xs))
             assert c.is_local
             for x, out in zip(xs, outs):
@@ -567,8 +610,12 @@ def test_async_client_concurrent_local_infers(local_daemon: Daemon) -> None:
             assert len({o["OUTPUT__0"].__array_interface__["data"][0] for o in outs}) == 32
             stats = c.transfer_stats()
             assert stats["bytes_copied"] + stats["bytes_inline"] == 32 * MiB and stats["bytes_copied"] > 0
-            lent = (await c.server_metadata())["transfer"]["output_bytes_lent"] - lent0
-            assert lent == 32 * MiB
+            t1 = (await c.server_metadata())["transfer"]
+            lent = t1.get("output_bytes_lent", 0) - t0.get("output_bytes_lent", 0)
+            reused = t1.get("output_bytes_reused", 0) - t0.get("output_bytes_reused", 0)
+            # what went through the arena came back in the same block; the rest
+            # (inline while the arena was full) was lent from the worker
+            assert reused == stats["bytes_copied"] and lent + reused == 32 * MiB
             mine = client_arenas(local_daemon) - before
             # the arena (8 MiB at first) grows for what is in flight, not once per waiting request
             assert sum(shm_size(s) for s in mine) <= 8 * MiB + 32 * MiB

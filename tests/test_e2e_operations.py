@@ -48,7 +48,7 @@ def test_systemd_notify_ready_watchdog_stopping(small_repository: Path, tmp_path
             return True
         receive_until("READY=1")
         ready = next(m for m in got if "READY=1" in m)
-        assert "STATUS=serving 6 of 6 model versions" in ready and f"MAINPID={d.pid()}" in ready
+        assert "STATUS=serving 7 of 7 model versions" in ready and f"MAINPID={d.pid()}" in ready
         count = sum("WATCHDOG=1" in m for m in got)
 
         def pinged_twice() -> bool:
@@ -61,7 +61,7 @@ def test_systemd_notify_ready_watchdog_stopping(small_repository: Path, tmp_path
         assert d.stop() == 0
     finally:
         if d.proc.poll() is None:
-            d.stop(signal.SIGKILL)
+            d.stop()        # SIGTERM: a failed assertion must not leave segments behind
         sock.close()
 
 
@@ -103,7 +103,7 @@ def test_metrics_health_and_statistics(small_repository: Path, tmp_path: Path) -
         assert inf["queue"]["count"] == 5
         assert s["batch_stats"][0]["batch_size"] == 1
         every = raw_call(d.url, "statistics")["result"]["model_stats"]
-        assert {m["name"] for m in every} == {"addsub", "mlp", "strings", "dict_input", "identity", "slow"}
+        assert {m["name"] for m in every} == {"addsub", "mlp", "strings", "dict_input", "identity", "clone", "slow"}
     finally:
         d.stop()
     with pytest.raises(OSError):

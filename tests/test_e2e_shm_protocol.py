@@ -164,6 +164,30 @@ def test_large_outputs_are_lent_in_place_until_released(session: Session) -> Non
     del mm
 
 
+def test_an_output_that_is_its_reusable_input_points_back_into_the_block(session: Session) -> None:
+    before = transfer(session)
+    ref = session.put(0, BIG, 11)
+    entry = tensor("INPUT__0", "shm", ref, BIG)
+    ans = session.infer("identity", [{**entry, "reuse": True}], output_shm=True)
+    assert ans["ok"], ans
+    out = ans["outputs"][0]
+    # identity returned its input: the answer is the client's own range, nothing to release
+    assert out["own"] == ref[:3] and "shm" not in out and "data" not in out
+    after = transfer(session)
+    assert after["output_bytes_reused"] - before.get("output_bytes_reused", 0) == BIG.nbytes
+    assert after.get("output_bytes_lent", 0) == before.get("output_bytes_lent", 0)
+    # without `reuse` (e.g. an empty() block the caller keeps writing) it is lent from the worker
+    plain = session.infer("identity", [tensor("INPUT__0", "shm", session.put(0, BIG, 12), BIG)],
+                          output_shm=True)["outputs"][0]
+    assert "own" not in plain and plain["shm"][0] != session.segment
+    session.call("server_live", release=[[x for i, x in enumerate(plain["shm"]) if i != 2]])
+    # a model that makes a new tensor writes it out, whatever the flag says
+    cloned = session.infer("clone", [{**tensor("INPUT__0", "shm", session.put(0, BIG, 13), BIG), "reuse": True}],
+                           output_shm=True)["outputs"][0]
+    assert "own" not in cloned and cloned["shm"][0] != session.segment
+    session.call("server_live", release=[[x for i, x in enumerate(cloned["shm"]) if i != 2]])
+
+
 def test_stale_block_generation_is_an_error_never_wrong_data(session: Session) -> None:
     ref = session.put(0, A, 7)
     session.put(0, A, 8)                                 # the client reused the block

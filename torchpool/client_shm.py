@@ -272,7 +272,7 @@ class ClientArena:
         self._free: dict[str, _FreeList] = {}
         self._base: dict[str, int] = {}            # segment -> address of its first byte
         self._generations = itertools.count(1)
-        self._dead: collections.deque = collections.deque()   # empty() blocks whose array is gone
+        self._dead: collections.deque = collections.deque()   # blocks whose arrays are gone (empty(), kept outputs)
         self.user_blocks: dict[int, ArenaBlock] = {}          # data address -> live empty() block
         self.grow_refused = False
         self.growing = False            # an arena_grow is in flight (asyncio: one at a time)
@@ -357,6 +357,15 @@ class ClientArena:
         fin = weakref.finalize(base, self._dead.append, block)
         fin.atexit = False
         return base.reshape(shape)
+
+    def keep(self, block: ArenaBlock) -> np.ndarray:
+        """A read-only byte array over a block's data that owns the block:
+        the block is freed once the array (and every view of it) is gone."""
+        base = np.frombuffer(self.data(block), dtype=np.uint8)
+        base.flags.writeable = False
+        fin = weakref.finalize(base, self._dead.append, block)
+        fin.atexit = False
+        return base
 
     def lookup(self, arr: np.ndarray) -> Optional[ArenaBlock]:
         """The empty() block `arr` can be sent from with no copy: it starts at
@@ -712,6 +721,9 @@ class ClientState:
                     enc.blocks.append(block)
                     arena.write(block, src, nbytes)
                     entry["shm"] = arena.hand_out(block, nbytes)
+                    # our own copy: an output that is a view of it (an identity,
+                    # an in-place model) may come back pointing into it
+                    entry["reuse"] = True
                     enc.stats[0] += nbytes
                     continue
                 data = inline_buffer(src)
@@ -813,26 +825,32 @@ class ClientState:
                     raise
                 answered = True
                 break
+            s = self.stats
+            s["bytes_copied"] += enc.stats[0]
+            s["bytes_zero_copy"] += enc.stats[1]
+            s["bytes_inline"] += enc.stats[2]
+            # before finish(): outputs that point into our input blocks keep them
+            return self.decode_outputs(reply_header, payload, copy, token, enc, arena)
         finally:
             self.finish(enc, arena, answered, rid, token)
-        s = self.stats
-        s["bytes_copied"] += enc.stats[0]
-        s["bytes_zero_copy"] += enc.stats[1]
-        s["bytes_inline"] += enc.stats[2]
-        return self.decode_outputs(reply_header, payload, copy, token)
 
     # -- outputs
     def decode_outputs(self, header: dict, frames: Sequence[Any], copy: bool,
-                       token: Optional[str] = None) -> InferResult:
-        """The outputs of an answer to a request sent in session `token`."""
+                       token: Optional[str] = None, enc: Optional[_Encoded] = None,
+                       arena: Optional[ClientArena] = None) -> InferResult:
+        """The outputs of an answer to a request sent in session `token`
+        (with the input blocks `enc` holds in `arena`)."""
         token = self.session if token is None else token
         result = InferResult()
         entries = header.get("outputs") or []
         error: Optional[BaseException] = None
+        kept: dict[ArenaBlock, np.ndarray] = {}
         for e in entries:
             try:
                 if "shm" in e:
                     result[e["name"]] = self._lent_output(e, copy, token)
+                elif "own" in e:
+                    result[e["name"]] = _reused_output(e, copy, enc, arena, kept)
                 elif "region" in e:
                     region, nbytes, offset = e["region"]
                     result[e["name"]] = RegionOutput(e["name"], region, offset, nbytes,
@@ -959,6 +977,34 @@ class ClientState:
 
     def transfer_stats(self) -> dict:
         return dict(self.stats)
+
+
+def _reused_output(e: dict, copy: bool, enc: Optional[_Encoded], arena: Optional[ClientArena],
+                   kept: dict[ArenaBlock, np.ndarray]) -> Any:
+    """An output that is a view of one of this request's input blocks (the
+    model returned its input, or a part of it): a read-only array on that
+    block, which stays ours until the array goes. `kept` maps the blocks
+    this answer already took to their whole-block arrays."""
+    segment, offset, nbytes = e["own"]
+    name = e.get("name")
+    for block in [*kept, *(enc.blocks if enc is not None else ())]:
+        if block.segment == segment and block.data_offset <= offset \
+                and offset + nbytes <= block.data_offset + block.capacity:
+            break
+    else:
+        raise InferenceError(errors.INTERNAL, f"output '{name}' points into an input block this "
+                                              f"request did not send")
+    base = kept.get(block)
+    if base is None:
+        base = kept[block] = arena.keep(block)
+        enc.blocks.remove(block)          # no longer freed with the request
+    start = offset - block.data_offset
+    data = base[start:start + nbytes]
+    datatype, shape = e["datatype"], e["shape"]
+    if datatype == "BYTES" or datatype == "BF16":
+        return output_array({"datatype": datatype, "shape": shape, "data": data.tobytes()}, ())
+    arr = data.view(datatypes.numpy_dtype(datatype)).reshape(shape)
+    return arr.copy() if copy else arr
 
 
 def needs_session(inputs: Mapping[str, Any], outputs: Optional[Iterable[Any]]) -> bool:

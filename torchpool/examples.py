@@ -7,6 +7,7 @@
     strings     INPUT__0 STRING [-1] (no batching)  -> OUTPUT__0 = each string upper-cased
     dict_input  x, y FP32 [4] (batch 8)             -> OUTPUT__0 = x * 2 + y   (Dict[str, Tensor])
     identity    INPUT__0 FP32 [-1] (no batching)    -> OUTPUT__0 = INPUT__0 (big tensors)
+    clone       INPUT__0 FP32 [-1] (no batching)    -> OUTPUT__0 = a new tensor equal to INPUT__0
 
 `addsub_repository(root, count)` writes `count` copies of `addsub` named
 `addsub_00`, `addsub_01`, ... (one KIND_CPU instance each) to measure the
@@ -67,6 +68,13 @@ class DictInput(nn.Module):
 class Identity(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return x
+
+
+class Clone(nn.Module):
+    # The same values as a new tensor: unlike identity's, its output is
+    # written out of the model's memory into shared memory.
+    def forward(self, x: Tensor) -> Tensor:
+        return x.clone()
 
 
 # --- configurations (as Triton users write them) -------------------------------
@@ -245,6 +253,8 @@ def build_example_repository(root: Path) -> list[str]:
         "strings": (STRINGS_CONFIG, serialize(UpperStrings())),
         "dict_input": (DICT_INPUT_CONFIG, serialize(DictInput())),
         "identity": (IDENTITY_CONFIG, serialize(Identity())),
+        "clone": (IDENTITY_CONFIG.replace('"identity"', '"clone"').replace(
+            "Returns its input unchanged", "Returns a copy of its input"), serialize(Clone())),
     }
     for name, (config, model) in models.items():
         write_model(root, name, config, model)

@@ -168,6 +168,21 @@ def _bytes_boundaries(data: memoryview, counts: list[int], name: str, model: str
     return bounds
 
 
+def check_reused_outputs(batch: Batch, descriptors: list, reused: frozenset, label: str) -> None:
+    """A worker said these outputs are views of input blocks handed over for
+    reuse: each must lie inside such an input of this batch (which then has
+    one request), or the answer would point at memory the client did not
+    offer. Raises TorchpoolError otherwise."""
+    offered = [d for d in batch.inputs if len(d) > 7 and d[7] is True]
+    for name, _datatype, _shape, segment, offset, nbytes in descriptors:
+        if name not in reused:
+            continue
+        if len(batch.requests) != 1 or not any(
+                d[3] == segment and d[4] <= offset and offset + nbytes <= d[4] + d[5] for d in offered):
+            raise TorchpoolError(errors.INTERNAL, f"{label}: output '{name}' was answered as a view "
+                                                  f"of an input block it does not lie in")
+
+
 def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: list,
                   read: Callable[[Any, int, int], memoryview]) -> list[list[tuple]]:
     """Each request's own part of a batch's outputs.

@@ -88,10 +88,14 @@ def _model_shape(spec: TensorSpec, shape: list[int], batching: bool) -> list[int
 def _payload(e: dict, frames: Sequence[Any], session: Any, sessions: Any, what: str,
              regions: list) -> tuple[memoryview, Optional[list]]:
     """The input's bytes, and where a worker finds them when they are already
-    in shared memory ([segment ref, offset, nbytes, generation]; None when
-    inline bytes must be staged)."""
+    in shared memory ([segment ref, offset, nbytes, generation], and `True`
+    when the client lets the answer point into the block; None when inline
+    bytes must be staged)."""
     if "shm" in e:
-        return sessions.arena_view(session, e["shm"], what)
+        view, location = sessions.arena_view(session, e["shm"], what)
+        if e.get("reuse") is True:
+            location.append(True)        # the answer may point into this block
+        return view, location
     if "region" in e:
         region, offset, nbytes = sessions.region(session, e["region"], what)
         regions.append(region)

@@ -49,7 +49,7 @@ from ..shm.arena import ArenaFull
 from .frontend import Frontend
 from .metrics import MetricsServer
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
-from .batcher import Batch, DynamicBatcher, split_outputs, stage_batch_inputs
+from .batcher import Batch, DynamicBatcher, check_reused_outputs, split_outputs, stage_batch_inputs
 from .registry import LOADING, READY, UNAVAILABLE, UNLOADING, ModelVersion, Registry
 from .requests import InferRequest, batch_layout, stage_inputs, validate_infer
 from .sessions import SessionManager
@@ -758,9 +758,11 @@ class Server:
         if outcome[0] == "failed":
             self._fail_batch(batch, outcome[1])
             return
-        _, descriptors, worker = outcome
+        _, descriptors, worker, reused = outcome
         mv = batch.requests[0].version
         try:
+            if reused:
+                check_reused_outputs(batch, descriptors, reused, mv.label)
             parts = split_outputs(mv.config, batch, descriptors, self._read_output)
         except Exception as exc:
             if not isinstance(exc, TorchpoolError):
@@ -770,14 +772,14 @@ class Server:
             parts = None
         blocks = {}
         for d in descriptors:
-            if isinstance(d[3], str) and worker is not None:
+            if isinstance(d[3], str) and worker is not None and d[0] not in reused:
                 blocks[d[3], d[4]] = _OutBlock(worker, [d[3], d[4], d[5]])
         if parts is not None:
             owner_of = {d[0]: blocks.get((d[3], d[4])) if isinstance(d[3], str) else None
                         for d in descriptors}
             for req, pieces in zip(batch.requests, parts):
                 try:
-                    self._answer(req, pieces, owner_of)
+                    self._answer(req, pieces, owner_of, reused)
                 except Exception as exc:  # never lose the request
                     log.exception("answering a request of %s failed", mv.label)
                     self._fail(req, TorchpoolError(errors.INTERNAL, f"{mv.label}: {exc}"))
@@ -794,12 +796,13 @@ class Server:
         if shared.refs == 0 and shared.worker.state != DEAD:
             shared.worker.releases.append(shared.block)
 
-    def _answer(self, req: InferRequest, pieces: list, owner_of: dict) -> None:
+    def _answer(self, req: InferRequest, pieces: list, owner_of: dict, reused: frozenset) -> None:
         """Send one request's outputs (its own byte ranges of the worker's
-        output blocks): into the caller's region when it asked; lent in place
-        to a local client; small ones inline; large ones zero-copy from the
-        worker's shared memory (the block goes back to the worker once every
-        answer that reads it has been sent and every lend released)."""
+        output blocks): into the caller's region when it asked; pointing into
+        the client's own input block when the output is a view of it; lent in
+        place to a local client; small ones inline; large ones zero-copy from
+        the worker's shared memory (the block goes back to the worker once
+        every answer that reads it has been sent and every lend released)."""
         session, lend = req.session, req.output_shm
         if session is not None and session.token not in self.sessions.sessions:
             lend = False
@@ -812,6 +815,11 @@ class Server:
             if name in req.region_outputs:
                 region_name, region_offset = req.region_outputs[name]
                 entry["region"] = [region_name, nbytes, region_offset]
+                continue
+            if name in reused:
+                # the client still holds that block and keeps it for the output
+                entry["own"] = [segment, offset, nbytes]
+                self.transfer["output_bytes_reused"] += nbytes
                 continue
             owner = owner_of.get(name)
             if lend and owner is not None and nbytes > messages.LOCAL_MIN_BYTES:
@@ -897,7 +905,7 @@ class Server:
                 elif kind == internal.DONE:
                     mv.stats.record_execution(batch.items, len(batch.requests), *msg[3][:3])
                     mv.consecutive_crashes = 0
-                    outcome = ("done", msg[2], h)
+                    outcome = ("done", msg[2], h, frozenset(msg[4]) if len(msg) > 4 else frozenset())
                 else:
                     outcome = ("failed", TorchpoolError(msg[2], msg[3]))
                 self._complete(mv, batch, outcome)
@@ -971,10 +979,11 @@ class Server:
         outputs: copied out before the worker's memory goes."""
         for seq, (batch, outcome) in list(queue.held.items()):
             if outcome[0] == "done" and outcome[2] is h:
+                reused = outcome[3]
                 copied = [[name, datatype, shape, _Copied(bytes(self._read_output(seg, off, n))), 0, n]
-                          if isinstance(seg, str) else [name, datatype, shape, seg, off, n]
+                          if isinstance(seg, str) and name not in reused else [name, datatype, shape, seg, off, n]
                           for name, datatype, shape, seg, off, n in outcome[1]]
-                queue.held[seq] = (batch, ("done", copied, None))
+                queue.held[seq] = (batch, ("done", copied, None, reused))
 
     def _respawn(self, mv: ModelVersion, instance: str, device: str) -> None:
         if self.should_exit or mv.state in (UNAVAILABLE, UNLOADING):

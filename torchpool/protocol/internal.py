@@ -5,8 +5,10 @@ A tensor descriptor is `[name, datatype, shape, segment, offset, nbytes, generat
 the bytes live in shared memory, only the descriptor crosses the socket.
 `segment` names a daemon segment, or is `[key, inode]` for a client's
 registered region; a non-zero `generation` is checked against the client
-block header in front of `offset`. A requested output is a name, or
-`[name, [key, inode], offset, capacity]` to be written into a region.
+block header in front of `offset`. An input descriptor may carry an eighth
+element, `true`, when its block is a client's copy of the input that the
+answer may point into (`reuse`, see docs/protocol.md). A requested output is
+a name, or `[name, [key, inode], offset, capacity]` to be written into a region.
 
 broker -> worker
     [RUN, batch_id, [descriptor, ...], [requested output names], [released block, ...]]
@@ -18,8 +20,11 @@ no longer reads: the worker may reuse it.
 worker -> broker
     [READY, pid, device]
     [LOAD_FAILED, code, message]
-    [DONE, batch_id, [descriptor, ...], [input_ns, infer_ns, output_ns]]
+    [DONE, batch_id, [descriptor, ...], [input_ns, infer_ns, output_ns], [reused output, ...]]
     [FAILED, batch_id, code, message]
+An output descriptor is `[name, datatype, shape, segment, offset, nbytes]`;
+a reused output's descriptor points into the input block it is a view of
+(nothing to release), every other one into the worker's arena or a region.
 """
 from __future__ import annotations
 

@@ -95,6 +95,25 @@ def load_extensions(model: str, model_dir: Path, parameters: dict) -> None:
                                      f"failed: {exc}") from None
 
 
+def reuse_input(value: Any, reusable: list) -> Optional[tuple]:
+    """(segment, offset, nbytes) when the output tensor `value` lies inside an
+    input block its client handed over for reuse: the answer then points
+    there and the output is not copied (an identity, or a model that works
+    in place). `reusable` holds (address, nbytes, segment, offset) per such
+    input. Only contiguous CPU tensors qualify; anything else is written out."""
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided \
+            or value.device.type != "cpu" or not value.is_contiguous():
+        return None
+    nbytes = value.numel() * value.element_size()
+    if nbytes == 0:
+        return None
+    address = value.data_ptr()
+    for base, size, segment, offset in reusable:
+        if base <= address and address + nbytes <= base + size:
+            return segment, offset + (address - base), nbytes
+    return None
+
+
 class Worker:
     def __init__(self, spec: WorkerSpec, sock: socket.socket) -> None:
         self.spec = spec
@@ -205,14 +224,29 @@ class Worker:
     def run(self, batch_id: int, descriptors: list, requested: list) -> None:
         t0 = time.perf_counter_ns()
         try:
-            inputs = {d[0]: self.view_input(d) for d in descriptors}
+            inputs, reusable = {}, []
+            for d in descriptors:
+                value = inputs[d[0]] = self.view_input(d)
+                if len(d) > 7 and d[7] is True and d[5] and isinstance(value, torch.Tensor) \
+                        and value.device.type == "cpu":
+                    reusable.append((value.data_ptr(), d[5], d[3], d[4]))
             t1 = time.perf_counter_ns()
             names = [r if isinstance(r, str) else r[0] for r in requested]
             targets = {r[0]: r[1:] for r in requested if not isinstance(r, str)}
             results = self.binding.run(self.module, inputs, names or None)
             after_execution(self.settings, self.device)
             t2 = time.perf_counter_ns()
-            out = [self.write_output(name, value, targets.get(name)) for name, value in results.items()]
+            out, reused = [], []
+            for name, value in results.items():
+                target = targets.get(name)
+                found = reuse_input(value, reusable) if target is None and reusable else None
+                if found is not None:
+                    segment, offset, nbytes = found
+                    out.append([name, datatypes.wire_from_torch(value.dtype), list(value.shape),
+                                segment, offset, nbytes])
+                    reused.append(name)
+                else:
+                    out.append(self.write_output(name, value, target))
         except TorchpoolError as exc:   # ExecutionError, ModelLoadError, RegionError
             self.send(internal.FAILED, batch_id, exc.code, exc.message)
             return
@@ -221,7 +255,7 @@ class Worker:
                       f"model '{self.spec.model}' instance '{self.spec.instance}': {exc}")
             return
         t3 = time.perf_counter_ns()
-        self.send(internal.DONE, batch_id, out, [t1 - t0, t2 - t1, t3 - t2])
+        self.send(internal.DONE, batch_id, out, [t1 - t0, t2 - t1, t3 - t2], reused)
 
     def _buffer(self, ref: Any, offset: int, nbytes: int, generation: int, what: str) -> Any:
         """The mapping that holds [offset, offset + nbytes): a daemon segment
@@ -238,7 +272,7 @@ class Worker:
         return buf
 
     def view_input(self, d: list) -> Any:
-        name, datatype, shape, segment, offset, nbytes, generation = d
+        name, datatype, shape, segment, offset, nbytes, generation = d[:7]
         buf = self._buffer(segment, offset, nbytes, generation,
                            f"input '{name}' for model '{self.spec.model}'")
         if datatype == "BYTES":
