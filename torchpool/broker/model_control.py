@@ -22,7 +22,7 @@ from ..config import ConfigError, ModelConfig, load_model_entry
 from ..config.repository import ModelEntry, select_versions
 from ..protocol import errors, internal
 from ..protocol.errors import TorchpoolError
-from .registry import LOADING, READY, UNAVAILABLE, UNLOADING, Generation, Model, ModelVersion, new_versions
+from .registry import READY, UNLOADING, Generation, Model, ModelVersion, new_versions
 
 if TYPE_CHECKING:
     from .server import Server

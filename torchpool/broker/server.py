@@ -20,6 +20,10 @@ are busy, a RUN goes out as soon as a DONE comes in (before that batch is
 answered), and each request is answered with its own byte ranges of the
 batch's outputs.
 
+This module accepts, validates, queues and dispatches, and watches the
+workers; `Answers` (broker/answers.py) turns each finished batch into its
+requests' answers and tracks the worker memory those answers still read.
+
 Everything happens on one thread around one poller: frontend sockets, worker
 sockets, worker process sentinels and a signal wake-up pipe. Signal handlers
 only record the signal; the loop acts on it. Every accepted request is
@@ -44,12 +48,13 @@ import zmq
 from ..config import scan_repository
 from ..protocol import errors, internal, messages
 from ..protocol.errors import TorchpoolError
-from ..shm import Arena, SegmentCache, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
+from ..shm import Arena, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
 from ..shm.arena import ArenaFull
 from .frontend import Frontend
 from .metrics import MetricsServer
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
-from .batcher import Batch, DynamicBatcher, check_reused_outputs, split_outputs, stage_batch_inputs
+from .answers import Answers
+from .batcher import Batch, DynamicBatcher, stage_batch_inputs
 from .registry import LOADING, READY, UNAVAILABLE, UNLOADING, ModelVersion, Registry
 from .requests import InferRequest, batch_layout, stage_inputs, validate_infer
 from .sessions import SessionManager
@@ -87,25 +92,6 @@ class ServerOptions:
     repository_poll_secs: float = 15.0
 
 
-@dataclass(eq=False)
-class _OutBlock:
-    """A worker output block that answers read from (several, for a batch):
-    it goes back to the worker once every send and every lend of it is done."""
-
-    worker: WorkerHandle
-    block: list                       # [segment, offset, size]
-    refs: int = 1                     # 1 while the answers are being sent
-
-
-class _Copied:
-    """Output bytes copied out of a worker that died before they were sent."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-
 @dataclass(order=True)
 class _Timer:
     when: float
@@ -126,16 +112,12 @@ class Server:
         self.sessions: Optional[SessionManager] = None
         # bytes the broker copied vs. passed by descriptor, for benchmarks and tests
         self.transfer: Counter = Counter()
-        self.worker_segments = SegmentCache()
+        self.answers: Optional[Answers] = None
         self.poller = zmq.Poller()
         self._fd_handlers: dict[int, Callable[[], None]] = {}
         self._timers: list[_Timer] = []
         self._timer_seq = itertools.count()
         self._batch_ids = itertools.count(1)
-        # zero-copy sends of worker output blocks still being written by ZeroMQ
-        self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list[_OutBlock]]] = []
-        # output sub-ranges lent to local clients: (segment, offset) -> the block they are part of
-        self._lent: dict[tuple[str, int], _OutBlock] = {}
         self._burst: Optional[set] = None    # batched versions with requests accepted in this burst
         self._signals: list[int] = []
         self._wake_r: Optional[socket.socket] = None
@@ -171,8 +153,10 @@ class Server:
         self.frontend = Frontend(self.ctx, o.listen)
         for sock in self.frontend.sockets:
             self.poller.register(sock, zmq.POLLIN)
+        self.answers = Answers(self.frontend, self.arena, self.transfer)
         self.sessions = SessionManager(f"{self.prefix}", o.client_shm_size, o.client_shm_limit,
-                                       o.client_lease, self._give_back, self._forget)
+                                       o.client_lease, self.answers.give_back, self._forget)
+        self.answers.sessions = self.sessions
         self._call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
         entries = scan_repository(o.model_repository)
         if o.model_control_mode == EXPLICIT and "*" not in o.load_models:
@@ -245,15 +229,15 @@ class Server:
         if self.registry is not None:
             for mv in self.registry.all_versions():
                 if isinstance(mv.queue, DynamicBatcher):
-                    self._flush_held(mv.queue)
+                    self.answers.flush_held(mv.queue)
                 for req in list(mv.queue):
-                    self._fail(req, TorchpoolError(errors.UNAVAILABLE, "server is shutting down"))
+                    self.answers.fail(req, TorchpoolError(errors.UNAVAILABLE, "server is shutting down"))
                 mv.queue.clear()
                 for h in mv.workers:
                     if h.batch is not None:
                         batch, h.batch = h.batch, None
-                        self._free_batch(batch)
-                        self._fail_batch(batch, TorchpoolError(errors.UNAVAILABLE,
+                        self.answers.free_batch(batch)
+                        self.answers.fail_batch(batch, TorchpoolError(errors.UNAVAILABLE,
                                                                f"server is shutting down; {h.label} "
                                                                f"did not finish in the grace period"))
         if self.sessions is not None:
@@ -265,7 +249,8 @@ class Server:
             self.frontend.close()
         if self.ctx is not None:
             self.ctx.destroy(linger=1000)   # closes any socket still open, then terminates
-        self.worker_segments.close()
+        if self.answers is not None:
+            self.answers.close()
         if self.arena is not None:
             self.arena.close(unlink=True)
         remove_segments_with_prefix(self.prefix)
@@ -462,15 +447,6 @@ class Server:
             return sessions.unregister(session, header.get("name"))
         return sessions.status(session, header.get("name"))
 
-    def _give_back(self, worker: WorkerHandle, blocks: list) -> None:
-        """A client released lent outputs (or its session closed)."""
-        for block in blocks:
-            shared = self._lent.pop((block[0], block[1]), None)
-            if shared is not None:
-                self._unref(shared)
-            elif worker.state != DEAD:
-                worker.releases.append(block)
-
     def _forget(self, refs: list) -> None:
         """Every live worker unmaps segments of a closed session or region."""
         for h in self.supervisor.workers.values():
@@ -613,7 +589,7 @@ class Server:
         while queue and mv.idle:
             req = queue.popleft()
             if req.deadline is not None and time.monotonic() > req.deadline:
-                self._fail(req, TorchpoolError(errors.UNAVAILABLE, "Request timeout expired"))
+                self.answers.fail(req, TorchpoolError(errors.UNAVAILABLE, "Request timeout expired"))
                 continue
             self._run(mv, Batch.single(req))
 
@@ -626,7 +602,7 @@ class Server:
             except Exception as exc:  # a bug must not lose requests or stop the daemon
                 log.exception("forming a batch of %s failed", mv.label)
                 for req in list(batcher):
-                    self._fail(req, TorchpoolError(errors.INTERNAL, f"{mv.label}: forming a batch "
+                    self.answers.fail(req, TorchpoolError(errors.INTERNAL, f"{mv.label}: forming a batch "
                                                                     f"failed: {exc}"))
                 batcher.clear()
                 return
@@ -636,7 +612,7 @@ class Server:
                     self._call_later(max(0.0, due - now), lambda: self._batch_due(mv, batcher))
                 break
             if batch.error is not None:
-                self._fail_batch(batch, batch.error)
+                self.answers.fail_batch(batch, batch.error)
                 continue
             self._run(mv, batch)
         if batcher:
@@ -659,7 +635,7 @@ class Server:
         limit = self._execution_timeout(mv)
         if limit:
             self._call_later(limit, lambda w=worker, b=worker.batch_id: self._kill_if_hung(w, b, limit))
-        self._collect_finished_sends()
+        self.answers.collect_finished_sends()
         releases, worker.releases = worker.releases, []
         try:
             worker.send(internal.RUN, worker.batch_id, batch.inputs, batch.outputs, releases)
@@ -688,14 +664,14 @@ class Server:
                 due = queue.next_deadline()
                 if due is not None and due <= now:
                     for req in queue.expire(now):
-                        self._fail(req, TorchpoolError(errors.UNAVAILABLE, "Request timeout expired"))
+                        self.answers.fail(req, TorchpoolError(errors.UNAVAILABLE, "Request timeout expired"))
                     self._dispatch(mv)
                 continue
             if queue and any(r.deadline is not None and now > r.deadline for r in queue):
                 keep = []
                 for req in queue:
                     if req.deadline is not None and now > req.deadline:
-                        self._fail(req, TorchpoolError(errors.UNAVAILABLE, "Request timeout expired"))
+                        self.answers.fail(req, TorchpoolError(errors.UNAVAILABLE, "Request timeout expired"))
                     else:
                         keep.append(req)
                 queue.clear()
@@ -704,165 +680,6 @@ class Server:
     def _pending(self) -> int:
         return sum(len(mv.queue) + sum(1 for h in mv.workers if h.batch is not None)
                    for mv in self.registry.all_versions())
-
-    # ------------------------------------------------------------ answers
-
-    def _release(self, req: InferRequest) -> None:
-        """Free what the request held, once: arena blocks, regions, its session."""
-        for block in req.blocks:
-            self.arena.free(block)
-        req.blocks = []
-        req.staged = []
-        if req.session is not None:
-            for region in req.regions:
-                self.sessions.region_done(req.session, region)
-            req.session.in_flight -= 1
-            req.session, req.regions = None, []
-
-    def _fail(self, req: InferRequest, err: TorchpoolError) -> None:
-        req.version.stats.fail.add(int((time.monotonic() - req.received) * 1e9))
-        self._release(req)
-        self.frontend.send(req.socket, req.identity, messages.error_response(req.request_id, err))
-
-    def _fail_batch(self, batch: Batch, err: TorchpoolError) -> None:
-        for req in batch.requests:
-            self._fail(req, err)
-
-    def _free_batch(self, batch: Batch) -> None:
-        """The worker is done with the batch's inputs."""
-        for block in batch.blocks:
-            self.arena.free(block)
-        batch.blocks = []
-
-    def _complete(self, mv: ModelVersion, batch: Batch, outcome: tuple) -> None:
-        """Answer a finished batch: `("done", descriptors, worker)` or
-        `("failed", error)`. With preserve_ordering, batches are answered in
-        the order they were sent; one that finished early waits."""
-        queue = mv.queue
-        if batch.seq is None or not isinstance(queue, DynamicBatcher):
-            self._settle(batch, outcome)
-            return
-        queue.held[batch.seq] = (batch, outcome)
-        while queue.next_answer in queue.held:
-            held_batch, held_outcome = queue.held.pop(queue.next_answer)
-            queue.next_answer += 1
-            self._settle(held_batch, held_outcome)
-
-    def _flush_held(self, queue: DynamicBatcher) -> None:
-        """Answer every finished batch still waiting for its turn (shutdown)."""
-        for seq in sorted(queue.held):
-            batch, outcome = queue.held.pop(seq)
-            self._settle(batch, outcome)
-
-    def _settle(self, batch: Batch, outcome: tuple) -> None:
-        if outcome[0] == "failed":
-            self._fail_batch(batch, outcome[1])
-            return
-        _, descriptors, worker, reused = outcome
-        mv = batch.requests[0].version
-        try:
-            if reused:
-                check_reused_outputs(batch, descriptors, reused, mv.label)
-            parts = split_outputs(mv.config, batch, descriptors, self._read_output)
-        except Exception as exc:
-            if not isinstance(exc, TorchpoolError):
-                log.exception("splitting the outputs of a batch of %s failed", mv.label)
-                exc = TorchpoolError(errors.INTERNAL, f"{mv.label}: {exc}")
-            self._fail_batch(batch, exc)
-            parts = None
-        blocks = {}
-        for d in descriptors:
-            if isinstance(d[3], str) and worker is not None and d[0] not in reused:
-                blocks[d[3], d[4]] = _OutBlock(worker, [d[3], d[4], d[5]])
-        if parts is not None:
-            owner_of = {d[0]: blocks.get((d[3], d[4])) if isinstance(d[3], str) else None
-                        for d in descriptors}
-            for req, pieces in zip(batch.requests, parts):
-                try:
-                    self._answer(req, pieces, owner_of, reused)
-                except Exception as exc:  # never lose the request
-                    log.exception("answering a request of %s failed", mv.label)
-                    self._fail(req, TorchpoolError(errors.INTERNAL, f"{mv.label}: {exc}"))
-        for shared in blocks.values():
-            self._unref(shared)
-
-    def _read_output(self, segment: Any, offset: int, nbytes: int) -> memoryview:
-        if isinstance(segment, _Copied):
-            return memoryview(segment.data)[offset:offset + nbytes]
-        return memoryview(self.worker_segments.get(segment).buf)[offset:offset + nbytes]
-
-    def _unref(self, shared: _OutBlock) -> None:
-        shared.refs -= 1
-        if shared.refs == 0 and shared.worker.state != DEAD:
-            shared.worker.releases.append(shared.block)
-
-    def _answer(self, req: InferRequest, pieces: list, owner_of: dict, reused: frozenset) -> None:
-        """Send one request's outputs (its own byte ranges of the worker's
-        output blocks): into the caller's region when it asked; pointing into
-        the client's own input block when the output is a view of it; lent in
-        place to a local client; small ones inline; large ones zero-copy from
-        the worker's shared memory (the block goes back to the worker once
-        every answer that reads it has been sent and every lend released)."""
-        session, lend = req.session, req.output_shm
-        if session is not None and session.token not in self.sessions.sessions:
-            lend = False
-        req.version.stats.success.add(int((time.monotonic() - req.received) * 1e9))
-        self._release(req)
-        outputs, frames, trackers, sending = [], [], [], []
-        for name, datatype, shape, segment, offset, nbytes in pieces:
-            entry = {"name": name, "datatype": datatype, "shape": shape}
-            outputs.append(entry)
-            if name in req.region_outputs:
-                region_name, region_offset = req.region_outputs[name]
-                entry["region"] = [region_name, nbytes, region_offset]
-                continue
-            if name in reused:
-                # the client still holds that block and keeps it for the output
-                entry["own"] = [segment, offset, nbytes]
-                self.transfer["output_bytes_reused"] += nbytes
-                continue
-            owner = owner_of.get(name)
-            if lend and owner is not None and nbytes > messages.LOCAL_MIN_BYTES:
-                entry["shm"] = [segment, offset, nbytes,
-                                self.sessions.lend(session, owner.worker, segment, offset, nbytes)]
-                owner.refs += 1
-                self._lent[segment, offset] = owner
-                self.transfer["output_bytes_lent"] += nbytes
-                continue
-            self.transfer["output_bytes_sent"] += nbytes
-            data = self._read_output(segment, offset, nbytes)
-            if nbytes <= messages.INLINE_LIMIT:
-                payload: Any = bytes(data)
-            elif owner is None:          # copied out of a worker that died: nothing to track
-                frames.append(data)
-                payload = len(frames)
-            else:
-                frame = zmq.Frame(data, copy=False, track=True)
-                frames.append(frame)
-                trackers.append(frame.tracker)
-                if owner not in sending:
-                    owner.refs += 1
-                    sending.append(owner)
-                payload = len(frames)
-            entry["data"] = payload
-        self.frontend.send(req.socket, req.identity,
-                           messages.ok_response(req.request_id, model_name=req.version.name,
-                                                model_version=str(req.version.version),
-                                                outputs=outputs), frames)
-        if trackers:
-            self._sending.append((trackers, sending[0].worker, sending))
-
-    def _collect_finished_sends(self) -> None:
-        if not self._sending:
-            return
-        still = []
-        for trackers, worker, shared in self._sending:
-            if all(t.done for t in trackers):
-                for s in shared:
-                    self._unref(s)
-            else:
-                still.append((trackers, worker, shared))
-        self._sending = still
 
     # ------------------------------------------------------------ workers
 
@@ -894,7 +711,7 @@ class Server:
             h.state = IDLE
             mv.idle.append(h)
             if batch is not None:
-                self._free_batch(batch)
+                self.answers.free_batch(batch)
             # the next batch (already written while this one ran) goes first
             self._dispatch(mv)
             if batch is not None:
@@ -908,7 +725,7 @@ class Server:
                     outcome = ("done", msg[2], h, frozenset(msg[4]) if len(msg) > 4 else frozenset())
                 else:
                     outcome = ("failed", TorchpoolError(msg[2], msg[3]))
-                self._complete(mv, batch, outcome)
+                self.answers.complete(mv, batch, outcome)
             if self.registry.retiring:
                 self.control.progress()
 
@@ -918,7 +735,7 @@ class Server:
         if first:
             log.error("%s is UNAVAILABLE: %s", mv.label, reason)
         for req in list(mv.queue):
-            self._fail(req, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} is not available: {reason}"))
+            self.answers.fail(req, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} is not available: {reason}"))
         mv.queue.clear()
         for w in list(mv.workers):
             if w.process.exitcode is None:
@@ -931,27 +748,22 @@ class Server:
         self._unwatch_fd(h.sock.fileno())
         was = h.state
         how = self.supervisor.reap(h)
-        self._sending = [s for s in self._sending if s[1] is not h]
         self.sessions.worker_gone(h)
-        if self._lent:
-            self._lent = {k: v for k, v in self._lent.items() if v.worker is not h}
+        self.answers.worker_gone(h)
         mv = h.mv
-        if isinstance(mv.queue, DynamicBatcher):
-            self._rescue_held(mv.queue, h)
-        self.worker_segments.drop(lambda name: name.startswith(h.spec.segment_prefix))
         if h.batch is not None:
             batch, h.batch = h.batch, None
-            self._free_batch(batch)
+            self.answers.free_batch(batch)
             if h.timed_out:
                 why = (f"{h.label} exceeded the execution timeout of {h.timed_out:g} s and was killed; "
                        f"it is being restarted")
             else:
                 why = f"{h.label} {how} while running this request"
-            self._complete(mv, batch, ("failed", TorchpoolError(errors.INTERNAL, why)))
+            self.answers.complete(mv, batch, ("failed", TorchpoolError(errors.INTERNAL, why)))
         if mv.state == UNLOADING:
             if not any(w.state != DEAD for w in mv.workers):
                 for req in list(mv.queue):
-                    self._fail(req, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} was unloaded"))
+                    self.answers.fail(req, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} was unloaded"))
                 mv.queue.clear()
             self.control.progress()
             return
@@ -973,17 +785,6 @@ class Server:
             return
         delay = min(0.1 * 2 ** (mv.consecutive_crashes - 1), 10.0)
         self._call_later(delay, lambda: self._respawn(mv, h.spec.instance, h.spec.device))
-
-    def _rescue_held(self, queue: DynamicBatcher, h: WorkerHandle) -> None:
-        """Answers of `h` waiting for their turn (preserve_ordering) keep their
-        outputs: copied out before the worker's memory goes."""
-        for seq, (batch, outcome) in list(queue.held.items()):
-            if outcome[0] == "done" and outcome[2] is h:
-                reused = outcome[3]
-                copied = [[name, datatype, shape, _Copied(bytes(self._read_output(seg, off, n))), 0, n]
-                          if isinstance(seg, str) and name not in reused else [name, datatype, shape, seg, off, n]
-                          for name, datatype, shape, seg, off, n in outcome[1]]
-                queue.held[seq] = (batch, ("done", copied, None, reused))
 
     def _respawn(self, mv: ModelVersion, instance: str, device: str) -> None:
         if self.should_exit or mv.state in (UNAVAILABLE, UNLOADING):

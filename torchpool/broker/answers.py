@@ -1,0 +1,253 @@
+"""Answers: the broker's outbound half.
+
+A finished batch becomes exactly one answer per request. Each output goes
+into the caller's region when it asked for one; back into the client's own
+input block when the model returned a view of it; lent in place to a local
+client; inline when small; or as zero-copy frames from the worker's shared
+memory. A worker output block goes back to its worker (piggybacked on its
+next RUN) once every send and every lend of it is done; with
+preserve_ordering, batches that finish early wait for their turn here.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from ..protocol import errors, messages
+from ..protocol.errors import TorchpoolError
+from ..shm import Arena, SegmentCache
+from .batcher import Batch, DynamicBatcher, check_reused_outputs, split_outputs
+from .frontend import Frontend
+from .registry import ModelVersion
+from .requests import InferRequest
+from .supervisor import DEAD, WorkerHandle
+
+log = logging.getLogger("torchpool.broker")
+
+
+@dataclass(eq=False)
+class _OutBlock:
+    """A worker output block that answers read from (several, for a batch):
+    it goes back to the worker once every send and every lend of it is done."""
+
+    worker: WorkerHandle
+    block: list                       # [segment, offset, size]
+    refs: int = 1                     # 1 while the answers are being sent
+
+
+class _Copied:
+    """Output bytes copied out of a worker that died before they were sent."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+class Answers:
+    """Answers requests and tracks the worker output blocks they read."""
+
+    def __init__(self, frontend: Frontend, arena: Arena, transfer: Counter) -> None:
+        self.frontend = frontend
+        self.arena = arena                    # the broker's input arena (requests' blocks)
+        self.transfer = transfer              # bytes copied / lent / sent, for benchmarks and tests
+        self.sessions: Any = None             # the SessionManager, set once it exists
+        self.worker_segments = SegmentCache()
+        # zero-copy sends of worker output blocks still being written by ZeroMQ
+        self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list[_OutBlock]]] = []
+        # output sub-ranges lent to local clients: (segment, offset) -> the block they are part of
+        self._lent: dict[tuple[str, int], _OutBlock] = {}
+
+    def worker_gone(self, h: WorkerHandle) -> None:
+        """A worker died: forget its blocks, copy out what waits for its turn."""
+        self._sending = [s for s in self._sending if s[1] is not h]
+        if self._lent:
+            self._lent = {k: v for k, v in self._lent.items() if v.worker is not h}
+        if isinstance(h.mv.queue, DynamicBatcher):
+            self._rescue_held(h.mv.queue, h)
+        self.worker_segments.drop(lambda name: name.startswith(h.spec.segment_prefix))
+
+    def close(self) -> None:
+        self.worker_segments.close()
+
+    def give_back(self, worker: WorkerHandle, blocks: list) -> None:
+        """A client released lent outputs (or its session closed)."""
+        for block in blocks:
+            shared = self._lent.pop((block[0], block[1]), None)
+            if shared is not None:
+                self._unref(shared)
+            elif worker.state != DEAD:
+                worker.releases.append(block)
+
+    def release(self, req: InferRequest) -> None:
+        """Free what the request held, once: arena blocks, regions, its session."""
+        for block in req.blocks:
+            self.arena.free(block)
+        req.blocks = []
+        req.staged = []
+        if req.session is not None:
+            for region in req.regions:
+                self.sessions.region_done(req.session, region)
+            req.session.in_flight -= 1
+            req.session, req.regions = None, []
+
+    def fail(self, req: InferRequest, err: TorchpoolError) -> None:
+        req.version.stats.fail.add(int((time.monotonic() - req.received) * 1e9))
+        self.release(req)
+        self.frontend.send(req.socket, req.identity, messages.error_response(req.request_id, err))
+
+    def fail_batch(self, batch: Batch, err: TorchpoolError) -> None:
+        for req in batch.requests:
+            self.fail(req, err)
+
+    def free_batch(self, batch: Batch) -> None:
+        """The worker is done with the batch's inputs."""
+        for block in batch.blocks:
+            self.arena.free(block)
+        batch.blocks = []
+
+    def complete(self, mv: ModelVersion, batch: Batch, outcome: tuple) -> None:
+        """Answer a finished batch: `("done", descriptors, worker, reused outputs)` or
+        `("failed", error)`. With preserve_ordering, batches are answered in
+        the order they were sent; one that finished early waits."""
+        queue = mv.queue
+        if batch.seq is None or not isinstance(queue, DynamicBatcher):
+            self._settle(batch, outcome)
+            return
+        queue.held[batch.seq] = (batch, outcome)
+        while queue.next_answer in queue.held:
+            held_batch, held_outcome = queue.held.pop(queue.next_answer)
+            queue.next_answer += 1
+            self._settle(held_batch, held_outcome)
+
+    def flush_held(self, queue: DynamicBatcher) -> None:
+        """Answer every finished batch still waiting for its turn (shutdown)."""
+        for seq in sorted(queue.held):
+            batch, outcome = queue.held.pop(seq)
+            self._settle(batch, outcome)
+
+    def _settle(self, batch: Batch, outcome: tuple) -> None:
+        if outcome[0] == "failed":
+            self.fail_batch(batch, outcome[1])
+            return
+        _, descriptors, worker, reused = outcome
+        mv = batch.requests[0].version
+        try:
+            if reused:
+                check_reused_outputs(batch, descriptors, reused, mv.label)
+            parts = split_outputs(mv.config, batch, descriptors, self._read_output)
+        except Exception as exc:
+            if not isinstance(exc, TorchpoolError):
+                log.exception("splitting the outputs of a batch of %s failed", mv.label)
+                exc = TorchpoolError(errors.INTERNAL, f"{mv.label}: {exc}")
+            self.fail_batch(batch, exc)
+            parts = None
+        blocks = {}
+        for d in descriptors:
+            if isinstance(d[3], str) and worker is not None and d[0] not in reused:
+                blocks[d[3], d[4]] = _OutBlock(worker, [d[3], d[4], d[5]])
+        if parts is not None:
+            owner_of = {d[0]: blocks.get((d[3], d[4])) if isinstance(d[3], str) else None
+                        for d in descriptors}
+            for req, pieces in zip(batch.requests, parts):
+                try:
+                    self._answer(req, pieces, owner_of, reused)
+                except Exception as exc:  # never lose the request
+                    log.exception("answering a request of %s failed", mv.label)
+                    self.fail(req, TorchpoolError(errors.INTERNAL, f"{mv.label}: {exc}"))
+        for shared in blocks.values():
+            self._unref(shared)
+
+    def _read_output(self, segment: Any, offset: int, nbytes: int) -> memoryview:
+        if isinstance(segment, _Copied):
+            return memoryview(segment.data)[offset:offset + nbytes]
+        return memoryview(self.worker_segments.get(segment).buf)[offset:offset + nbytes]
+
+    def _unref(self, shared: _OutBlock) -> None:
+        shared.refs -= 1
+        if shared.refs == 0 and shared.worker.state != DEAD:
+            shared.worker.releases.append(shared.block)
+
+    def _answer(self, req: InferRequest, pieces: list, owner_of: dict, reused: frozenset) -> None:
+        """Send one request's outputs (its own byte ranges of the worker's
+        output blocks): into the caller's region when it asked; pointing into
+        the client's own input block when the output is a view of it; lent in
+        place to a local client; small ones inline; large ones zero-copy from
+        the worker's shared memory (the block goes back to the worker once
+        every answer that reads it has been sent and every lend released)."""
+        session, lend = req.session, req.output_shm
+        if session is not None and session.token not in self.sessions.sessions:
+            lend = False
+        req.version.stats.success.add(int((time.monotonic() - req.received) * 1e9))
+        self.release(req)
+        outputs, frames, trackers, sending = [], [], [], []
+        for name, datatype, shape, segment, offset, nbytes in pieces:
+            entry = {"name": name, "datatype": datatype, "shape": shape}
+            outputs.append(entry)
+            if name in req.region_outputs:
+                region_name, region_offset = req.region_outputs[name]
+                entry["region"] = [region_name, nbytes, region_offset]
+                continue
+            if name in reused:
+                # the client still holds that block and keeps it for the output
+                entry["own"] = [segment, offset, nbytes]
+                self.transfer["output_bytes_reused"] += nbytes
+                continue
+            owner = owner_of.get(name)
+            if lend and owner is not None and nbytes > messages.LOCAL_MIN_BYTES:
+                entry["shm"] = [segment, offset, nbytes,
+                                self.sessions.lend(session, owner.worker, segment, offset, nbytes)]
+                owner.refs += 1
+                self._lent[segment, offset] = owner
+                self.transfer["output_bytes_lent"] += nbytes
+                continue
+            self.transfer["output_bytes_sent"] += nbytes
+            data = self._read_output(segment, offset, nbytes)
+            if nbytes <= messages.INLINE_LIMIT:
+                payload: Any = bytes(data)
+            elif owner is None:          # copied out of a worker that died: nothing to track
+                frames.append(data)
+                payload = len(frames)
+            else:
+                frame = zmq.Frame(data, copy=False, track=True)
+                frames.append(frame)
+                trackers.append(frame.tracker)
+                if owner not in sending:
+                    owner.refs += 1
+                    sending.append(owner)
+                payload = len(frames)
+            entry["data"] = payload
+        self.frontend.send(req.socket, req.identity,
+                           messages.ok_response(req.request_id, model_name=req.version.name,
+                                                model_version=str(req.version.version),
+                                                outputs=outputs), frames)
+        if trackers:
+            self._sending.append((trackers, sending[0].worker, sending))
+
+    def collect_finished_sends(self) -> None:
+        if not self._sending:
+            return
+        still = []
+        for trackers, worker, shared in self._sending:
+            if all(t.done for t in trackers):
+                for s in shared:
+                    self._unref(s)
+            else:
+                still.append((trackers, worker, shared))
+        self._sending = still
+
+    def _rescue_held(self, queue: DynamicBatcher, h: WorkerHandle) -> None:
+        """Answers of `h` waiting for their turn (preserve_ordering) keep their
+        outputs: copied out before the worker's memory goes."""
+        for seq, (batch, outcome) in list(queue.held.items()):
+            if outcome[0] == "done" and outcome[2] is h:
+                reused = outcome[3]
+                copied = [[name, datatype, shape, _Copied(bytes(self._read_output(seg, off, n))), 0, n]
+                          if isinstance(seg, str) and name not in reused else [name, datatype, shape, seg, off, n]
+                          for name, datatype, shape, seg, off, n in outcome[1]]
+                queue.held[seq] = (batch, ("done", copied, None, reused))
