@@ -21,6 +21,7 @@ import zmq
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
 from ..shm import Arena, SegmentCache
+from ..shm.arena import Block
 from .batcher import Batch, DynamicBatcher, check_reused_outputs, split_outputs
 from .frontend import Frontend
 from .registry import ModelVersion
@@ -62,6 +63,9 @@ class Answers:
         self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list[_OutBlock]]] = []
         # output sub-ranges lent to local clients: (segment, offset) -> the block they are part of
         self._lent: dict[tuple[str, int], _OutBlock] = {}
+        # zero-copy sends of outputs that are views of inputs in the broker's
+        # arena: those input blocks are freed once the sends are done
+        self._sending_inputs: list[tuple[list[zmq.MessageTracker], list[Block]]] = []
 
     def worker_gone(self, h: WorkerHandle) -> None:
         """A worker died: forget its blocks, copy out what waits for its turn."""
@@ -175,71 +179,115 @@ class Answers:
 
     def _answer(self, req: InferRequest, pieces: list, owner_of: dict, reused: frozenset) -> None:
         """Send one request's outputs (its own byte ranges of the worker's
-        output blocks): into the caller's region when it asked; pointing into
-        the client's own input block when the output is a view of it; lent in
-        place to a local client; small ones inline; large ones zero-copy from
-        the worker's shared memory (the block goes back to the worker once
-        every answer that reads it has been sent and every lend released)."""
+        output blocks, or of its inputs when outputs are views of them): into
+        the caller's region when it asked; from the input they are a view of;
+        lent in place to a local client; small ones inline; large ones
+        zero-copy from the worker's shared memory (the block goes back to the
+        worker once every answer that reads it has been sent and every lend
+        released)."""
         session, lend = req.session, req.output_shm
         if session is not None and session.token not in self.sessions.sessions:
             lend = False
         req.version.stats.success.add(int((time.monotonic() - req.received) * 1e9))
+        # input blocks of ours that outputs are views of outlive the request
+        held = _take_viewed_blocks(req, pieces, reused)
         self.release(req)
-        outputs, frames, trackers, sending = [], [], [], []
-        for name, datatype, shape, segment, offset, nbytes in pieces:
-            entry = {"name": name, "datatype": datatype, "shape": shape}
-            outputs.append(entry)
-            if name in req.region_outputs:
-                region_name, region_offset = req.region_outputs[name]
-                entry["region"] = [region_name, nbytes, region_offset]
-                continue
-            if name in reused:
-                # the client still holds that block and keeps it for the output
-                entry["own"] = [segment, offset, nbytes]
-                self.transfer["output_bytes_reused"] += nbytes
-                continue
-            owner = owner_of.get(name)
-            if lend and owner is not None and nbytes > messages.LOCAL_MIN_BYTES:
-                entry["shm"] = [segment, offset, nbytes,
-                                self.sessions.lend(session, owner.worker, segment, offset, nbytes)]
-                owner.refs += 1
-                self._lent[segment, offset] = owner
-                self.transfer["output_bytes_lent"] += nbytes
-                continue
-            self.transfer["output_bytes_sent"] += nbytes
-            data = self._read_output(segment, offset, nbytes)
-            if nbytes <= messages.INLINE_LIMIT:
-                payload: Any = bytes(data)
-            elif owner is None:          # copied out of a worker that died: nothing to track
-                frames.append(data)
-                payload = len(frames)
+        outputs, frames, trackers, sending, held_trackers = [], [], [], [], []
+        try:
+            for name, datatype, shape, segment, offset, nbytes in pieces:
+                entry = {"name": name, "datatype": datatype, "shape": shape}
+                outputs.append(entry)
+                if name in req.region_outputs:
+                    region_name, region_offset = req.region_outputs[name]
+                    entry["region"] = [region_name, nbytes, region_offset]
+                    continue
+                if name in reused:
+                    self._answer_view(entry, segment, offset, nbytes, held, frames, held_trackers)
+                else:
+                    self._answer_output(entry, segment, offset, nbytes, owner_of.get(name),
+                                        session if lend else None, frames, trackers, sending)
+            self.frontend.send(req.socket, req.identity,
+                               messages.ok_response(req.request_id, model_name=req.version.name,
+                                                    model_version=str(req.version.version),
+                                                    outputs=outputs), frames)
+        finally:
+            if held_trackers:
+                self._sending_inputs.append((held_trackers, held))
             else:
-                frame = zmq.Frame(data, copy=False, track=True)
-                frames.append(frame)
-                trackers.append(frame.tracker)
-                if owner not in sending:
-                    owner.refs += 1
-                    sending.append(owner)
-                payload = len(frames)
-            entry["data"] = payload
-        self.frontend.send(req.socket, req.identity,
-                           messages.ok_response(req.request_id, model_name=req.version.name,
-                                                model_version=str(req.version.version),
-                                                outputs=outputs), frames)
-        if trackers:
-            self._sending.append((trackers, sending[0].worker, sending))
+                for block in held:
+                    self.arena.free(block)
+            if trackers:
+                self._sending.append((trackers, sending[0].worker, sending))
+
+    def _answer_view(self, entry: dict, segment: Any, offset: int, nbytes: int, held: list[Block],
+                     frames: list, trackers: list) -> None:
+        """Fill in an output that is a view of one of the request's inputs:
+        in the client's own block (it keeps the block for the output), or in
+        one the broker staged (`held`), sent from there."""
+        self.transfer["output_bytes_reused"] += nbytes
+        if not _within(held, segment, offset, nbytes):
+            entry["own"] = [segment, offset, nbytes]
+            return
+        self.transfer["output_bytes_sent"] += nbytes
+        data = memoryview(self.arena.segments[segment].buf)[offset:offset + nbytes]
+        if nbytes <= messages.INLINE_LIMIT:
+            entry["data"] = bytes(data)
+            return
+        frame = zmq.Frame(data, copy=False, track=True)
+        frames.append(frame)
+        trackers.append(frame.tracker)
+        entry["data"] = len(frames)
+
+    def _answer_output(self, entry: dict, segment: Any, offset: int, nbytes: int, owner: Any,
+                       lend_to: Any, frames: list, trackers: list, sending: list) -> None:
+        """Fill in one output of the worker's: lent in place to a local client
+        (`lend_to`: its session, else None); small ones inline; large ones as
+        zero-copy frames of the worker's shared memory (`owner`: its block;
+        None for bytes copied out of a worker that died)."""
+        if lend_to is not None and owner is not None and nbytes > messages.LOCAL_MIN_BYTES:
+            entry["shm"] = [segment, offset, nbytes,
+                            self.sessions.lend(lend_to, owner.worker, segment, offset, nbytes)]
+            owner.refs += 1
+            self._lent[segment, offset] = owner
+            self.transfer["output_bytes_lent"] += nbytes
+            return
+        self.transfer["output_bytes_sent"] += nbytes
+        data = self._read_output(segment, offset, nbytes)
+        if nbytes <= messages.INLINE_LIMIT:
+            entry["data"] = bytes(data)
+            return
+        if owner is None:
+            frames.append(data)
+        else:
+            frame = zmq.Frame(data, copy=False, track=True)
+            frames.append(frame)
+            trackers.append(frame.tracker)
+            if owner not in sending:
+                owner.refs += 1
+                sending.append(owner)
+        entry["data"] = len(frames)
 
     def collect_finished_sends(self) -> None:
-        if not self._sending:
-            return
-        still = []
-        for trackers, worker, shared in self._sending:
-            if all(t.done for t in trackers):
-                for s in shared:
-                    self._unref(s)
-            else:
-                still.append((trackers, worker, shared))
-        self._sending = still
+        """Blocks whose zero-copy sends ZeroMQ has finished go back: worker
+        output blocks to their worker, input blocks to the broker's arena."""
+        if self._sending:
+            still = []
+            for trackers, worker, shared in self._sending:
+                if all(t.done for t in trackers):
+                    for s in shared:
+                        self._unref(s)
+                else:
+                    still.append((trackers, worker, shared))
+            self._sending = still
+        if self._sending_inputs:
+            waiting = []
+            for trackers, blocks in self._sending_inputs:
+                if all(t.done for t in trackers):
+                    for block in blocks:
+                        self.arena.free(block)
+                else:
+                    waiting.append((trackers, blocks))
+            self._sending_inputs = waiting
 
     def _rescue_held(self, queue: DynamicBatcher, h: WorkerHandle) -> None:
         """Answers of `h` waiting for their turn (preserve_ordering) keep their
@@ -251,3 +299,20 @@ class Answers:
                           if isinstance(seg, str) and name not in reused else [name, datatype, shape, seg, off, n]
                           for name, datatype, shape, seg, off, n in outcome[1]]
                 queue.held[seq] = (batch, ("done", copied, None, reused))
+
+
+def _take_viewed_blocks(req: InferRequest, pieces: list, reused: frozenset) -> list[Block]:
+    """The request's blocks in the broker's arena that reused outputs are
+    views of, taken out of `req.blocks` so that releasing the request does
+    not free them before the answer is sent from them."""
+    held = [b for b in req.blocks
+            if any(name in reused and _within([b], segment, offset, nbytes)
+                   for name, _datatype, _shape, segment, offset, nbytes in pieces)]
+    if held:
+        req.blocks = [b for b in req.blocks if b not in held]
+    return held
+
+
+def _within(blocks: list[Block], segment: Any, offset: int, nbytes: int) -> bool:
+    return any(b.segment == segment and b.offset <= offset and offset + nbytes <= b.offset + b.size
+               for b in blocks)

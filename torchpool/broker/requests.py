@@ -244,8 +244,10 @@ def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[li
             blocks.append(block)
             if len(payload):
                 copy_into(arena.view(block), payload)
+            # True: the answer may be sent from this block when an output is
+            # a view of it (the broker keeps the block until it is sent)
             descriptors.append([spec.name, spec.datatype, model_shape, block.segment,
-                                block.offset, block.size, 0])
+                                block.offset, block.size, 0, True])
     except ArenaFull as exc:
         for block in blocks:
             arena.free(block)

@@ -565,6 +565,7 @@ class Server:
         inputs already in shared memory passed by descriptor, and its
         `batch_input` tensors computed."""
         mv = req.version
+        self.answers.collect_finished_sends()   # input blocks answers were sent from come back
         req.inputs, req.blocks = stage_inputs(staged, self.arena, mv.name)
         for _spec, _shape, _model_shape, payload, location in staged:
             self.transfer["input_bytes_in_place" if location else "input_bytes_copied"] += len(payload)

@@ -6,8 +6,9 @@ the bytes live in shared memory, only the descriptor crosses the socket.
 `segment` names a daemon segment, or is `[key, inode]` for a client's
 registered region; a non-zero `generation` is checked against the client
 block header in front of `offset`. An input descriptor may carry an eighth
-element, `true`, when its block is a client's copy of the input that the
-answer may point into (`reuse`, see docs/protocol.md). A requested output is
+element, `true`, when the answer may point into its block: a client's copy
+of the input (`reuse`, see docs/protocol.md), or the broker's own copy of an
+inline input, which the broker keeps until the answer is sent. A requested output is
 a name, or `[name, [key, inode], offset, capacity]` to be written into a region.
 
 broker -> worker
