@@ -51,7 +51,8 @@ class _Copied:
 
 
 class Answers:
-    """Answers requests and tracks the worker output blocks they read."""
+    """Answers requests, and keeps the shared memory their zero-copy sends and
+    lends still read (worker output blocks, broker input blocks) until done."""
 
     def __init__(self, frontend: Frontend, arena: Arena, transfer: Counter) -> None:
         self.frontend = frontend
@@ -305,6 +306,8 @@ def _take_viewed_blocks(req: InferRequest, pieces: list, reused: frozenset) -> l
     """The request's blocks in the broker's arena that reused outputs are
     views of, taken out of `req.blocks` so that releasing the request does
     not free them before the answer is sent from them."""
+    if not reused or not req.blocks:
+        return []
     held = [b for b in req.blocks
             if any(name in reused and _within([b], segment, offset, nbytes)
                    for name, _datatype, _shape, segment, offset, nbytes in pieces)]
