@@ -47,7 +47,7 @@ import zmq.asyncio
 
 from .client_shm import (DEFAULT_ARENA_CAP, Call, ClientState, InferResult, NoAnswer, OutputRef,
                          RegionOutput, SessionLost, SharedMemoryRef, inline_buffer, needs_session,
-                         output_array, prepare_input, run_async, run_sync)
+                         output_array, prepare_input, run_async, run_sync, sequence_field)
 from .protocol import errors, messages
 from .protocol.errors import InferenceError
 
@@ -240,7 +240,8 @@ class Client(_Calls):
     # -- inference
     def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
               version: Any = None, timeout: Optional[float] = None, copy: bool = False,
-              priority: int = 0) -> InferResult:
+              priority: int = 0, sequence_id: Any = 0, sequence_start: bool = False,
+              sequence_end: bool = False) -> InferResult:
         """Run `model` on `inputs`; returns {output name: numpy array}.
 
         `inputs` values: numpy arrays, torch tensors, lists of str/bytes
@@ -251,9 +252,14 @@ class Client(_Calls):
         start within it. `copy=True` returns ordinary arrays instead of views
         of the daemon's shared memory. `priority` (1 = highest) picks the
         dynamic batcher's priority level; 0 = the model's default.
+        `sequence_id` (a non-zero int or a non-empty str), `sequence_start`
+        and `sequence_end` are for models with `sequence_batching`, as in
+        Triton's client: the first request of a sequence sets START, the last
+        END; the server feeds the model's control and state tensors.
         """
+        seq = sequence_field(sequence_id, sequence_start, sequence_end)
         return self._perform(
-            lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy, priority),
+            lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy, priority, seq),
             timeout, needs_session(inputs, outputs))
 
     def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:
@@ -431,10 +437,12 @@ class AsyncClient(_Calls):
 
     async def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
                     version: Any = None, timeout: Optional[float] = None, copy: bool = False,
-                    priority: int = 0) -> InferResult:
+                    priority: int = 0, sequence_id: Any = 0, sequence_start: bool = False,
+                    sequence_end: bool = False) -> InferResult:
         """As `Client.infer`."""
+        seq = sequence_field(sequence_id, sequence_start, sequence_end)
         return await self._perform(
-            lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy, priority),
+            lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy, priority, seq),
             timeout, needs_session(inputs, outputs))
 
     async def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:

@@ -791,7 +791,8 @@ class ClientState:
         return True
 
     def infer_flow(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
-                   version: Any, timeout: Optional[float], copy: bool, priority: int = 0) -> Flow:
+                   version: Any, timeout: Optional[float], copy: bool, priority: int = 0,
+                   sequence: Optional[dict] = None) -> Flow:
         enc, arena = yield from self._encode(inputs, timeout)
         wanted = None
         if outputs is not None:
@@ -802,6 +803,8 @@ class ClientState:
                   "timeout_us": int(timeout * 1e6) if timeout else 0}
         if priority:
             header["priority"] = int(priority)
+        if sequence:
+            header["sequence"] = sequence
         if self.local:
             header["output_shm"] = True
         extra = self.session_fields()
@@ -1005,6 +1008,13 @@ def _reused_output(e: dict, copy: bool, enc: Optional[_Encoded], arena: Optional
         return output_array({"datatype": datatype, "shape": shape, "data": data.tobytes()}, ())
     arr = data.view(datatypes.numpy_dtype(datatype)).reshape(shape)
     return arr.copy() if copy else arr
+
+
+def sequence_field(sequence_id: Any, start: bool, end: bool) -> Optional[dict]:
+    """The `sequence` header field of a request (None when it names no sequence)."""
+    if not sequence_id and not start and not end:
+        return None
+    return {"id": sequence_id, "start": bool(start), "end": bool(end)}
 
 
 def needs_session(inputs: Mapping[str, Any], outputs: Optional[Iterable[Any]]) -> bool:

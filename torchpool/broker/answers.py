@@ -14,7 +14,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -59,6 +59,8 @@ class Answers:
         self.arena = arena                    # the broker's input arena (requests' blocks)
         self.transfer = transfer              # bytes copied / lent / sent, for benchmarks and tests
         self.sessions: Any = None             # the SessionManager, set once it exists
+        # called with each answered request of a sequence (the server moves the sequence on)
+        self.on_sequence_done: Callable[[InferRequest], None] = lambda req: None
         self.worker_segments = SegmentCache()
         # zero-copy sends of worker output blocks still being written by ZeroMQ
         self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list[_OutBlock]]] = []
@@ -100,6 +102,8 @@ class Answers:
                 self.sessions.region_done(req.session, region)
             req.session.in_flight -= 1
             req.session, req.regions = None, []
+        if req.sequence is not None:
+            self.on_sequence_done(req)
 
     def fail(self, req: InferRequest, err: TorchpoolError) -> None:
         req.version.stats.fail.add(int((time.monotonic() - req.received) * 1e9))
@@ -145,7 +149,7 @@ class Answers:
         try:
             if reused:
                 check_reused_outputs(batch, descriptors, reused, mv.label)
-            parts = split_outputs(mv.config, batch, descriptors, self._read_output)
+            parts = split_outputs(mv.config, batch, descriptors, self.read_output)
         except Exception as exc:
             if not isinstance(exc, TorchpoolError):
                 log.exception("splitting the outputs of a batch of %s failed", mv.label)
@@ -168,7 +172,7 @@ class Answers:
         for shared in blocks.values():
             self._unref(shared)
 
-    def _read_output(self, segment: Any, offset: int, nbytes: int) -> memoryview:
+    def read_output(self, segment: Any, offset: int, nbytes: int) -> memoryview:
         if isinstance(segment, _Copied):
             return memoryview(segment.data)[offset:offset + nbytes]
         return memoryview(self.worker_segments.get(segment).buf)[offset:offset + nbytes]
@@ -196,6 +200,8 @@ class Answers:
         outputs, frames, trackers, sending, held_trackers = [], [], [], [], []
         try:
             for name, datatype, shape, segment, offset, nbytes in pieces:
+                if name in req.hidden_outputs:
+                    continue                     # sequence state: kept by the broker, never sent
                 entry = {"name": name, "datatype": datatype, "shape": shape}
                 outputs.append(entry)
                 if name in req.region_outputs:
@@ -253,7 +259,7 @@ class Answers:
             self.transfer["output_bytes_lent"] += nbytes
             return
         self.transfer["output_bytes_sent"] += nbytes
-        data = self._read_output(segment, offset, nbytes)
+        data = self.read_output(segment, offset, nbytes)
         if nbytes <= messages.INLINE_LIMIT:
             entry["data"] = bytes(data)
             return
@@ -296,7 +302,7 @@ class Answers:
         for seq, (batch, outcome) in list(queue.held.items()):
             if outcome[0] == "done" and outcome[2] is h:
                 reused = outcome[3]
-                copied = [[name, datatype, shape, _Copied(bytes(self._read_output(seg, off, n))), 0, n]
+                copied = [[name, datatype, shape, _Copied(bytes(self.read_output(seg, off, n))), 0, n]
                           if isinstance(seg, str) and name not in reused else [name, datatype, shape, seg, off, n]
                           for name, datatype, shape, seg, off, n in outcome[1]]
                 queue.held[seq] = (batch, ("done", copied, None, reused))

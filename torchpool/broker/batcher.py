@@ -53,7 +53,7 @@ from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, ArenaFull, Block
 from ..shm.bulkcopy import copy_into
-from .requests import InferRequest, output_shape
+from .requests import InferRequest, output_shape, write_tensors
 
 MiB = 1 << 20
 # A forming batch reserves room for max_batch_size rows of fixed-size inputs,
@@ -132,19 +132,7 @@ def batch_input_values(cfg: ModelConfig, requests: list[InferRequest]) -> list[t
 def stage_batch_inputs(cfg: ModelConfig, requests: list[InferRequest], arena: Arena,
                        ) -> tuple[list[list], list[Block]]:
     """Compute a batch's `batch_input` tensors and write them into the arena."""
-    descriptors, blocks = [], []
-    try:
-        for target, wire, shape, data in batch_input_values(cfg, requests):
-            block = arena.alloc(len(data))
-            blocks.append(block)
-            if data:
-                arena.view(block)[:] = data
-            descriptors.append([target, wire, shape, block.segment, block.offset, len(data), 0])
-    except ArenaFull:
-        for block in blocks:
-            arena.free(block)
-        raise
-    return descriptors, blocks
+    return write_tensors(batch_input_values(cfg, requests), arena)
 
 
 # ------------------------------------------------------------ splitting outputs

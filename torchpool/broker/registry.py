@@ -39,6 +39,7 @@ class ModelVersion:
     deferred: list[tuple[str, str]] = field(default_factory=list)   # (instance, device) not yet started
     stats: VersionStats = field(default_factory=VersionStats)
     consecutive_crashes: int = 0      # worker crashes since the last successful execution
+    sequences: Any = None             # a SequenceBatcher with sequence_batching
 
     @property
     def serving(self) -> bool:

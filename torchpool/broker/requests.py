@@ -39,6 +39,8 @@ class InferRequest:
     regions: list = field(default_factory=list)        # regions it uses (released when answered)
     region_outputs: dict = field(default_factory=dict)  # output name -> (region name, offset)
     output_shm: bool = False          # lend outputs in place instead of sending bytes
+    sequence: Any = None              # SequenceFlags for a model with sequence_batching
+    hidden_outputs: frozenset = frozenset()   # asked of the worker, never sent (sequence state)
     # --- batching (see broker/batcher.py) ---
     rows: int = 1                     # rows along dim 0 (batch_size counts a 0-row request as 1)
     shapes: dict = field(default_factory=dict)   # input name -> shape as sent
@@ -231,6 +233,26 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
     return worker_outputs, region_outputs
 
 
+def write_tensors(tensors: list[tuple[str, str, list, bytes]], arena: Arena) -> tuple[list[list], list[Block]]:
+    """Tensors the broker makes itself ([(name, datatype, shape, bytes)]:
+    batch inputs, sequence controls and state) written into the arena:
+    worker descriptors and the blocks used. Raises ArenaFull (having freed
+    what it took)."""
+    descriptors, blocks = [], []
+    try:
+        for name, datatype, shape, data in tensors:
+            block = arena.alloc(len(data))
+            blocks.append(block)
+            if data:
+                arena.view(block)[:] = data
+            descriptors.append([name, datatype, shape, block.segment, block.offset, len(data), 0])
+    except ArenaFull:
+        for block in blocks:
+            arena.free(block)
+        raise
+    return descriptors, blocks
+
+
 def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[list], list[Block]]:
     """Copy inline inputs once into the arena; inputs already in shared memory
     are passed by descriptor. Returns worker descriptors and the blocks used."""
@@ -256,9 +278,10 @@ def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[li
     return descriptors, blocks
 
 
-def output_shape(spec: TensorSpec, shape: list[int], batching: bool) -> list[int]:
-    """Undo an output `reshape`: the client sees the config's `dims`."""
-    if spec.reshape is None:
+def output_shape(spec: Optional[TensorSpec], shape: list[int], batching: bool) -> list[int]:
+    """Undo an output `reshape`: the client sees the config's `dims`. (No
+    spec: a sequence state output, kept as the model made it.)"""
+    if spec is None or spec.reshape is None:
         return shape
     dims = ([shape[0]] if batching and shape else []) + list(spec.dims)
     if -1 in dims:

@@ -41,6 +41,7 @@ import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import zmq
@@ -56,7 +57,8 @@ from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
 from .answers import Answers
 from .batcher import Batch, DynamicBatcher, stage_batch_inputs
 from .registry import LOADING, READY, UNAVAILABLE, UNLOADING, ModelVersion, Registry
-from .requests import InferRequest, batch_layout, stage_inputs, validate_infer
+from .requests import InferRequest, batch_layout, stage_inputs, validate_infer, write_tensors
+from .sequences import SequenceBatcher, parse_flags
 from .sessions import SessionManager
 from .systemd import Notifier
 from .supervisor import BUSY, DEAD, IDLE, STARTING, Supervisor, WorkerHandle
@@ -119,6 +121,7 @@ class Server:
         self._timer_seq = itertools.count()
         self._batch_ids = itertools.count(1)
         self._burst: Optional[set] = None    # batched versions with requests accepted in this burst
+        self._sequence_done: list[InferRequest] = []   # answered requests of sequences, to move on
         self._signals: list[int] = []
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
@@ -154,6 +157,7 @@ class Server:
         for sock in self.frontend.sockets:
             self.poller.register(sock, zmq.POLLIN)
         self.answers = Answers(self.frontend, self.arena, self.transfer)
+        self.answers.on_sequence_done = self._sequence_done.append
         self.sessions = SessionManager(f"{self.prefix}", o.client_shm_size, o.client_shm_limit,
                                        o.client_lease, self.answers.give_back, self._forget)
         self.answers.sessions = self.sessions
@@ -167,6 +171,7 @@ class Server:
             model.fingerprint = fingerprint(model.entry.path)
         if o.model_control_mode == POLL:
             self._call_later(o.repository_poll_secs, self._poll_repository)
+        self._call_later(0.25, self._expire_sequences)
         for model in self.registry.models.values():
             if model.error:
                 log.error("model '%s' is UNAVAILABLE: %s", model.name, model.error)
@@ -222,6 +227,8 @@ class Server:
                     handler = self._fd_handlers.get(obj)
                     if handler is not None:
                         handler()
+            if self._sequence_done:
+                self._advance_sequences()
             self._run_timers()
             self._expire_queued()
 
@@ -230,9 +237,7 @@ class Server:
             for mv in self.registry.all_versions():
                 if isinstance(mv.queue, DynamicBatcher):
                     self.answers.flush_held(mv.queue)
-                for req in list(mv.queue):
-                    self.answers.fail(req, TorchpoolError(errors.UNAVAILABLE, "server is shutting down"))
-                mv.queue.clear()
+                self._fail_queued(mv, TorchpoolError(errors.UNAVAILABLE, "server is shutting down"))
                 for h in mv.workers:
                     if h.batch is not None:
                         batch, h.batch = h.batch, None
@@ -460,6 +465,15 @@ class Server:
     def start_version(self, mv: ModelVersion) -> None:
         if mv.config.dynamic_batching is not None and not isinstance(mv.queue, DynamicBatcher):
             mv.queue = DynamicBatcher(mv.config, self.arena, self.transfer)
+        if mv.config.sequence_batching is not None and mv.sequences is None:
+            try:
+                if mv.config.dynamic_batching is not None:
+                    raise TorchpoolError(errors.INVALID_ARG, "a model has one scheduler: set "
+                                                             "dynamic_batching or sequence_batching, not both")
+                mv.sequences = SequenceBatcher(mv.config, Path(mv.model_file).parent.parent)
+            except TorchpoolError as exc:
+                self._version_failed(mv, exc.message)
+                return
         for handle in self.supervisor.spawn_instances(mv):
             self._watch_worker(handle)
 
@@ -535,6 +549,11 @@ class Server:
                            batch_size=batch_size, session=session, regions=regions,
                            region_outputs=region_outputs, timeout_us=timeout_us,
                            output_shm=bool(header.get("output_shm")) and session is not None and session.local)
+        if mv.sequences is not None:
+            req.sequence = parse_flags(header, mv.name)
+            state = [name for name in mv.sequences.state_outputs if name not in req.outputs]
+            req.outputs = req.outputs + state          # the worker returns them; the client never sees them
+            req.hidden_outputs = frozenset(state)
         batch_layout(req, staged, mv.config)
         batcher = mv.queue if isinstance(mv.queue, DynamicBatcher) else None
         if batcher is not None:
@@ -556,9 +575,66 @@ class Server:
             if self._burst is not None:
                 self._burst.add(mv)          # dispatched once the burst is read
                 return
+        elif mv.sequences is not None:
+            if mv.sequences.arrive(req):
+                self._begin_in_sequence(mv, req)
+            return                           # else it waits for its sequence's running request
         else:
             mv.queue.append(req)
         self._dispatch(mv)
+
+    # ---------------------------------------------------------- sequences
+
+    def _begin_in_sequence(self, mv: ModelVersion, req: Optional[InferRequest]) -> None:
+        """Queue `req` with its sequence's control and state tensors; when it
+        may not run, fail it and go on with the next request of that sequence."""
+        while req is not None:
+            try:
+                if mv.state == UNAVAILABLE:
+                    raise TorchpoolError(errors.UNAVAILABLE, f"{mv.label} is not available: {mv.reason}")
+                tensors = mv.sequences.begin(req, time.monotonic())
+                try:
+                    inputs, blocks = write_tensors(tensors, self.arena)
+                except ArenaFull as exc:
+                    raise TorchpoolError(errors.UNAVAILABLE, f"model '{mv.name}': {exc}; retry later or "
+                                                             f"raise --shm-limit") from None
+            except TorchpoolError as exc:
+                self.answers.fail(req, exc)
+                req = mv.sequences.after_failure(req)
+                continue
+            req.inputs = req.inputs + inputs
+            req.blocks = req.blocks + blocks
+            mv.queue.append(req)
+            self._dispatch(mv)
+            return
+
+    def _advance_sequences(self) -> None:
+        """Answered requests of sequences: the next request of each, if one waits."""
+        while self._sequence_done:
+            done = list(self._sequence_done)
+            self._sequence_done.clear()          # in place: Answers holds its append
+            now = time.monotonic()
+            for req in done:
+                mv = req.version
+                if mv.sequences is not None:
+                    self._begin_in_sequence(mv, mv.sequences.finished(req, now))
+
+    def _expire_sequences(self) -> None:
+        now = time.monotonic()
+        for mv in self.registry.all_versions():
+            if mv.sequences is not None:
+                for corrid in mv.sequences.expire(now):
+                    log.debug("%s: sequence %s idle for %.1f s: released", mv.label, corrid,
+                              mv.sequences.idle_s)
+        self._call_later(0.25, self._expire_sequences)
+
+    def _fail_queued(self, mv: ModelVersion, err: TorchpoolError) -> None:
+        """Answer every request of `mv` that has not started: queued, or
+        waiting for its sequence."""
+        waiting = mv.sequences.drain() if mv.sequences is not None else []
+        for req in [*mv.queue, *waiting]:
+            self.answers.fail(req, err)
+        mv.queue.clear()
 
     def _stage(self, req: InferRequest, staged: list) -> None:
         """A request run on its own: inline inputs copied once into the arena,
@@ -680,6 +756,7 @@ class Server:
 
     def _pending(self) -> int:
         return sum(len(mv.queue) + sum(1 for h in mv.workers if h.batch is not None)
+                   + (mv.sequences.waiting() if mv.sequences is not None else 0)
                    for mv in self.registry.all_versions())
 
     # ------------------------------------------------------------ workers
@@ -723,6 +800,9 @@ class Server:
                 elif kind == internal.DONE:
                     mv.stats.record_execution(batch.items, len(batch.requests), *msg[3][:3])
                     mv.consecutive_crashes = 0
+                    if mv.sequences is not None:      # the state outputs, before the blocks go back
+                        for req in batch.requests:
+                            mv.sequences.capture(req, msg[2], self.answers.read_output)
                     outcome = ("done", msg[2], h, frozenset(msg[4]) if len(msg) > 4 else frozenset())
                 else:
                     outcome = ("failed", TorchpoolError(msg[2], msg[3]))
@@ -735,9 +815,7 @@ class Server:
         mv.fail(reason)
         if first:
             log.error("%s is UNAVAILABLE: %s", mv.label, reason)
-        for req in list(mv.queue):
-            self.answers.fail(req, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} is not available: {reason}"))
-        mv.queue.clear()
+        self._fail_queued(mv, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} is not available: {reason}"))
         for w in list(mv.workers):
             if w.process.exitcode is None:
                 w.process.kill()      # the sentinel fires and reaps it
@@ -763,9 +841,7 @@ class Server:
             self.answers.complete(mv, batch, ("failed", TorchpoolError(errors.INTERNAL, why)))
         if mv.state == UNLOADING:
             if not any(w.state != DEAD for w in mv.workers):
-                for req in list(mv.queue):
-                    self.answers.fail(req, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} was unloaded"))
-                mv.queue.clear()
+                self._fail_queued(mv, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} was unloaded"))
             self.control.progress()
             return
         if self.should_exit or mv.state == UNAVAILABLE:
