@@ -122,6 +122,7 @@ class Server:
         self._batch_ids = itertools.count(1)
         self._burst: Optional[set] = None    # batched versions with requests accepted in this burst
         self._sequence_done: list[InferRequest] = []   # answered requests of sequences, to move on
+        self._sequence_sweep = False         # the idle-sequence timer runs (once a model has sequences)
         self._signals: list[int] = []
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
@@ -171,7 +172,6 @@ class Server:
             model.fingerprint = fingerprint(model.entry.path)
         if o.model_control_mode == POLL:
             self._call_later(o.repository_poll_secs, self._poll_repository)
-        self._call_later(0.25, self._expire_sequences)
         for model in self.registry.models.values():
             if model.error:
                 log.error("model '%s' is UNAVAILABLE: %s", model.name, model.error)
@@ -474,6 +474,9 @@ class Server:
             except TorchpoolError as exc:
                 self._version_failed(mv, exc.message)
                 return
+            if not self._sequence_sweep:
+                self._sequence_sweep = True
+                self._call_later(0.25, self._expire_sequences)
         for handle in self.supervisor.spawn_instances(mv):
             self._watch_worker(handle)
 
