@@ -5,11 +5,15 @@ no /dev/shm segment, no socket file.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import uuid
 from pathlib import Path
 
 import pytest
+
+from torchpool.shm import remove_segments_with_prefix
 
 from .daemon import Daemon, torchpool_processes, torchpool_segments, wait_for
 from .model_repository import build_test_repository
@@ -60,6 +64,15 @@ def client(url: str):
 
     with Client(url, timeout=30) as c:
         yield c
+
+
+@pytest.fixture
+def prefix():
+    """A unique segment name prefix for one test, in the daemon's namespace
+    (`torchpool.<id>.<pid>.`); everything under it is removed after."""
+    p = f"torchpool.{uuid.uuid4().hex[:8]}.{os.getpid()}.t{uuid.uuid4().hex[:6]}."
+    yield p
+    remove_segments_with_prefix(p)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -15,7 +15,7 @@ from torchpool import client_shm as cs
 from torchpool.client import Client
 from torchpool.protocol import errors, messages
 from torchpool.protocol.errors import InferenceError
-from torchpool.shm import Segment, remove_segments_with_prefix
+from torchpool.shm import Segment
 
 KiB = 1024
 
@@ -25,13 +25,6 @@ def arena_for_small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests drive the arena path with small tensors; by default tensors
     of at most LOCAL_MIN_BYTES travel inline (test_small_inputs_stay_inline)."""
     monkeypatch.setattr(messages, "LOCAL_MIN_BYTES", 0)
-
-
-@pytest.fixture
-def prefix():
-    p = f"torchpool.{uuid.uuid4().hex[:8]}.{os.getpid()}.cu{uuid.uuid4().hex[:6]}."
-    yield p
-    remove_segments_with_prefix(p)
 
 
 @pytest.fixture

@@ -19,14 +19,6 @@ KiB = 1024
 
 
 @pytest.fixture
-def prefix():
-    """A unique segment name prefix for one test; everything under it is removed after."""
-    p = f"torchpool.{uuid.uuid4().hex[:8]}.{os.getpid()}.t{uuid.uuid4().hex[:6]}."
-    yield p
-    remove_segments_with_prefix(p)
-
-
-@pytest.fixture
 def arena(prefix):
     a = Arena(lambda i: f"{prefix}{i}", 64 * KiB, 256 * KiB)
     yield a

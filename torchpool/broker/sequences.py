@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..config import ModelConfig
+from ..config import ModelConfig, SequenceState
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
 from .requests import InferRequest
@@ -51,11 +51,9 @@ class _Control:
 
 @dataclass(frozen=True)
 class _State:
-    input_name: str
-    output_name: str
-    datatype: str
-    dims: tuple[int, ...]
-    initial: bytes
+    spec: SequenceState
+    datatype: str                      # wire datatype
+    initial: bytes                     # the state input on START
 
 
 @dataclass(eq=False)
@@ -97,12 +95,12 @@ class SequenceBatcher:
         self.batched = cfg.max_batch_size > 0
         self.idle_s = int(sb.get("max_sequence_idle_microseconds") or 1_000_000) / 1e6
         self.controls = [_control(cfg.name, entry) for entry in sb.get("control_input", ())]
-        self.states = [_state(cfg.name, entry, model_dir) for entry in sb.get("state", ())]
+        self.states = [_state(cfg.name, state, model_dir) for state in cfg.sequence_states()]
         self.active: dict[Any, Sequence] = {}
 
     @property
     def state_outputs(self) -> list[str]:
-        return [s.output_name for s in self.states]
+        return [s.spec.output_name for s in self.states]
 
     def waiting(self) -> int:
         return sum(len(s.waiting) for s in self.active.values())
@@ -132,10 +130,10 @@ class SequenceBatcher:
             if seq is None:
                 seq = self.active[flags.corrid] = Sequence(flags.corrid)
             seq.open = True
-            seq.state = {s.input_name: (self._shape(s.dims), s.initial) for s in self.states}
+            seq.state = {s.spec.input_name: (self._shape(s.spec.dims), s.initial) for s in self.states}
         for s in self.states:
-            shape, data = seq.state[s.input_name]
-            tensors.append((s.input_name, s.datatype, shape, data))
+            shape, data = seq.state[s.spec.input_name]
+            tensors.append((s.spec.input_name, s.datatype, shape, data))
         seq.running = req
         seq.last_used = now
         return tensors
@@ -147,10 +145,10 @@ class SequenceBatcher:
             return
         by_name = {d[0]: d for d in descriptors}
         for s in self.states:
-            d = by_name.get(s.output_name)
+            d = by_name.get(s.spec.output_name)
             if d is not None:
                 _name, _datatype, shape, segment, offset, nbytes = d
-                seq.state[s.input_name] = (list(shape), bytes(read(segment, offset, nbytes)))
+                seq.state[s.spec.input_name] = (list(shape), bytes(read(segment, offset, nbytes)))
 
     def finished(self, req: InferRequest, now: float) -> Optional[InferRequest]:
         """The sequence's running request got its answer: the next request of
@@ -243,17 +241,16 @@ def _control(model: str, entry: dict) -> _Control:
                                              f"int32_false_true, fp32_false_true, bool_false_true")
 
 
-def _state(model: str, entry: dict, model_dir: Path) -> _State:
-    datatype = datatypes.config_to_wire(entry.get("data_type", "TYPE_FP32"))
-    dims = tuple(int(d) for d in entry.get("dims", ()))
-    name = str(entry.get("input_name"))
-    if datatype == "BYTES" or any(d < 0 for d in dims):
+def _state(model: str, spec: SequenceState, model_dir: Path) -> _State:
+    """The broker's view of a state: wire datatype and initial bytes."""
+    datatype = datatypes.config_to_wire(spec.data_type)
+    name = spec.input_name
+    if datatype == "BYTES" or any(d < 0 for d in spec.dims):
         raise TorchpoolError(errors.UNSUPPORTED, f"model '{model}': state '{name}' must have a fixed "
                                                  f"shape and a fixed-size datatype")
-    nbytes = math.prod(dims) * datatypes.element_size(datatype)
+    nbytes = math.prod(spec.dims) * datatypes.element_size(datatype)
     initial = bytes(nbytes)
-    inits = entry.get("initial_state") or []
-    init = inits[0] if isinstance(inits, list) and inits else inits if isinstance(inits, dict) else None
+    init = spec.initial_state
     if init and init.get("data_file"):
         path = model_dir / "initial_state" / str(init["data_file"])
         try:
@@ -264,4 +261,4 @@ def _state(model: str, entry: dict, model_dir: Path) -> _State:
         if len(initial) != nbytes:
             raise TorchpoolError(errors.INVALID_ARG, f"model '{model}': initial state file {path} has "
                                                      f"{len(initial)} bytes, state '{name}' needs {nbytes}")
-    return _State(name, str(entry.get("output_name")), datatype, dims, initial)
+    return _State(spec, datatype, initial)

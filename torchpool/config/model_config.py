@@ -65,6 +65,23 @@ class InstanceGroup:
 
 
 @dataclass(frozen=True)
+class SequenceState:
+    """One `sequence_batching.state` entry: the worker binds its tensors, the
+    broker carries the output of one request over as the next one's input."""
+    input_name: str
+    output_name: str
+    data_type: str                      # TYPE_INT32, ...
+    dims: tuple[int, ...]
+    initial_state: Optional[dict] = None   # zero_data or data_file (the first one given)
+
+
+def _first_initial_state(value: Any) -> Optional[dict]:
+    if isinstance(value, list):
+        return value[0] if value else None
+    return value if isinstance(value, dict) else None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     platform: str                       # "pytorch_libtorch"
@@ -87,6 +104,14 @@ class ModelConfig:
 
     def output(self, name: str) -> Optional[TensorSpec]:
         return next((t for t in self.outputs if t.name == name), None)
+
+    def sequence_states(self) -> list["SequenceState"]:
+        """The implicit states of `sequence_batching`, in config order."""
+        batching = self.sequence_batching or {}
+        return [SequenceState(input_name=str(s["input_name"]), output_name=str(s["output_name"]),
+                              data_type=str(s["data_type"]), dims=tuple(int(d) for d in s.get("dims", ())),
+                              initial_state=_first_initial_state(s.get("initial_state")))
+                for s in batching.get("state", ())]
 
     @classmethod
     def from_json(cls, d: dict[str, Any], source: str = "<config>") -> "ModelConfig":

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from torchpool.config.model_config import CONFIG_TO_WIRE, ModelConfig, TensorSpec
+from torchpool.config.model_config import CONFIG_TO_WIRE, ModelConfig, SequenceState, TensorSpec
 from torchpool.protocol import datatypes
 from torchpool.protocol.errors import INTERNAL, INVALID_ARG, UNAVAILABLE
 from torchpool.worker.settings import (
@@ -337,7 +337,7 @@ def bind(module: Any, config: ModelConfig) -> Binding:
     if not is_dict_input:
         _check_argument_count(config, len(arguments))
     _check_not_empty(config)
-    states = _sequence_states(config)
+    states = config.sequence_states()
     if is_dict_input:
         input_convention = None
         input_index = _dict_input_index(config)
@@ -523,33 +523,12 @@ def _control_input_names(config: ModelConfig) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-@dataclass(frozen=True)
-class _State:
-    input_name: str
-    output_name: str
-    data_type: str
-    dims: tuple[int, ...]
-
-
-def _sequence_states(config: ModelConfig) -> list[_State]:
-    batching = config.sequence_batching or {}
-    return [
-        _State(
-            input_name=str(s["input_name"]),
-            output_name=str(s["output_name"]),
-            data_type=str(s["data_type"]),
-            dims=tuple(int(d) for d in s.get("dims", ())),
-        )
-        for s in batching.get("state", ())
-    ]
-
-
 def _extra_input_names(config: ModelConfig) -> list[str]:
     """Tensors the worker feeds beyond the config inputs, in argument-count order."""
     return (
         _batch_input_targets(config)
         + _control_input_names(config)
-        + [s.input_name for s in _sequence_states(config)]
+        + [s.input_name for s in config.sequence_states()]
     )
 
 
@@ -589,7 +568,7 @@ def _positional_input_index(
         else:
             index[name] = position
     # Sequence controls and states are always bound by their `__<index>`.
-    for name in _control_input_names(config) + [s.input_name for s in _sequence_states(config)]:
+    for name in _control_input_names(config) + [s.input_name for s in config.sequence_states()]:
         index[name] = _require_named_index(name, "input")
     _check_positions(config.name, index, len(argument_names))
     return index
@@ -654,13 +633,13 @@ def _check_input_tensors(config: ModelConfig) -> None:
     for spec in config.inputs:
         _wire_datatype(config.name, spec.data_type, "input", spec.name)
         _check_string_rank(config, spec.name, spec.data_type, _model_dims(spec), "input")
-    for state in _sequence_states(config):
+    for state in config.sequence_states():
         _wire_datatype(config.name, state.data_type, "input state", state.input_name)
         _check_string_rank(config, state.input_name, state.data_type, state.dims, "input")
 
 
 def _output_bindings(
-    config: ModelConfig, convention: NamingConvention, states: list[_State]
+    config: ModelConfig, convention: NamingConvention, states: list[SequenceState]
 ) -> tuple[dict[str, int], dict[str, str]]:
     """ValidateOutputs: each config output's (and state output's) index and type."""
     index: dict[str, int] = {}
