@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import uuid
 from pathlib import Path
 
@@ -15,14 +14,8 @@ import pytest
 
 from torchpool.shm import remove_segments_with_prefix
 
-from .daemon import Daemon, torchpool_processes, torchpool_segments, wait_for
-from .model_repository import build_test_repository
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .support.daemon import Daemon, free_tcp_port, torchpool_processes, torchpool_segments, wait_for
+from .support.model_repository import build_test_repository
 
 
 @pytest.fixture(scope="session")

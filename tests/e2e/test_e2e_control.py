@@ -10,8 +10,8 @@ from torchpool.client import Client
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
-from .daemon import Daemon
-from .model_repository import EXPECTED_READY
+from ..support.daemon import Daemon
+from ..support.model_repository import EXPECTED_READY
 
 
 def test_server_live(client: Client) -> None:

@@ -32,9 +32,9 @@ from torchpool.protocol import datatypes, errors
 from torchpool.protocol.errors import InferenceError
 from torchpool.shm.arena import Arena
 
-from .batching_models import build_batching_repository
-from .conftest import free_tcp_port
-from .daemon import Daemon, RawConnection, wait_for, worker_pids
+from ..support.batching_models import build_batching_repository
+from ..support.daemon import free_tcp_port
+from ..support.daemon import Daemon, RawConnection, wait_for, worker_pids
 
 # ================================================================ unit tests
 

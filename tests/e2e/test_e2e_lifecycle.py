@@ -19,9 +19,9 @@ from torchpool.client import Client
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
-from .daemon import (ROOT, Daemon, alive, cpu_ticks, daemon_segments, descendants, torchpool_processes,
+from ..support.daemon import (ROOT, Daemon, alive, cpu_ticks, daemon_segments, descendants, torchpool_processes,
                      wait_for, worker_pids)
-from .model_repository import slow_iterations
+from ..support.model_repository import slow_iterations
 
 ADDSUB_IN = {"INPUT0": np.arange(16, dtype=np.float32).reshape(1, 16),
              "INPUT1": np.full((1, 16), 2.0, np.float32)}

@@ -17,8 +17,8 @@ from torchpool.client import Client
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
-from .daemon import Daemon, RawConnection
-from .model_repository import expected_load_errors
+from ..support.daemon import Daemon, RawConnection
+from ..support.model_repository import expected_load_errors
 
 F32 = "libtorch_float32_float32_float32"
 I32 = "libtorch_int32_int32_int32"

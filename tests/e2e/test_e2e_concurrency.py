@@ -16,8 +16,8 @@ from torchpool.client import AsyncClient, Client
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
-from .daemon import RawConnection
-from .model_repository import slow_iterations
+from ..support.daemon import RawConnection
+from ..support.model_repository import slow_iterations
 
 F32 = "libtorch_float32_float32_float32"
 TINY = 2000          # iterations of `slow` that take a few ms at most, even cold

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.02) -> object:
@@ -201,3 +202,9 @@ class RawConnection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -18,9 +18,9 @@ import torch
 
 from torchpool import Client, InferenceError
 
-from .conftest import free_tcp_port
-from .daemon import Daemon, RawConnection, alive, wait_for, worker_pids
-from .model_repository import slow_iterations
+from ..support.daemon import free_tcp_port
+from ..support.daemon import Daemon, RawConnection, alive, wait_for, worker_pids
+from ..support.model_repository import slow_iterations
 
 A = np.arange(16, dtype=np.float32).reshape(1, 16)
 ADDSUB = {"INPUT0": A, "INPUT1": A}

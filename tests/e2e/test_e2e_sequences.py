@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torchpool import AsyncClient, Client, InferenceError
 from torchpool.protocol import errors
 
-from .daemon import Daemon, wait_for
+from ..support.daemon import Daemon, wait_for
 
 ACCUMULATE = "sequence_accumulate"      # running sum in an implicit INT32 state, START only
 

@@ -26,9 +26,9 @@ import torch
 from torchpool import AsyncClient, Client, InferenceError, OutputRef, RegionOutput, SharedMemoryRef
 from torchpool.protocol import errors
 
-from .conftest import free_tcp_port
-from .daemon import ROOT, Daemon, cpu_ticks, daemon_segments, wait_for, worker_pids
-from .model_repository import slow_iterations
+from ..support.daemon import free_tcp_port
+from ..support.daemon import ROOT, Daemon, cpu_ticks, daemon_segments, wait_for, worker_pids
+from ..support.model_repository import slow_iterations
 
 MiB = 1 << 20
 A = np.arange(16, dtype=np.float32).reshape(1, 16)

@@ -10,7 +10,7 @@ import torch
 
 from torchpool import Client
 
-from .daemon import Daemon, descendants, wait_for
+from ..support.daemon import Daemon, descendants, wait_for
 
 CONFIG = """
 name: "{name}"

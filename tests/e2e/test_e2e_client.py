@@ -12,7 +12,7 @@ from torchpool.client import AsyncClient, Client
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
-from .model_repository import slow_iterations
+from ..support.model_repository import slow_iterations
 
 F32 = "libtorch_float32_float32_float32"
 
@@ -141,7 +141,7 @@ def test_outputs_stay_valid_after_later_calls(client: Client) -> None:
 # --- outputs that are views of an input, over inline frames ---------------------------
 
 def test_inline_outputs_that_are_views_of_an_input_are_sent_from_it(url: str, daemon) -> None:
-    from .daemon import daemon_segments
+    from ..support.daemon import daemon_segments
 
     n = 1 << 18                                                    # 1 MiB of FP32
     x = np.arange(n, dtype=np.float32)

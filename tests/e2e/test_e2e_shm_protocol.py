@@ -16,7 +16,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from .daemon import Daemon, RawConnection, wait_for
+from ..support.daemon import Daemon, RawConnection, wait_for
 
 BLOCK = struct.Struct("<IIQQ")
 MAGIC = 0x31425054
@@ -320,7 +320,7 @@ def test_regions_belong_to_their_session(shm_daemon: Daemon, session: Session, r
 
 
 def test_unregister_in_flight_is_deferred(session: Session, region) -> None:
-    from .model_repository import slow_iterations
+    from ..support.model_repository import slow_iterations
 
     _key, mm = region
     mm[64:72] = np.array([slow_iterations(0.5)], np.int64).tobytes()
@@ -346,7 +346,7 @@ def test_unregister_in_flight_is_deferred(session: Session, region) -> None:
 CLIENT = r"""
 import signal, sys
 sys.path.insert(0, {root!r})
-from tests.test_e2e_shm_protocol import Session, tensor
+from tests.e2e.test_e2e_shm_protocol import Session, tensor
 import numpy as np
 s = Session({url!r})
 print(s.segment, flush=True)
@@ -358,7 +358,7 @@ signal.pause()   # until the test kills us
 
 
 def test_client_killed_mid_request_has_its_arena_released(shm_daemon: Daemon) -> None:
-    from .model_repository import slow_iterations
+    from ..support.model_repository import slow_iterations
 
     root = str(Path(__file__).resolve().parent.parent)
     proc = subprocess.Popen([sys.executable, "-c", CLIENT.format(root=root, url=shm_daemon.url,
