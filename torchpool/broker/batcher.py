@@ -53,7 +53,8 @@ from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, ArenaFull, Block
 from ..shm.bulkcopy import copy_into
-from .requests import InferRequest, output_shape, write_tensors
+from .requests import InferRequest, output_shape
+from .batch import write_tensors
 
 MiB = 1 << 20
 # A forming batch reserves room for max_batch_size rows of fixed-size inputs,

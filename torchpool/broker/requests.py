@@ -233,26 +233,6 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
     return worker_outputs, region_outputs
 
 
-def write_tensors(tensors: list[tuple[str, str, list, bytes]], arena: Arena) -> tuple[list[list], list[Block]]:
-    """Tensors the broker makes itself ([(name, datatype, shape, bytes)]:
-    batch inputs, sequence controls and state) written into the arena:
-    worker descriptors and the blocks used. Raises ArenaFull (having freed
-    what it took)."""
-    descriptors, blocks = [], []
-    try:
-        for name, datatype, shape, data in tensors:
-            block = arena.alloc(len(data))
-            blocks.append(block)
-            if data:
-                arena.view(block)[:] = data
-            descriptors.append([name, datatype, shape, block.segment, block.offset, len(data), 0])
-    except ArenaFull:
-        for block in blocks:
-            arena.free(block)
-        raise
-    return descriptors, blocks
-
-
 def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[list], list[Block]]:
     """Copy inline inputs once into the arena; inputs already in shared memory
     are passed by descriptor. Returns worker descriptors and the blocks used."""

@@ -1,0 +1,114 @@
+"""A batch: one model execution, and the tensors the broker computes for it.
+
+Schedulers hand the loop `Batch`es; the answer path splits their outputs
+back per request. `batch_input` tensors (Triton's BATCH_ELEMENT_COUNT and
+friends) and the tensors the broker makes itself (sequence controls and
+state) are written into the broker's arena here.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..config import ModelConfig
+from ..protocol import errors
+from ..protocol.errors import TorchpoolError
+from ..shm.arena import Arena, ArenaFull, Block
+from .requests import InferRequest
+
+
+@dataclass(eq=False)
+class Batch:
+    """One model execution: its requests, and where the worker finds the inputs."""
+
+    requests: list[InferRequest]
+    items: int                        # batch size (Triton counts a 0-row request as 1)
+    rows: int                         # rows along dim 0, summed over the requests
+    inputs: list                      # worker descriptors
+    outputs: list                     # outputs the worker is asked for
+    blocks: list[Block] = field(default_factory=list)   # broker arena blocks, freed when it finished
+    seq: Optional[int] = None         # answer order, set by the answer path (preserve_ordering)
+    error: Optional[TorchpoolError] = None   # could not be formed: fail its requests
+    context: Any = None               # the scheduler's own bookkeeping (a sequence batch's slots)
+
+    @classmethod
+    def single(cls, req: InferRequest) -> "Batch":
+        """A request run on its own, staged already (its blocks stay its own:
+        an answer may be sent from one of them)."""
+        return cls([req], req.batch_size, req.rows, req.inputs, req.outputs)
+
+
+# ------------------------------------------------------------ batch inputs
+
+def _accumulate(values: list[int]) -> list[int]:
+    return list(itertools.accumulate(values))
+
+
+def batch_input_values(cfg: ModelConfig, requests: list[InferRequest]) -> list[tuple[str, str, list, bytes]]:
+    """The `batch_input` tensors of a batch: [(target name, datatype, shape, bytes)].
+
+    Each kind reads its source input's shape in every request, as Triton does:
+    BATCH_ELEMENT_COUNT [requests] element counts; BATCH_ACCUMULATED_ELEMENT_COUNT
+    [requests] running sums (end offsets); ..._WITH_ZERO [requests + 1] with a
+    leading 0; BATCH_MAX_ELEMENT_COUNT_AS_SHAPE [largest count] (zeros: only
+    the shape carries information); BATCH_ITEM_SHAPE [batch items, rank - 1]
+    each item's shape without the batch dimension; BATCH_ITEM_SHAPE_FLATTEN
+    the same, flattened.
+    """
+    out = []
+    for entry in cfg.batch_inputs:
+        kind = entry["kind"]
+        source = entry["source_input"][0]
+        wire = "INT32" if entry["data_type"] == "TYPE_INT32" else "FP32"
+        shapes = [r.shapes[source] for r in requests]
+        counts = [math.prod(s) for s in shapes]
+        if kind == "BATCH_ELEMENT_COUNT":
+            values, shape = counts, [len(counts)]
+        elif kind == "BATCH_ACCUMULATED_ELEMENT_COUNT":
+            values, shape = _accumulate(counts), [len(counts)]
+        elif kind == "BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO":
+            values, shape = [0] + _accumulate(counts), [len(counts) + 1]
+        elif kind == "BATCH_MAX_ELEMENT_COUNT_AS_SHAPE":
+            biggest = max(counts, default=0)
+            values, shape = [0] * biggest, [biggest]
+        elif kind in ("BATCH_ITEM_SHAPE", "BATCH_ITEM_SHAPE_FLATTEN"):
+            rank = max((len(s) - 1 for s in shapes), default=0)
+            values = [d for s in shapes for _ in range(s[0] if s else 0) for d in s[1:]]
+            items = sum(s[0] for s in shapes if s)
+            shape = [items, rank] if kind == "BATCH_ITEM_SHAPE" else [len(values)]
+        else:  # the config parser accepts only the kinds above
+            raise TorchpoolError(errors.UNSUPPORTED, f"model '{cfg.name}': batch input kind "
+                                                     f"'{kind}' is not supported")
+        data = array("i" if wire == "INT32" else "f", values).tobytes()
+        for target in entry["target_name"]:
+            out.append((str(target), wire, shape, data))
+    return out
+
+
+def write_tensors(tensors: list[tuple[str, str, list, bytes]], arena: Arena) -> tuple[list[list], list[Block]]:
+    """Tensors the broker makes itself ([(name, datatype, shape, bytes)]:
+    batch inputs, sequence controls and state) written into the arena:
+    worker descriptors and the blocks used. Raises ArenaFull (having freed
+    what it took)."""
+    descriptors, blocks = [], []
+    try:
+        for name, datatype, shape, data in tensors:
+            block = arena.alloc(len(data))
+            blocks.append(block)
+            if data:
+                arena.view(block)[:] = data
+            descriptors.append([name, datatype, shape, block.segment, block.offset, len(data), 0])
+    except ArenaFull:
+        for block in blocks:
+            arena.free(block)
+        raise
+    return descriptors, blocks
+
+
+def stage_batch_inputs(cfg: ModelConfig, requests: list[InferRequest], arena: Arena,
+                       ) -> tuple[list[list], list[Block]]:
+    """Compute a batch's `batch_input` tensors and write them into the arena."""
+    return write_tensors(batch_input_values(cfg, requests), arena)

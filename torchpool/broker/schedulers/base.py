@@ -1,0 +1,91 @@
+"""The one interface the broker's loop uses to schedule a model version.
+
+Each policy is its own implementation: `DirectScheduler` (no batching: one
+request per execution, in arrival order), `DynamicBatcher` (Triton's dynamic
+batcher) and `SequenceBatcher` (Triton's sequence batcher, `direct` and
+`oldest`). The loop never asks which one it holds:
+
+    accept:   scheduler.admit(req, header)       policy checks, may refuse
+              scheduler.push(req, now)           queued (the scheduler stages it)
+    dispatch: scheduler.take(instance, now)      the Batch an idle instance runs now
+              scheduler.prepare(now)             write the next batch while busy
+    finish:   scheduler.finished(batch, outputs, read)   before its answers go out
+    timers:   scheduler.next_deadline() / expire(now)    timeouts, idle sequences,
+                                                  and requests it refuses later
+    stop:     scheduler.drain()                  every request not yet started
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ...protocol.errors import TorchpoolError
+
+if TYPE_CHECKING:
+    from ...config import ModelConfig
+    from ..batch import Batch
+    from ..requests import InferRequest
+
+# read(segment, offset, nbytes) -> memoryview of a worker output's bytes
+ReadOutput = Callable[[Any, int, int], memoryview]
+# requests the scheduler gives up on, each with the error its client gets
+Refusals = list[tuple["InferRequest", TorchpoolError]]
+
+
+class Scheduler(ABC):
+    """Decides which accepted requests of one model version run together, on
+    which instance, and when. Owns every request from `push` until it hands
+    it out in a Batch (or back from `expire` / `drain`)."""
+
+    config: "ModelConfig"
+    # outputs the worker must return beyond what the client asked for, never
+    # sent to the client (a sequence's implicit state)
+    hidden_outputs: frozenset[str] = frozenset()
+
+    @abstractmethod
+    def admit(self, req: "InferRequest", header: dict) -> None:
+        """Checks only this policy makes (priority level, room in the queue,
+        sequence flags), before the request holds anything. Raises
+        TorchpoolError to refuse it at once."""
+
+    @abstractmethod
+    def push(self, req: "InferRequest", now: float) -> None:
+        """Queue an accepted, validated request (`req.staged` holds its
+        inputs until the scheduler writes them where the worker reads them).
+        May raise TorchpoolError (the arena is full): the request is then
+        answered with it and holds nothing of the scheduler's."""
+
+    @abstractmethod
+    def take(self, instance: Any, now: float) -> Optional["Batch"]:
+        """The batch the idle `instance` (a worker handle) runs now, or None.
+        A returned batch with `error` set is failed instead of run."""
+
+    def prepare(self, now: float) -> None:
+        """The instances are busy: do now what the next batch will need."""
+
+    def finished(self, batch: "Batch", outputs: Optional[list], read: ReadOutput) -> None:
+        """`batch` finished: `outputs` are the worker's output descriptors, or
+        None when it failed (error, crash, timeout). Called before its answers
+        are sent, while the outputs are still readable."""
+
+    def instance_gone(self, instance: Any) -> Refusals:
+        """An instance died or stopped: requests bound to it that can no
+        longer run (a sequence's slot), to be failed."""
+        return []
+
+    def next_deadline(self) -> Optional[float]:
+        """When `expire` next has something to do (time.monotonic()), or None."""
+        return None
+
+    def expire(self, now: float) -> Refusals:
+        """Apply timeouts; also hands out requests refused after `push`."""
+        return []
+
+    @abstractmethod
+    def drain(self) -> list["InferRequest"]:
+        """Every request not yet handed out (to be failed); the scheduler is
+        empty after, and holds no shared memory."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Requests accepted and not yet handed out in a batch."""

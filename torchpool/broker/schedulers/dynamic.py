@@ -1,0 +1,316 @@
+"""Dynamic batching: Triton's dynamic batcher for one model version.
+
+A version whose config has `dynamic_batching { }` is scheduled by a
+`DynamicBatcher`. Requests wait in one FIFO per priority level; a batch is formed by Triton's rules:
+
+    scan the queues in priority order (level 1 first; within a level, the
+    requests that timed out with DELAY come after the others), adding
+    requests while the batch stays within the largest preferred size (or
+    max_batch_size) and every non-ragged input has the same shape beyond the
+    batch dimension (and the same inputs are present). Send it when
+      - it reached the largest preferred size, or the next request cannot
+        join (too big, another shape, or it must run alone), or
+      - it reached a preferred size (the largest one reached is sent), or
+      - its oldest request has waited max_queue_delay_microseconds;
+    otherwise wait until that delay is over or more requests arrive.
+
+Queue policies per priority level: `max_queue_size` (a request beyond it is
+rejected at once), `default_timeout_microseconds` (a request's own shorter
+`timeout_us` overrides it when `allow_timeout_override`), `timeout_action`
+REJECT (answered "Request timeout expired") or DELAY (moved behind the
+level's other requests, never rejected).
+
+Staging (double buffering): the batch the batcher would send next is kept
+*forming* while the instances are busy. Each request is written once, as it
+arrives, into one contiguous block per input in the broker's arena; when an
+instance frees up the batch goes out as it is (the worker views each block as
+the batch tensor, zero copy). The forming batch is only a cache of that
+copying work: if the next batch changes (a timeout, a higher priority
+request), the rows that are still right are kept and the rest rewritten.
+A batch of one request whose inputs are already in shared memory (a local
+client's arena or a registered region) is not copied at all.
+
+`batch_input` tensors are computed per batch (`batch_input_values`) and the
+outputs are split back per request (`split_outputs`): rows along dim 0,
+`BYTES` by element count, `BATCH_SCATTER_WITH_INPUT_SHAPE` by each request's
+source input shape.
+"""
+from __future__ import annotations
+
+class DynamicBatcher:
+    """Priority queues, queue policies and batch forming for one model version."""
+
+    def __init__(self, cfg: ModelConfig, arena: Arena, transfer: Optional[dict] = None) -> None:
+        db = cfg.dynamic_batching or {}
+        self.cfg = cfg
+        self.arena = arena
+        self.transfer = transfer if transfer is not None else {}
+        self.max_batch = max(1, cfg.max_batch_size)
+        preferred = [p for p in db.get("preferred_batch_size", []) if 0 < p <= self.max_batch]
+        self.preferred = frozenset(preferred)
+        self.max_preferred = max(preferred) if preferred else self.max_batch
+        self.delay = db.get("max_queue_delay_microseconds", 0) / 1e6
+        self.preserve_ordering = bool(db.get("preserve_ordering", False))
+        self.levels = max(1, db.get("priority_levels", 0))
+        self.default_level = max(1, db.get("default_priority_level", 0) or 1)
+        default_policy = db.get("default_queue_policy") or {}
+        overrides = db.get("priority_queue_policy") or {}
+        self.policies = [overrides.get(str(level), overrides.get(level, default_policy))
+                         for level in range(1, self.levels + 1)]
+        self.main: list[deque[InferRequest]] = [deque() for _ in range(self.levels)]
+        self.delayed: list[deque[InferRequest]] = [deque() for _ in range(self.levels)]
+        self.count = 0
+        self._deadlines: list[tuple[float, int, InferRequest]] = []
+        self._arrivals = itertools.count()
+        self.forming: Optional[FormingBatch] = None
+        self._changed = False
+        self.wake_at: Optional[float] = None      # a dispatch timer is set for this time
+        # preserve_ordering: batches are answered in the order they were sent
+        self._seq = itertools.count()
+        self.held: dict[int, tuple] = {}
+        self.next_answer = 0
+
+    # --- the container protocol ModelVersion.queue users rely on ------------------
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def __iter__(self) -> Iterator[InferRequest]:
+        return iter(list(self._ordered()))
+
+    def clear(self) -> None:
+        """Forget every queued request (the caller answers them)."""
+        for q in (*self.main, *self.delayed):
+            for req in q:
+                req.queued = False
+            q.clear()
+        self.count = 0
+        self._deadlines.clear()
+        if self.forming is not None:
+            self.forming.free()
+            self.forming = None
+
+    # --- admission --------------------------------------------------------------
+
+    def level_of(self, priority: Any) -> int:
+        """The request's priority level (1 = highest). 0, absent or above
+        priority_levels mean default_priority_level, as in Triton."""
+        if priority is None:
+            return self.default_level
+        if not isinstance(priority, int) or isinstance(priority, bool) or priority < 0:
+            raise TorchpoolError(errors.INVALID_ARG,
+                                 f"request for model '{self.cfg.name}' has an invalid priority "
+                                 f"{priority!r}: expected a non-negative integer")
+        if priority == 0 or priority > self.levels:
+            return self.default_level
+        return priority
+
+    def check_room(self, req: InferRequest) -> None:
+        """Reject at once when the request's priority level is full."""
+        policy = self.policies[req.level - 1]
+        limit = policy.get("max_queue_size", 0)
+        level = req.level - 1
+        if limit and len(self.main[level]) + len(self.delayed[level]) >= limit:
+            where = f" at priority level {req.level}" if self.levels > 1 else ""
+            raise TorchpoolError(errors.UNAVAILABLE,
+                                 f"Exceeds maximum queue size: model '{self.cfg.name}' already has "
+                                 f"{limit} requests queued{where} (max_queue_size {limit}); retry later")
+
+    def push(self, req: InferRequest, now: float) -> None:
+        policy = self.policies[req.level - 1]
+        timeout_us = policy.get("default_timeout_microseconds", 0)
+        if policy.get("allow_timeout_override") and req.timeout_us > 0 \
+                and (timeout_us == 0 or req.timeout_us < timeout_us):
+            timeout_us = req.timeout_us      # a request may shorten its timeout, never extend it
+        req.enqueued = now
+        req.deadline = now + timeout_us / 1e6 if timeout_us else None
+        req.queued = True
+        req.delayed = False
+        req.arrival = next(self._arrivals)
+        self.main[req.level - 1].append(req)
+        self.count += 1
+        if req.deadline is not None:
+            heapq.heappush(self._deadlines, (req.deadline, req.arrival, req))
+        f = self.forming
+        if (not self._changed and f is not None and f.requests and len(f.requests) == self.count - 1
+                and self.levels == 1 and not self.delayed[0] and req.key == f.key
+                and f.items + req.batch_size <= self.max_preferred):
+            # the common case: the forming batch holds the whole queue and the
+            # newcomer fits behind it; write it now (no rescan)
+            before = f.copied
+            try:
+                f.append(req)
+            except ArenaFull:
+                self._changed = True
+            self._count("input_bytes_copied", f.copied - before)
+            return
+        self._changed = True
+
+    # --- timeouts -----------------------------------------------------------------
+
+    def next_deadline(self) -> Optional[float]:
+        heap = self._deadlines
+        while heap and (not heap[0][2].queued or heap[0][2].deadline is None):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def expire(self, now: float) -> list[InferRequest]:
+        """Apply the queue policies to requests past their timeout: DELAY moves
+        them behind their level's other requests; REJECT returns them (the
+        caller answers them)."""
+        rejected = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, req = heapq.heappop(heap)
+            if not req.queued or req.deadline is None:
+                continue
+            level = req.level - 1
+            self.main[level].remove(req)
+            req.deadline = None
+            if self.policies[level].get("timeout_action") == "DELAY":
+                req.delayed = True
+                self.delayed[level].append(req)
+            else:
+                req.queued = False
+                self.count -= 1
+                rejected.append(req)
+            self._changed = True
+        return rejected
+
+    # --- forming batches ------------------------------------------------------------
+
+    def _ordered(self) -> Iterator[InferRequest]:
+        for level in range(self.levels):
+            yield from self.main[level]
+            yield from self.delayed[level]
+
+    def _select(self, now: float) -> tuple[list[InferRequest], bool, Optional[float]]:
+        """The requests of the next batch, whether it should go now, and else
+        when it should go at the latest."""
+        reqs: list[InferRequest] = []
+        items, best, send_now, key, oldest = 0, 0, False, None, None
+        for req in self._ordered():
+            n = req.batch_size
+            if reqs and (req.exclusive or req.key != key or items + n > self.max_preferred):
+                send_now = True          # the batch cannot grow any more
+                break
+            if not reqs:
+                key = req.key
+            reqs.append(req)
+            items += n
+            if oldest is None or req.enqueued < oldest:
+                oldest = req.enqueued
+            if req.exclusive or items >= self.max_preferred:
+                send_now = True
+                break
+            if items in self.preferred:
+                best = len(reqs)
+        if not reqs:
+            return reqs, False, None
+        if send_now:
+            return reqs, True, None
+        if best:
+            return reqs[:best], True, None
+        wake = oldest + self.delay
+        return reqs, now >= wake, wake
+
+    def _sync(self, reqs: list[InferRequest]) -> None:
+        """Make the forming batch hold exactly `reqs`, keeping what is right."""
+        f = self.forming
+        if not reqs:
+            if f is not None:
+                f.truncate(0)
+            return
+        if f is None or f.key != reqs[0].key:
+            if f is not None:
+                f.free()
+            f = self.forming = FormingBatch(self.arena, reqs[0].key, self.max_preferred)
+        same = 0
+        for a, b in zip(f.requests, reqs):
+            if a is not b:
+                break
+            same += 1
+        f.truncate(same)
+        before = f.copied
+        try:
+            for req in reqs[same:]:
+                f.append(req)
+        finally:
+            self._count("input_bytes_copied", f.copied - before)
+
+    def _count(self, key: str, n: int) -> None:
+        if n:
+            self.transfer[key] = self.transfer.get(key, 0) + n
+
+    def prepare(self, now: float) -> None:
+        """Write the requests of the batch that goes out next, now (the
+        instances are busy, or it waits for more requests)."""
+        if not self._changed:
+            return
+        self._changed = False
+        reqs, _ready, _wake = self._select(now)
+        try:
+            self._sync(reqs)
+        except ArenaFull:
+            pass                 # the batch is written when it goes out (or fails then)
+
+    def take(self, now: float) -> tuple[Optional[Batch], Optional[float]]:
+        """The batch to run now, or (None, the time it will be due)."""
+        reqs, ready, wake = self._select(now)
+        if not ready:
+            if self._changed:
+                self._changed = False
+                try:
+                    self._sync(reqs)
+                except ArenaFull:
+                    pass
+            return None, wake
+        for req in reqs:
+            q = self.delayed[req.level - 1] if req.delayed else self.main[req.level - 1]
+            if q and q[0] is req:
+                q.popleft()
+            else:
+                q.remove(req)
+            req.queued = False
+        self.count -= len(reqs)
+        self._changed = True
+        items = sum(r.batch_size for r in reqs)
+        rows = sum(r.rows for r in reqs)
+        try:
+            self._sync(reqs)
+            f, self.forming = self.forming, None
+            inputs, blocks, passed = f.finish(self.cfg)
+            self._count("input_bytes_in_place", passed)
+        except ArenaFull as exc:
+            if self.forming is not None:
+                self.forming.free()
+                self.forming = None
+            err = TorchpoolError(errors.UNAVAILABLE, f"model '{self.cfg.name}': {exc}; retry later "
+                                                     f"or raise --shm-limit")
+            return Batch(reqs, items, rows, [], [], error=err), None
+        batch = Batch(reqs, items, rows, inputs, self._outputs(reqs), blocks)
+        if self.cfg.batch_inputs:
+            try:
+                extra, extra_blocks = stage_batch_inputs(self.cfg, reqs, self.arena)
+            except ArenaFull as exc:
+                for block in blocks:
+                    self.arena.free(block)
+                batch.blocks = []
+                batch.error = TorchpoolError(errors.UNAVAILABLE, f"model '{self.cfg.name}': {exc}")
+                return batch, None
+            batch.inputs.extend(extra)
+            batch.blocks.extend(extra_blocks)
+        for req in reqs:
+            req.staged = []          # the inputs are in the batch now
+        if self.preserve_ordering:
+            batch.seq = next(self._seq)
+        return batch, None
+
+    def _outputs(self, reqs: list[InferRequest]) -> list:
+        if len(reqs) == 1:
+            return reqs[0].outputs
+        wanted = {o if isinstance(o, str) else o[0] for r in reqs for o in r.outputs}
+        return [t.name for t in self.cfg.outputs if t.name in wanted]
