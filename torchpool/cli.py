@@ -2,14 +2,35 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
-import os
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
+
+from .broker.options import ServerOptions
+from .logs import FORMATS, setup_logging
 
 DEFAULT_LISTEN = "ipc:///tmp/torchpool.sock"
-MiB = 1 << 20
+_OPTION_FIELDS = {f.name: f for f in dataclasses.fields(ServerOptions)}
+
+
+def _default(name: str) -> Any:
+    """The default of a `ServerOptions` field: the daemon's options own them."""
+    f = _OPTION_FIELDS[name]
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise KeyError(f"ServerOptions.{name} has no default")
+
+
+def _shown(value: float) -> str:
+    """A default for --help: sizes as 64M / 2G, numbers as they are."""
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        mib = value >> 20
+        return f"{mib >> 10}G" if mib % 1024 == 0 else f"{mib}M"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _size(text: str) -> int:
@@ -21,36 +42,9 @@ def _size(text: str) -> int:
     return int(text)
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line, for log shippers (`--log-format json`)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": round(record.created, 6), "level": record.levelname, "logger": record.name,
-                 "pid": record.process, "message": record.getMessage()}
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def setup_logging(level: str, fmt: str = "text") -> int:
-    """Logs go to stderr: journald captures them under systemd. The text
-    format has no timestamp when journald adds its own (JOURNAL_STREAM set)."""
-    numeric = getattr(logging, level.upper())
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
-        handler.setFormatter(logging.Formatter(stamp + "%(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(numeric)
-    return numeric
-
-
 def _serve(args: argparse.Namespace) -> int:
     from .broker.frontend import AddressInUse
-    from .broker.server import Server, ServerOptions
+    from .broker.server import Server
 
     level = setup_logging(args.log_level, args.log_format)
     options = ServerOptions(model_repository=args.model_repository,
@@ -123,39 +117,49 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-repository", required=True, help="the repository directory")
     serve.add_argument("--listen", action="append", metavar="URL",
                        help=f"ipc:// or tcp:// address; repeat for several (default {DEFAULT_LISTEN})")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--log-format", default="text", choices=["text", "json"],
-                       help="text (journald-friendly) or json lines for log shippers")
-    serve.add_argument("--metrics-port", type=int, default=None,
+    serve.add_argument("--log-level", default=logging.getLevelName(_default("log_level")).lower(),
+                       choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-format", default=_default("log_format"), choices=FORMATS,
+                       help="text (journald-friendly) or json lines for log shippers; workers "
+                            "log the same way into the same stream")
+    serve.add_argument("--metrics-port", type=int, default=_default("metrics_port"),
                        help="serve Prometheus /metrics and /v2/health/{live,ready} on this port")
-    serve.add_argument("--metrics-host", default="127.0.0.1")
-    serve.add_argument("--model-control-mode", default="none", choices=["none", "poll", "explicit"],
+    serve.add_argument("--metrics-host", default=_default("metrics_host"))
+    serve.add_argument("--model-control-mode", default=_default("model_control_mode"),
+                       choices=["none", "poll", "explicit"],
                        help="Triton's: none = load all at start; poll = rescan the repository "
                             "(and on SIGHUP); explicit = load/unload calls from clients")
     serve.add_argument("--load-model", action="append", metavar="NAME",
                        help="explicit mode: load this model at start ('*' = all); repeatable")
-    serve.add_argument("--repository-poll-secs", type=float, default=15.0,
-                       help="poll mode: seconds between repository scans (default 15)")
-    serve.add_argument("--execution-timeout", type=float, default=0.0,
-                       help="kill and restart a worker whose batch runs longer (seconds; 0 = never)")
-    serve.add_argument("--shm-chunk", type=_size, default=64 * MiB,
-                       help="size of each input shared-memory segment (default 64M)")
-    serve.add_argument("--shm-limit", type=_size, default=2048 * MiB,
-                       help="cap on input shared memory in all (default 2G)")
-    serve.add_argument("--worker-shm-chunk", type=_size, default=4 * MiB,
-                       help="first output segment of each worker; grows as outputs need (default 4M)")
-    serve.add_argument("--grace-period", type=float, default=30.0,
-                       help="seconds SIGTERM waits for accepted requests (default 30)")
-    serve.add_argument("--busy-poll-us", type=int, default=500,
+    serve.add_argument("--repository-poll-secs", type=float, default=_default("repository_poll_secs"),
+                       help="poll mode: seconds between repository scans "
+                            f"(default {_shown(_default('repository_poll_secs'))})")
+    serve.add_argument("--execution-timeout", type=float, default=_default("execution_timeout"),
+                       help="kill and restart a worker whose batch runs longer (seconds; 0 = never; "
+                            f"default {_shown(_default('execution_timeout'))})")
+    serve.add_argument("--shm-chunk", type=_size, default=_default("shm_chunk"),
+                       help=f"size of each input shared-memory segment (default {_shown(_default('shm_chunk'))})")
+    serve.add_argument("--shm-limit", type=_size, default=_default("shm_limit"),
+                       help=f"cap on input shared memory in all (default {_shown(_default('shm_limit'))})")
+    serve.add_argument("--worker-shm-chunk", type=_size, default=_default("worker_shm_chunk"),
+                       help="first output segment of each worker; grows as outputs need "
+                            f"(default {_shown(_default('worker_shm_chunk'))})")
+    serve.add_argument("--grace-period", type=float, default=_default("grace_period"),
+                       help="seconds SIGTERM waits for accepted requests "
+                            f"(default {_shown(_default('grace_period'))})")
+    serve.add_argument("--busy-poll-us", type=int, default=_default("busy_poll_us"),
                        help="after activity, poll without sleeping this long (lower latency on "
-                            "VMs where waking a process is slow); 0 disables (default 500)")
-    serve.add_argument("--worker-busy-poll-us", type=int, default=0,
-                       help="the same for each worker after a batch; trades CPU for latency (default 0)")
-    serve.add_argument("--client-shm-size", type=_size, default=64 * MiB,
-                       help="arena segment given to each local client (default 64M)")
-    serve.add_argument("--client-lease", type=float, default=60.0,
+                            "VMs where waking a process is slow); 0 disables "
+                            f"(default {_shown(_default('busy_poll_us'))})")
+    serve.add_argument("--worker-busy-poll-us", type=int, default=_default("worker_busy_poll_us"),
+                       help="the same for each worker after a batch; trades CPU for latency "
+                            f"(default {_shown(_default('worker_busy_poll_us'))})")
+    serve.add_argument("--client-shm-size", type=_size, default=_default("client_shm_size"),
+                       help="arena segment given to each local client "
+                            f"(default {_shown(_default('client_shm_size'))})")
+    serve.add_argument("--client-lease", type=float, default=_default("client_lease"),
                        help="seconds after which an idle client's session and shared memory are "
-                            "released (default 60)")
+                            f"released (default {_shown(_default('client_lease'))})")
     serve.set_defaults(func=_serve)
 
     infer = sub.add_parser("infer", help="send one request and print the outputs as JSON lines")

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import msgpack
 import torch
 
+from ..logs import setup_logging
 from ..protocol import datatypes, errors, internal
 from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, Block, SegmentCache
@@ -63,9 +64,8 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     if os.getppid() != parent:  # parent died before prctl took effect
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the broker's to handle
-    from ..cli import setup_logging
-
-    setup_logging(logging.getLevelName(spec.log_level).lower(), spec.log_format)
+    # the daemon's level and format, into the stderr inherited from it
+    setup_logging(spec.log_level, spec.log_format)
     Worker(spec, sock).serve()
 
 
