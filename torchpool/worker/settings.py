@@ -1,5 +1,7 @@
 """The model's execution parameters and what they do to torch in a worker.
 
+The parameters themselves are parsed in `torchpool.config.parameters` (one
+`ModelParameters`, also read by the broker); this module applies them.
 Triton's PyTorch backend reads ten `parameters` from the model configuration
 and applies them process-wide, so they leak between models that share the
 server process. A torchpool worker runs one model instance, so the same
@@ -15,9 +17,10 @@ that parameter parsing and model binding raise the same classes;
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Mapping, Optional
 
+from torchpool.config.parameters import ModelParameters, ParameterError, model_parameters
+from torchpool.config.parameters import parse_parameters as _parse
 from torchpool.protocol.errors import INTERNAL, INVALID_ARG, TorchpoolError
 
 logger = logging.getLogger(__name__)
@@ -37,89 +40,26 @@ class ExecutionError(TorchpoolError):
         super().__init__(code, message)
 
 
-@dataclass(frozen=True)
-class ExecutionSettings:
-    """The parameters of one model, typed. `None` means "leave torch's default"."""
-
-    inference_mode: bool = True
-    disable_optimized_execution: bool = False
-    disable_cudnn: bool = False
-    enable_cache_cleaning: bool = False
-    enable_weight_sharing: bool = False
-    jit_profiling: Optional[bool] = None
-    jit_executor: Optional[bool] = None
-    tensor_fuser: Optional[bool] = None
-    intra_op_threads: Optional[int] = None      # None or 0: torch's default
-    inter_op_threads: Optional[int] = None
+# The parameters are parsed once, by torchpool.config.parameters (the broker
+# reads the same object); the worker's name for them is kept.
+ExecutionSettings = ModelParameters
 
 
-# Config parameter key -> ExecutionSettings field, for each value kind.
-_BOOLEAN_KEYS = {
-    "INFERENCE_MODE": "inference_mode",
-    "DISABLE_OPTIMIZED_EXECUTION": "disable_optimized_execution",
-    "DISABLE_CUDNN": "disable_cudnn",
-    "ENABLE_CACHE_CLEANING": "enable_cache_cleaning",
-    "ENABLE_WEIGHT_SHARING": "enable_weight_sharing",
-    "ENABLE_JIT_PROFILING": "jit_profiling",
-    "ENABLE_JIT_EXECUTOR": "jit_executor",
-    "ENABLE_TENSOR_FUSER": "tensor_fuser",
-}
-_THREAD_COUNT_KEYS = {
-    "INTRA_OP_THREAD_COUNT": "intra_op_threads",
-    "INTER_OP_THREAD_COUNT": "inter_op_threads",
-}
-_TRUE_SPELLINGS = frozenset({"true", "on", "1"})
-_FALSE_SPELLINGS = frozenset({"false", "off", "0"})
-
-
-def parse_parameters(model_name: str, parameters: dict[str, str]) -> ExecutionSettings:
-    """Read the execution parameters out of a model's `parameters` map.
-
-    Keys this module does not know are ignored: the same map carries
-    parameters meant for other parts of the server or for the model itself.
-    A value that cannot be read fails the load (INVALID_ARG), as in Triton.
-    """
-    fields: dict[str, Any] = {}
-    for key, field_name in _BOOLEAN_KEYS.items():
-        if key in parameters:
-            fields[field_name] = _parse_boolean(model_name, key, parameters[key])
-    for key, field_name in _THREAD_COUNT_KEYS.items():
-        if key in parameters:
-            fields[field_name] = _parse_thread_count(model_name, key, parameters[key])
-    return ExecutionSettings(**fields)
-
-
-def _parse_boolean(model_name: str, key: str, value: str) -> bool:
-    """Triton's boolean spellings: true/on/1 and false/off/0, in any case."""
-    word = str(value).strip().lower()
-    if word in _TRUE_SPELLINGS:
-        return True
-    if word in _FALSE_SPELLINGS:
-        return False
-    raise ModelLoadError(
-        f"failed to convert '{value}' to boolean for parameter '{key}' of model "
-        f"'{model_name}' (expected true/on/1 or false/off/0)",
-        INVALID_ARG,
-    )
-
-
-def _parse_thread_count(model_name: str, key: str, value: str) -> Optional[int]:
-    """A non-negative integer; 0 keeps torch's default, like leaving it out."""
+def parse_parameters(model_name: str, parameters: Mapping[str, str]) -> ExecutionSettings:
+    """Read a model's `parameters` map; a value that cannot be read fails the
+    load (ModelLoadError, INVALID_ARG), as in Triton. Unknown keys are ignored."""
     try:
-        count = int(str(value).strip())
-    except ValueError:
-        raise ModelLoadError(
-            f"failed to convert '{value}' to integral number for parameter '{key}' "
-            f"of model '{model_name}'",
-            INVALID_ARG,
-        ) from None
-    if count < 0:
-        raise ModelLoadError(
-            f"parameter '{key}' of model '{model_name}' must be a non-negative "
-            f"thread count, got {count}",
-            INVALID_ARG,
-        )
-    return count or None
+        return _parse(model_name, parameters)
+    except ParameterError as exc:
+        raise ModelLoadError(exc.message, INVALID_ARG) from None
+
+
+def model_settings(config: Any) -> ExecutionSettings:
+    """The parameters of a `ModelConfig` (parsed once per config object)."""
+    try:
+        return model_parameters(config)
+    except ParameterError as exc:
+        raise ModelLoadError(exc.message, INVALID_ARG) from None
 
 
 def apply_process_settings(settings: ExecutionSettings) -> None:
@@ -195,5 +135,5 @@ def after_execution(settings: ExecutionSettings, device: Any) -> None:
 
 __all__ = [
     "ExecutionError", "ExecutionSettings", "ModelLoadError", "after_execution",
-    "apply_process_settings", "grad_context", "parse_parameters",
+    "apply_process_settings", "grad_context", "model_settings", "parse_parameters",
 ]
