@@ -1,6 +1,31 @@
 """Broker <-> worker messages (internal; over a SOCK_SEQPACKET socket pair).
 
-Each message is one msgpack array; the first element says what it is.
+Each message is one msgpack array; the first element says what it is. In
+Python each message is a NamedTuple (a tuple, so building and packing one
+costs next to nothing, and indexing still works):
+
+    raw = internal.encode(internal.Run(batch_id, inputs, outputs, releases))
+    msg = internal.decode(raw)          # -> Run | Release | Forget | Stop |
+                                        #    Ready | LoadFailed | Done | Failed
+    if type(msg) is internal.Done: ... msg.outputs[0].segment ...
+    match msg:
+        case internal.Failed(batch_id, code, message): ...
+
+`decode` raises `ProtocolViolation` (a ValueError) for anything that is not a
+message of this module. Descriptors decode into NamedTuples: `Run.inputs`
+into `InputDescriptor` (`reuse` is False when the wire has 7 elements),
+`Run.outputs` into `str | OutputTarget`, `Done.outputs` into
+`OutputDescriptor`. Released blocks (`Run.releases`, `Release.blocks`) and
+`Done.timings` stay plain lists with the fields of `Block` and `Timings`
+(`segment, offset, size = block` reads either): wrapping each costs ~0.15 us
+per item on the hot path, and nobody reads them by name. Shapes stay lists.
+Encoding takes lists or tuples anywhere (a NamedTuple packs as an array).
+Decoding a RUN with two inputs costs about 1 us more than `msgpack.unpackb`
+alone on the 2-core development VM, a DONE with two outputs about 0.8 us,
+any other message about 0.2 us (`tests/unit/test_internal.py` measures it).
+
+The wire format (what each array holds) is:
+
 A tensor descriptor is `[name, datatype, shape, segment, offset, nbytes, generation]`:
 the bytes live in shared memory, only the descriptor crosses the socket.
 `segment` names a daemon segment, or is `[key, inode]` for a client's
@@ -8,11 +33,13 @@ registered region; a non-zero `generation` is checked against the client
 block header in front of `offset`. An input descriptor may carry an eighth
 element, `true`, when the answer may point into its block: a client's copy
 of the input (`reuse`, see docs/protocol.md), or the broker's own copy of an
-inline input, which the broker keeps until the answer is sent. A requested output is
-a name, or `[name, [key, inode], offset, capacity]` to be written into a region.
+inline input, which the broker keeps until the answer is sent
+(`InputDescriptor` always encodes it, `false` by default; a decoder takes 7
+or 8 elements). A requested output is a name, or
+`[name, [key, inode], offset, capacity]` to be written into a region.
 
 broker -> worker
-    [RUN, batch_id, [descriptor, ...], [requested output names], [released block, ...]]
+    [RUN, batch_id, [descriptor, ...], [requested output, ...], [released block, ...]]
     [RELEASE, [released block, ...]]
     [FORGET, [segment name | [key, inode], ...]]   unmap: a client session or region is gone
     [STOP]
@@ -26,8 +53,14 @@ worker -> broker
 An output descriptor is `[name, datatype, shape, segment, offset, nbytes]`;
 a reused output's descriptor points into the input block it is a view of
 (nothing to release), every other one into the worker's arena or a region.
+A FAILED message's text is meant for the client: it names the model and
+instance and carries no traceback (the worker logs that itself).
 """
 from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence, Union
+
+import msgpack
 
 RUN = 1
 STOP = 2
@@ -40,3 +73,186 @@ FAILED = 13
 
 # A message is far smaller than this; sized for descriptors of many outputs.
 MAX_MESSAGE = 1 << 20
+
+
+class ProtocolViolation(ValueError):
+    """Bytes that are not a message of this protocol."""
+
+
+# ------------------------------------------------------------ nested values
+
+class InputDescriptor(NamedTuple):
+    name: str
+    datatype: str               # wire name: FP32, BYTES, ...
+    shape: list
+    segment: Any                # daemon segment name, or [key, inode] of a client region
+    offset: int
+    nbytes: int
+    generation: int = 0         # non-zero: checked against the client block header
+    reuse: bool = False         # the answer may point into this input's block
+
+
+class OutputDescriptor(NamedTuple):
+    name: str
+    datatype: str
+    shape: list
+    segment: Any                # the worker's arena segment, an input's segment (reused), or a region
+    offset: int
+    nbytes: int
+
+
+class OutputTarget(NamedTuple):
+    """A requested output the client wants written into its region."""
+    name: str
+    region: Any                 # [key, inode]
+    offset: int
+    capacity: int
+
+
+class Block(NamedTuple):
+    """An output block of the worker's arena that the broker is done with."""
+    segment: str
+    offset: int
+    size: int
+
+
+class Timings(NamedTuple):
+    input_ns: int
+    infer_ns: int
+    output_ns: int
+
+
+# ------------------------------------------------------------ messages
+# KIND is a class attribute (not a field): `encode` puts it first.
+
+class Run(NamedTuple):
+    batch_id: int
+    inputs: list                # [InputDescriptor, ...]
+    outputs: list               # [str | OutputTarget, ...]; empty: every output
+    releases: Sequence = ()     # [Block | [segment, offset, size], ...] piggybacked frees
+    KIND = RUN
+
+
+class Release(NamedTuple):
+    blocks: list                # [Block | [segment, offset, size], ...]
+    KIND = RELEASE
+
+
+class Forget(NamedTuple):
+    refs: list                  # [segment name | [key, inode], ...]
+    KIND = FORGET
+
+
+class Stop(NamedTuple):
+    KIND = STOP
+
+
+class Ready(NamedTuple):
+    pid: int
+    device: str
+    KIND = READY
+
+
+class LoadFailed(NamedTuple):
+    code: str
+    message: str
+    KIND = LOAD_FAILED
+
+
+class Done(NamedTuple):
+    batch_id: int
+    outputs: list               # [OutputDescriptor, ...]
+    timings: Sequence           # Timings | [input_ns, infer_ns, output_ns]
+    reused: Sequence = ()       # names of outputs that are views of a reusable input
+    KIND = DONE
+
+
+class Failed(NamedTuple):
+    batch_id: int
+    code: str
+    message: str
+    KIND = FAILED
+
+
+Message = Union[Run, Release, Forget, Stop, Ready, LoadFailed, Done, Failed]
+
+
+def encode(msg: Message) -> bytes:
+    """The msgpack array for a message: its KIND, then its fields."""
+    return msgpack.packb((msg.KIND, *msg), use_bin_type=True)
+
+
+# ------------------------------------------------------------ decoding
+# This is the hot path (one RUN and one DONE per batch): tuple.__new__ builds
+# a NamedTuple from the decoded list without the constructor's argument
+# handling, and the nested values are built in comprehensions, not per-item
+# calls. The peer is the daemon itself, not a client: the values are taken
+# as they come, and only an input descriptor's length (7 or 8) and the first
+# output descriptor's are checked; a wrong value fails that batch, not the
+# process (the worker catches everything a batch raises).
+
+_new = tuple.__new__
+
+
+def _run(m: list) -> Run:
+    inputs = [_new(InputDescriptor, d) if len(d) == 8 else _input7(d) for d in m[2]]
+    requested = m[3]
+    for r in requested:
+        if r.__class__ is not str:      # rare: an output written into a client's region
+            requested = [r if r.__class__ is str else _new(OutputTarget, r)
+                         for r in requested if r.__class__ is str or len(r) == 4
+                         or _bad("a requested output", r)]
+            break
+    return _new(Run, (m[1], inputs, requested, m[4] if len(m) > 4 else []))
+
+
+def _done(m: list) -> Done:
+    outputs = [_new(OutputDescriptor, d) for d in m[2]]
+    if outputs and len(outputs[0]) != 6:
+        _bad("an output descriptor", outputs[0])
+    return _new(Done, (m[1], outputs, m[3], m[4] if len(m) > 4 else []))
+
+
+def _input7(d: list) -> InputDescriptor:
+    if len(d) != 7:
+        _bad("an input descriptor", d)
+    d.append(False)
+    return _new(InputDescriptor, d)
+
+
+def _bad(what: str, value: Any) -> bool:
+    raise ProtocolViolation(f"{what} of {len(value)} elements: {value!r}")
+
+
+_STOP = Stop()
+
+_DECODERS = {
+    RUN: _run,
+    RELEASE: lambda m: _new(Release, (m[1],)),
+    FORGET: lambda m: _new(Forget, (m[1],)),
+    STOP: lambda m: _STOP,
+    READY: lambda m: _new(Ready, (m[1], m[2])),
+    LOAD_FAILED: lambda m: _new(LoadFailed, (m[1], m[2])),
+    DONE: _done,
+    FAILED: lambda m: _new(Failed, (m[1], m[2], m[3])),
+}
+
+
+def decode(raw: bytes) -> Message:
+    """The message in `raw` (one msgpack array); raises ProtocolViolation.
+    Trailing elements a newer peer may add are ignored."""
+    try:
+        m = msgpack.unpackb(raw, raw=False)
+        return _DECODERS[m[0]](m)
+    except ProtocolViolation:
+        raise
+    except Exception as exc:   # not msgpack, not an array, unknown kind, too short
+        raise ProtocolViolation(f"not a worker-protocol message: {exc!r}") from None
+
+
+__all__ = [
+    "Block", "DONE", "Done", "FAILED", "FORGET", "Failed", "Forget", "InputDescriptor",
+    "LOAD_FAILED", "LoadFailed", "MAX_MESSAGE", "Message", "OutputDescriptor", "OutputTarget",
+    "ProtocolViolation", "READY", "RELEASE", "RUN", "Ready", "Release", "Run", "STOP", "Stop",
+    "Timings", "decode", "encode",
+]

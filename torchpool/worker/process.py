@@ -26,16 +26,16 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import msgpack
 import torch
 
+from ..config.parameters import ModelParameters
 from ..logs import setup_logging
 from ..protocol import datatypes, errors, internal
 from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, Block, SegmentCache
 from ..shm.bulkcopy import copy_into
 from .binding import ExecutionError, ModelLoadError, load_model
-from .settings import after_execution, apply_process_settings, grad_context, parse_parameters
+from .settings import after_execution, apply_process_settings, grad_context, model_settings
 from .spec import WorkerSpec
 from .weights import share_weights
 from ..shm.regions import BLOCK_HEADER, BLOCK_MAGIC, HEADER_BYTES, RegionMaps
@@ -69,14 +69,15 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     Worker(spec, sock).serve()
 
 
-def load_extensions(model: str, model_dir: Path, parameters: dict) -> None:
+def load_extensions(model: str, model_dir: Path, settings: ModelParameters) -> None:
     """Custom operators a model needs, loaded in its own worker process only:
     TORCHPOOL_OP_LIBRARIES (shared libraries, torch.ops.load_library) and
     TORCHPOOL_PYTHON_MODULES (Python files registering ops with torch.library),
     comma-separated paths relative to the model directory. Like the model
     file itself, they run with the daemon's rights: trust the repository."""
-    for key in ("TORCHPOOL_OP_LIBRARIES", "TORCHPOOL_PYTHON_MODULES"):
-        for item in filter(None, (p.strip() for p in parameters.get(key, "").split(","))):
+    for key, items in (("TORCHPOOL_OP_LIBRARIES", settings.op_libraries),
+                       ("TORCHPOOL_PYTHON_MODULES", settings.python_modules)):
+        for item in items:
             path = (model_dir / item).resolve()
             if not path.is_relative_to(model_dir.resolve()) or not path.is_file():
                 raise ModelLoadError(f"failed to load model '{model}': {key} names '{item}', which is "
@@ -93,6 +94,40 @@ def load_extensions(model: str, model_dir: Path, parameters: dict) -> None:
             except Exception as exc:
                 raise ModelLoadError(f"failed to load model '{model}': loading {key} '{item}' "
                                      f"failed: {exc}") from None
+
+
+_TORCHSCRIPT_PREAMBLE = "The following operation failed in the TorchScript interpreter."
+
+
+def client_text(message: str) -> str:
+    """The part of an error text a client should see: one line, no traceback.
+
+    TorchScript errors embed the interpreter's preamble, two tracebacks with
+    the model's source and the server's file paths, and end with the Python
+    exception line (`builtins.RuntimeError: boom`). Keep what comes before
+    the preamble (e.g. "PyTorch execute failure: ") and that exception line;
+    of any other text keep its first line (torch's own errors list
+    registration sites with server paths on the lines after it). The whole
+    text goes to the daemon's log with the traceback.
+    """
+    lines = message.splitlines()
+    if len(lines) <= 1:
+        return message
+    head = lines[0]
+    if not any(line.startswith("Traceback") for line in lines):
+        return head
+    prefix = head.partition(_TORCHSCRIPT_PREAMBLE)[0] if _TORCHSCRIPT_PREAMBLE in head else ""
+    in_traceback = False
+    found = ""
+    for line in lines:
+        if line.startswith("Traceback"):
+            in_traceback = True
+        elif in_traceback and line and not line[0].isspace():
+            found = line            # the first unindented line after a traceback
+            in_traceback = False
+    if not found:
+        return head if _TORCHSCRIPT_PREAMBLE not in head else prefix.rstrip() or head
+    return prefix + found.removeprefix("builtins.")
 
 
 def reuse_input(value: Any, reusable: list) -> Optional[tuple]:
@@ -128,21 +163,24 @@ class Worker:
         self.settings: Any = None
         self.busy_poll_ns = spec.busy_poll_us * 1000
         self.weights = None           # the shared weights segment, if any (kept mapped)
+        self.label = f"model '{spec.model}' version {spec.version} instance '{spec.instance}'"
 
-    def send(self, *msg: Any) -> None:
-        self.sock.send(msgpack.packb(msg, use_bin_type=True))
+    def send(self, msg: internal.Message) -> None:
+        self.sock.send(internal.encode(msg))
 
     def serve(self) -> None:
         try:
             self.load()
         except ModelLoadError as exc:
-            self.send(internal.LOAD_FAILED, exc.code, exc.message)
+            log.error("%s: %s", self.label, exc.message)
+            self.send(internal.LoadFailed(exc.code, exc.message))
             return
         except Exception as exc:  # a load must fail cleanly, whatever happened
-            self.send(internal.LOAD_FAILED, errors.INTERNAL,
-                      f"failed to load model '{self.spec.model}': {exc}")
+            log.error("%s failed to load", self.label, exc_info=exc)
+            self.send(internal.LoadFailed(errors.INTERNAL, f"failed to load model '{self.spec.model}': "
+                                                           f"{client_text(exc)}"))
             return
-        self.send(internal.READY, os.getpid(), str(self.device))
+        self.send(internal.Ready(os.getpid(), str(self.device)))
         try:
             # One inference_mode / no_grad scope for the worker's whole life:
             # entering it per request costs microseconds on the hot path.
@@ -154,7 +192,7 @@ class Worker:
 
     def load(self) -> None:
         spec = self.spec
-        self.settings = parse_parameters(spec.model, spec.config.parameters)
+        self.settings = model_settings(spec.config)
         apply_process_settings(self.settings)
         if spec.device.startswith("cuda") and not torch.cuda.is_available():
             raise ModelLoadError(f"instance '{spec.instance}' of model '{spec.model}' needs "
@@ -163,7 +201,7 @@ class Worker:
         self.device = torch.device("cpu" if spec.device == "model" else spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        load_extensions(spec.model, Path(spec.model_path).parent.parent, spec.config.parameters)
+        load_extensions(spec.model, Path(spec.model_path).parent.parent, self.settings)
         map_location = None if spec.device == "model" else self.device
         # Triton names the model where its "unable to find" message says
         # "model instance"; users' tests look for that text.
@@ -198,16 +236,21 @@ class Worker:
             raw = self.receive()
             if not raw:
                 return  # the broker went away
-            msg = msgpack.unpackb(raw, raw=False)
-            if msg[0] == internal.STOP:
+            try:
+                msg = internal.decode(raw)
+            except internal.ProtocolViolation as exc:
+                log.error("%s: ignoring a message from the broker: %s", self.label, exc)
+                continue
+            kind = msg.__class__
+            if kind is internal.Run:
+                self.release(msg.releases)
+                self.run(msg)
+            elif kind is internal.Stop:
                 return
-            if msg[0] == internal.RUN:
-                self.release(msg[4])
-                self.run(msg[1], msg[2], msg[3])
-            elif msg[0] == internal.RELEASE:
-                self.release(msg[1])
-            elif msg[0] == internal.FORGET:
-                self.forget(msg[1])
+            elif kind is internal.Release:
+                self.release(msg.blocks)
+            elif kind is internal.Forget:
+                self.forget(msg.refs)
 
     def forget(self, refs: list) -> None:
         """Unmap segments of closed client sessions and unregistered regions."""
@@ -221,18 +264,19 @@ class Worker:
         for segment, offset, size in blocks:
             self.outputs.free(Block(segment, offset, size))
 
-    def run(self, batch_id: int, descriptors: list, requested: list) -> None:
+    def run(self, msg: internal.Run) -> None:
         t0 = time.perf_counter_ns()
         try:
             inputs, reusable = {}, []
-            for d in descriptors:
-                value = inputs[d[0]] = self.view_input(d)
-                if len(d) > 7 and d[7] is True and d[5] and isinstance(value, torch.Tensor) \
+            for d in msg.inputs:
+                value = inputs[d.name] = self.view_input(d)
+                if d.reuse is True and d.nbytes and isinstance(value, torch.Tensor) \
                         and value.device.type == "cpu":
-                    reusable.append((value.data_ptr(), d[5], d[3], d[4]))
+                    reusable.append((value.data_ptr(), d.nbytes, d.segment, d.offset))
             t1 = time.perf_counter_ns()
-            names = [r if isinstance(r, str) else r[0] for r in requested]
-            targets = {r[0]: r[1:] for r in requested if not isinstance(r, str)}
+            requested = msg.outputs
+            names = [r if r.__class__ is str else r.name for r in requested]
+            targets = {r.name: r for r in requested if r.__class__ is not str}
             results = self.binding.run(self.module, inputs, names or None)
             after_execution(self.settings, self.device)
             t2 = time.perf_counter_ns()
@@ -242,20 +286,36 @@ class Worker:
                 found = reuse_input(value, reusable) if target is None and reusable else None
                 if found is not None:
                     segment, offset, nbytes = found
-                    out.append([name, datatypes.wire_from_torch(value.dtype), list(value.shape),
-                                segment, offset, nbytes])
+                    out.append(internal.OutputDescriptor(name, datatypes.wire_from_torch(value.dtype),
+                                                         list(value.shape), segment, offset, nbytes))
                     reused.append(name)
                 else:
                     out.append(self.write_output(name, value, target))
-        except TorchpoolError as exc:   # ExecutionError, ModelLoadError, RegionError
-            self.send(internal.FAILED, batch_id, exc.code, exc.message)
-            return
         except Exception as exc:  # never let one batch take the worker down
-            self.send(internal.FAILED, batch_id, errors.INTERNAL,
-                      f"model '{self.spec.model}' instance '{self.spec.instance}': {exc}")
+            self.send(self.failed(msg.batch_id, exc))
             return
         t3 = time.perf_counter_ns()
-        self.send(internal.DONE, batch_id, out, [t1 - t0, t2 - t1, t3 - t2], reused)
+        self.send(internal.Done(msg.batch_id, out, (t1 - t0, t2 - t1, t3 - t2), reused))
+
+    def failed(self, batch_id: int, exc: Exception) -> internal.Failed:
+        """Log a failed batch for the operator (with its traceback when the
+        model or torchpool raised) and word it for the client: the model and
+        instance, one clean line, no traceback and no server paths."""
+        where = f"{self.label} batch {batch_id}"
+        if isinstance(exc, TorchpoolError):   # ExecutionError, ModelLoadError, RegionError
+            code, text = exc.code, client_text(exc.message)
+            if exc.__cause__ is not None:     # forward (or torch) raised: the operator wants the trace
+                log.error("%s failed: %s", where, text, exc_info=exc)
+            elif code == errors.INVALID_ARG:  # the request's fault, not the server's
+                log.debug("%s failed: %s", where, text)
+            else:
+                log.warning("%s failed: %s", where, text)
+        else:                                 # a bug in torchpool or in the model's support code
+            code, text = errors.INTERNAL, client_text(f"{type(exc).__name__}: {exc}")
+            log.error("%s failed: %s", where, text, exc_info=exc)
+        if f"'{self.spec.model}'" not in text:
+            text = f"{text} (model '{self.spec.model}' instance '{self.spec.instance}')"
+        return internal.Failed(batch_id, code, text)
 
     def _buffer(self, ref: Any, offset: int, nbytes: int, generation: int, what: str) -> Any:
         """The mapping that holds [offset, offset + nbytes): a daemon segment
@@ -271,7 +331,7 @@ class Worker:
                                      f"model ran)", errors.INVALID_ARG)
         return buf
 
-    def view_input(self, d: list) -> Any:
+    def view_input(self, d: internal.InputDescriptor) -> Any:
         name, datatype, shape, segment, offset, nbytes, generation = d[:7]
         buf = self._buffer(segment, offset, nbytes, generation,
                            f"input '{name}' for model '{self.spec.model}'")
@@ -293,7 +353,8 @@ class Worker:
             tensor = tensor.to(self.device)
         return tensor
 
-    def write_output(self, name: str, value: Any, target: Any = None) -> list:
+    def write_output(self, name: str, value: Any,
+                     target: Optional[internal.OutputTarget] = None) -> internal.OutputDescriptor:
         """Write one output once: into the caller's region when it named one,
         else into this worker's arena. Returns its descriptor."""
         if isinstance(value, list):
@@ -304,7 +365,7 @@ class Worker:
             nbytes = value.numel() * value.element_size()
             data = value.reshape(-1).view(torch.uint8) if nbytes else None
         if target is not None:
-            ref, offset, capacity = target
+            _, ref, offset, capacity = target
             if nbytes > capacity:
                 raise ExecutionError(f"output '{name}' of model '{self.spec.model}' needs {nbytes} "
                                      f"bytes but its region provides {capacity}", errors.INVALID_ARG)
@@ -318,4 +379,4 @@ class Worker:
             # shared mapping measured 6x slower here: 8 ms vs 1.3 ms for 16 MiB)
             copy_into(memoryview(buf)[offset:offset + nbytes],
                       data if isinstance(data, bytes) else data.numpy())
-        return [name, datatype, shape, segment, offset, nbytes]
+        return internal.OutputDescriptor(name, datatype, shape, segment, offset, nbytes)
