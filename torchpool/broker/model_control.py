@@ -16,16 +16,13 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..config import ConfigError, ModelConfig, load_model_entry
 from ..config.repository import ModelEntry, select_versions
 from ..protocol import errors, internal
 from ..protocol.errors import TorchpoolError
-from .registry import READY, UNLOADING, Generation, Model, ModelVersion, new_versions
-
-if TYPE_CHECKING:
-    from .server import Server
+from .registry import READY, UNLOADING, Generation, Model, ModelVersion, Registry, new_versions
 
 log = logging.getLogger("torchpool.broker")
 
@@ -50,14 +47,13 @@ def fingerprint(model_dir: Path) -> str:
 
 
 class ModelControl:
-    def __init__(self, server: "Server", root: str, mode: str) -> None:
-        self.server = server
+    def __init__(self, registry: Registry, root: str, mode: str, start_version: Callable[[ModelVersion], None],
+                 version_gone: Callable[[ModelVersion], None]) -> None:
+        self.registry = registry
         self.root = Path(root)
         self.mode = mode
-
-    @property
-    def registry(self):
-        return self.server.registry
+        self.start_version = start_version      # its workers start (Server.start_version)
+        self.version_gone = version_gone        # a retired version's workers are all gone
 
     # --- requests from clients ------------------------------------------
 
@@ -88,7 +84,7 @@ class ModelControl:
         model.pending = gen
         log.info("loading model '%s' versions %s", name, sorted(gen.versions))
         for mv in gen.versions.values():
-            self.server.start_version(mv)
+            self.start_version(mv)
 
     def _entry(self, name: str, config: Any) -> ModelEntry:
         entry = load_model_entry(self.root, name)
@@ -162,7 +158,7 @@ class ModelControl:
     def progress(self) -> None:
         """Stop the workers of retired versions once they have nothing to do."""
         for mv in list(self.registry.retiring):
-            if mv.queue or any(w.batch is not None for w in mv.workers):
+            if (mv.scheduler is not None and len(mv.scheduler)) or any(w.batch is not None for w in mv.workers):
                 continue
             for w in mv.workers:
                 if not w.stopping:
@@ -173,7 +169,7 @@ class ModelControl:
                         pass
             if not mv.workers:
                 self.registry.retiring.remove(mv)
-                self.server.version_gone(mv)
+                self.version_gone(mv)
         for model in self.registry.models.values():
             if model.unload_waiters and not any(v.name == model.name for v in self.registry.retiring):
                 waiters, model.unload_waiters = model.unload_waiters, []

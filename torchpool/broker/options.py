@@ -26,6 +26,7 @@ class ServerOptions:
     client_shm_limit: int = 1024 * MiB  # a local client's arena, all segments
     client_lease: float = 60.0          # an idle client session is closed after this long
     execution_timeout: float = 0.0      # a batch running longer gets its worker killed; 0 = never
+    load_timeout: float = 600.0         # a worker not loaded by then is killed, its version fails; 0 = never
     metrics_port: Optional[int] = None  # Prometheus /metrics and /v2/health/* (None = off)
     metrics_host: str = "127.0.0.1"
     log_format: str = "text"

@@ -11,7 +11,7 @@ from ..protocol.errors import TorchpoolError
 from .stats import VersionStats
 
 if TYPE_CHECKING:
-    from .requests import InferRequest
+    from .schedulers.base import Scheduler
     from .supervisor import WorkerHandle
 
 LOADING = "LOADING"
@@ -32,14 +32,12 @@ class ModelVersion:
     model_file: str
     state: str = LOADING
     reason: str = ""
+    scheduler: Optional["Scheduler"] = None   # set when its workers start (broker/schedulers/)
     workers: list["WorkerHandle"] = field(default_factory=list)
-    queue: deque["InferRequest"] = field(default_factory=deque)   # a DynamicBatcher (same container
-                                                                  # protocol) with dynamic_batching
     idle: deque["WorkerHandle"] = field(default_factory=deque)
     deferred: list[tuple[str, str]] = field(default_factory=list)   # (instance, device) not yet started
     stats: VersionStats = field(default_factory=VersionStats)
     consecutive_crashes: int = 0      # worker crashes since the last successful execution
-    sequences: Any = None             # a SequenceBatcher with sequence_batching
 
     @property
     def serving(self) -> bool:

@@ -256,16 +256,3 @@ def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[li
         raise TorchpoolError(errors.UNAVAILABLE, f"model '{model}': {exc}; retry later or raise "
                                                  f"--shm-limit") from None
     return descriptors, blocks
-
-
-def output_shape(spec: Optional[TensorSpec], shape: list[int], batching: bool) -> list[int]:
-    """Undo an output `reshape`: the client sees the config's `dims`. (No
-    spec: a sequence state output, kept as the model made it.)"""
-    if spec is None or spec.reshape is None:
-        return shape
-    dims = ([shape[0]] if batching and shape else []) + list(spec.dims)
-    if -1 in dims:
-        known = math.prod(d for d in dims if d != -1)
-        total = math.prod(shape)
-        dims[dims.index(-1)] = total // known if known else 0
-    return dims

@@ -80,10 +80,11 @@ class WorkerHandle:
     process: Any
     sock: socket.socket
     state: str = STARTING
-    batch: Any = None                 # the InferRequest it is running
+    batch: Any = None                 # the Batch it is running
     batch_id: int = 0
     releases: list = field(default_factory=list)   # output blocks to hand back on the next RUN
     timed_out: float = 0.0            # set when killed for exceeding the execution timeout
+    load_timed_out: float = 0.0       # set when killed for not loading within the load timeout
     stopping: bool = False            # asked to stop (its version was retired)
     started: float = field(default_factory=time.monotonic)
 

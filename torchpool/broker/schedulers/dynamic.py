@@ -30,19 +30,35 @@ request), the rows that are still right are kept and the rest rewritten.
 A batch of one request whose inputs are already in shared memory (a local
 client's arena or a registered region) is not copied at all.
 
-`batch_input` tensors are computed per batch (`batch_input_values`) and the
-outputs are split back per request (`split_outputs`): rows along dim 0,
-`BYTES` by element count, `BATCH_SCATTER_WITH_INPUT_SHAPE` by each request's
-source input shape.
+`batch_input` tensors are computed per batch (broker/batch.py); the answer
+path splits the outputs back per request and, with `preserve_ordering`,
+answers batches in the order they were sent.
 """
 from __future__ import annotations
 
-class DynamicBatcher:
+import heapq
+import itertools
+from collections import Counter, deque
+from typing import Any, Iterator, Optional
+
+from ...config import ModelConfig
+from ...protocol import errors
+from ...protocol.errors import TorchpoolError
+from ...shm.arena import Arena, ArenaFull
+from ..batch import Batch, stage_batch_inputs
+from ..requests import InferRequest
+from .base import Refusals, Scheduler
+from .forming import FormingBatch
+
+TIMEOUT = "Request timeout expired"
+
+
+class DynamicBatcher(Scheduler):
     """Priority queues, queue policies and batch forming for one model version."""
 
-    def __init__(self, cfg: ModelConfig, arena: Arena, transfer: Optional[dict] = None) -> None:
+    def __init__(self, cfg: ModelConfig, arena: Arena, transfer: Optional[Counter] = None) -> None:
         db = cfg.dynamic_batching or {}
-        self.cfg = cfg
+        self.cfg = self.config = cfg
         self.arena = arena
         self.transfer = transfer if transfer is not None else {}
         self.max_batch = max(1, cfg.max_batch_size)
@@ -50,7 +66,6 @@ class DynamicBatcher:
         self.preferred = frozenset(preferred)
         self.max_preferred = max(preferred) if preferred else self.max_batch
         self.delay = db.get("max_queue_delay_microseconds", 0) / 1e6
-        self.preserve_ordering = bool(db.get("preserve_ordering", False))
         self.levels = max(1, db.get("priority_levels", 0))
         self.default_level = max(1, db.get("default_priority_level", 0) or 1)
         default_policy = db.get("default_queue_policy") or {}
@@ -64,36 +79,30 @@ class DynamicBatcher:
         self._arrivals = itertools.count()
         self.forming: Optional[FormingBatch] = None
         self._changed = False
-        self.wake_at: Optional[float] = None      # a dispatch timer is set for this time
-        # preserve_ordering: batches are answered in the order they were sent
-        self._seq = itertools.count()
-        self.held: dict[int, tuple] = {}
-        self.next_answer = 0
-
-    # --- the container protocol ModelVersion.queue users rely on ------------------
+        self.wake_at: Optional[float] = None      # the batch waiting for more requests is due then
 
     def __len__(self) -> int:
         return self.count
 
-    def __bool__(self) -> bool:
-        return self.count > 0
-
-    def __iter__(self) -> Iterator[InferRequest]:
-        return iter(list(self._ordered()))
-
-    def clear(self) -> None:
-        """Forget every queued request (the caller answers them)."""
+    def drain(self) -> list[InferRequest]:
+        out = list(self._ordered())
         for q in (*self.main, *self.delayed):
             for req in q:
                 req.queued = False
             q.clear()
         self.count = 0
         self._deadlines.clear()
+        self.wake_at = None
         if self.forming is not None:
             self.forming.free()
             self.forming = None
+        return out
 
     # --- admission --------------------------------------------------------------
+
+    def admit(self, req: InferRequest, header: dict) -> None:
+        req.level = self.level_of(header.get("priority"))
+        self.check_room(req)
 
     def level_of(self, priority: Any) -> int:
         """The request's priority level (1 = highest). 0, absent or above
@@ -155,12 +164,18 @@ class DynamicBatcher:
         heap = self._deadlines
         while heap and (not heap[0][2].queued or heap[0][2].deadline is None):
             heapq.heappop(heap)
-        return heap[0][0] if heap else None
+        due = heap[0][0] if heap else None
+        if self.wake_at is not None and (due is None or self.wake_at < due):
+            return self.wake_at
+        return due
 
-    def expire(self, now: float) -> list[InferRequest]:
+    def expire(self, now: float) -> Refusals:
         """Apply the queue policies to requests past their timeout: DELAY moves
         them behind their level's other requests; REJECT returns them (the
-        caller answers them)."""
+        caller answers them). A waiting batch that fell due is taken by the
+        next `take`."""
+        if self.wake_at is not None and self.wake_at <= now:
+            self.wake_at = None
         rejected = []
         heap = self._deadlines
         while heap and heap[0][0] <= now:
@@ -176,7 +191,7 @@ class DynamicBatcher:
             else:
                 req.queued = False
                 self.count -= 1
-                rejected.append(req)
+                rejected.append((req, TorchpoolError(errors.UNAVAILABLE, TIMEOUT)))
             self._changed = True
         return rejected
 
@@ -257,17 +272,20 @@ class DynamicBatcher:
         except ArenaFull:
             pass                 # the batch is written when it goes out (or fails then)
 
-    def take(self, now: float) -> tuple[Optional[Batch], Optional[float]]:
-        """The batch to run now, or (None, the time it will be due)."""
+    def take(self, instance: Any, now: float) -> Optional[Batch]:
+        """The batch to run now; None while it waits for more requests (until
+        `next_deadline`)."""
         reqs, ready, wake = self._select(now)
         if not ready:
+            self.wake_at = wake
             if self._changed:
                 self._changed = False
                 try:
                     self._sync(reqs)
                 except ArenaFull:
                     pass
-            return None, wake
+            return None
+        self.wake_at = None
         for req in reqs:
             q = self.delayed[req.level - 1] if req.delayed else self.main[req.level - 1]
             if q and q[0] is req:
@@ -290,7 +308,7 @@ class DynamicBatcher:
                 self.forming = None
             err = TorchpoolError(errors.UNAVAILABLE, f"model '{self.cfg.name}': {exc}; retry later "
                                                      f"or raise --shm-limit")
-            return Batch(reqs, items, rows, [], [], error=err), None
+            return Batch(reqs, items, rows, [], [], error=err)
         batch = Batch(reqs, items, rows, inputs, self._outputs(reqs), blocks)
         if self.cfg.batch_inputs:
             try:
@@ -300,14 +318,12 @@ class DynamicBatcher:
                     self.arena.free(block)
                 batch.blocks = []
                 batch.error = TorchpoolError(errors.UNAVAILABLE, f"model '{self.cfg.name}': {exc}")
-                return batch, None
+                return batch
             batch.inputs.extend(extra)
             batch.blocks.extend(extra_blocks)
         for req in reqs:
             req.staged = []          # the inputs are in the batch now
-        if self.preserve_ordering:
-            batch.seq = next(self._seq)
-        return batch, None
+        return batch
 
     def _outputs(self, reqs: list[InferRequest]) -> list:
         if len(reqs) == 1:

@@ -7,28 +7,60 @@ client; inline when small; or as zero-copy frames from the worker's shared
 memory. A worker output block goes back to its worker (piggybacked on its
 next RUN) once every send and every lend of it is done; with
 preserve_ordering, batches that finish early wait for their turn here.
+
+    finished batch ─► complete(mv, batch, Executed | TorchpoolError)
+                        └─ its turn (preserve_ordering) ─► split per request
+                           (split.py) ─► one answer each: region / own block /
+                           lent / inline / zero-copy frames ─► blocks back
+                           to the worker once sent and released
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 import zmq
 
-from ..protocol import errors, messages
-from ..protocol.errors import TorchpoolError
-from ..shm import Arena, SegmentCache
-from ..shm.arena import Block
-from .batcher import Batch, DynamicBatcher, check_reused_outputs, split_outputs
-from .frontend import Frontend
-from .registry import ModelVersion
-from .requests import InferRequest
-from .supervisor import DEAD, WorkerHandle
+from ...protocol import errors, messages
+from ...protocol.errors import TorchpoolError
+from ...shm import Arena, SegmentCache
+from ...shm.arena import Block
+from ..batch import Batch
+from ..frontend import Frontend
+from ..registry import ModelVersion
+from ..requests import InferRequest
+from ..supervisor import DEAD, WorkerHandle
+from .split import check_reused_outputs, split_outputs
 
 log = logging.getLogger("torchpool.broker")
+
+
+@dataclass(eq=False)
+class Executed:
+    """A batch the worker ran: its output descriptors
+    `[name, datatype, shape, segment, offset, nbytes]`."""
+
+    outputs: list
+    worker: Optional[WorkerHandle]    # None: the bytes were copied out of a worker that died
+    reused: frozenset = frozenset()   # outputs that are views of an input block
+
+
+# how a batch ended: ran, or failed with the error its requests get
+Outcome = Union[Executed, TorchpoolError]
+
+
+@dataclass(eq=False)
+class _Order:
+    """preserve_ordering: a version's batches are answered in the order they
+    were sent; one that finished early waits here for its turn."""
+
+    sent: Any = field(default_factory=itertools.count)
+    next_answer: int = 0
+    held: dict[int, tuple[Batch, Outcome]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -59,8 +91,7 @@ class Answers:
         self.arena = arena                    # the broker's input arena (requests' blocks)
         self.transfer = transfer              # bytes copied / lent / sent, for benchmarks and tests
         self.sessions: Any = None             # the SessionManager, set once it exists
-        # called with each answered request of a sequence (the server moves the sequence on)
-        self.on_sequence_done: Callable[[InferRequest], None] = lambda req: None
+        self._orders: dict[ModelVersion, _Order] = {}
         self.worker_segments = SegmentCache()
         # zero-copy sends of worker output blocks still being written by ZeroMQ
         self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list[_OutBlock]]] = []
@@ -75,8 +106,9 @@ class Answers:
         self._sending = [s for s in self._sending if s[1] is not h]
         if self._lent:
             self._lent = {k: v for k, v in self._lent.items() if v.worker is not h}
-        if isinstance(h.mv.queue, DynamicBatcher):
-            self._rescue_held(h.mv.queue, h)
+        order = self._orders.get(h.mv)
+        if order is not None:
+            self._rescue_held(order, h)
         self.worker_segments.drop(lambda name: name.startswith(h.spec.segment_prefix))
 
     def close(self) -> None:
@@ -102,8 +134,6 @@ class Answers:
                 self.sessions.region_done(req.session, region)
             req.session.in_flight -= 1
             req.session, req.regions = None, []
-        if req.sequence is not None:
-            self.on_sequence_done(req)
 
     def fail(self, req: InferRequest, err: TorchpoolError) -> None:
         req.version.stats.fail.add(int((time.monotonic() - req.received) * 1e9))
@@ -120,31 +150,41 @@ class Answers:
             self.arena.free(block)
         batch.blocks = []
 
-    def complete(self, mv: ModelVersion, batch: Batch, outcome: tuple) -> None:
-        """Answer a finished batch: `("done", descriptors, worker, reused outputs)` or
-        `("failed", error)`. With preserve_ordering, batches are answered in
-        the order they were sent; one that finished early waits."""
-        queue = mv.queue
-        if batch.seq is None or not isinstance(queue, DynamicBatcher):
+    def dispatched(self, mv: ModelVersion, batch: Batch) -> None:
+        """`batch` goes to a worker now: with preserve_ordering it takes its
+        place in the order of answers."""
+        if mv.config.dynamic_batching and mv.config.dynamic_batching.get("preserve_ordering"):
+            order = self._orders.get(mv)
+            if order is None:
+                order = self._orders[mv] = _Order()
+            batch.seq = next(order.sent)
+
+    def complete(self, mv: ModelVersion, batch: Batch, outcome: Outcome) -> None:
+        """Answer a finished batch. With preserve_ordering, batches are
+        answered in the order they were sent; one that finished early waits."""
+        order = self._orders.get(mv) if batch.seq is not None else None
+        if order is None:
             self._settle(batch, outcome)
             return
-        queue.held[batch.seq] = (batch, outcome)
-        while queue.next_answer in queue.held:
-            held_batch, held_outcome = queue.held.pop(queue.next_answer)
-            queue.next_answer += 1
+        order.held[batch.seq] = (batch, outcome)
+        while order.next_answer in order.held:
+            held_batch, held_outcome = order.held.pop(order.next_answer)
+            order.next_answer += 1
             self._settle(held_batch, held_outcome)
 
-    def flush_held(self, queue: DynamicBatcher) -> None:
-        """Answer every finished batch still waiting for its turn (shutdown)."""
-        for seq in sorted(queue.held):
-            batch, outcome = queue.held.pop(seq)
-            self._settle(batch, outcome)
+    def flush_held(self, mv: ModelVersion) -> None:
+        """Answer every finished batch of `mv` still waiting for its turn
+        (shutdown, or the version is gone)."""
+        order = self._orders.pop(mv, None)
+        if order is not None:
+            for seq in sorted(order.held):
+                self._settle(*order.held.pop(seq))
 
-    def _settle(self, batch: Batch, outcome: tuple) -> None:
-        if outcome[0] == "failed":
-            self.fail_batch(batch, outcome[1])
+    def _settle(self, batch: Batch, outcome: Outcome) -> None:
+        if isinstance(outcome, TorchpoolError):
+            self.fail_batch(batch, outcome)
             return
-        _, descriptors, worker, reused = outcome
+        descriptors, worker, reused = outcome.outputs, outcome.worker, outcome.reused
         mv = batch.requests[0].version
         try:
             if reused:
@@ -296,16 +336,16 @@ class Answers:
                     waiting.append((trackers, blocks))
             self._sending_inputs = waiting
 
-    def _rescue_held(self, queue: DynamicBatcher, h: WorkerHandle) -> None:
+    def _rescue_held(self, order: _Order, h: WorkerHandle) -> None:
         """Answers of `h` waiting for their turn (preserve_ordering) keep their
         outputs: copied out before the worker's memory goes."""
-        for seq, (batch, outcome) in list(queue.held.items()):
-            if outcome[0] == "done" and outcome[2] is h:
-                reused = outcome[3]
+        for seq, (batch, outcome) in list(order.held.items()):
+            if isinstance(outcome, Executed) and outcome.worker is h:
+                reused = outcome.reused
                 copied = [[name, datatype, shape, _Copied(bytes(self.read_output(seg, off, n))), 0, n]
                           if isinstance(seg, str) and name not in reused else [name, datatype, shape, seg, off, n]
-                          for name, datatype, shape, seg, off, n in outcome[1]]
-                queue.held[seq] = (batch, ("done", copied, None, reused))
+                          for name, datatype, shape, seg, off, n in outcome.outputs]
+                order.held[seq] = (batch, Executed(copied, None, reused))
 
 
 def _take_viewed_blocks(req: InferRequest, pieces: list, reused: frozenset) -> list[Block]:

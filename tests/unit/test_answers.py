@@ -1,0 +1,143 @@
+"""The answer path without a daemon: a real frontend socket, a real worker
+output arena, and a client socket that reads what the answers say."""
+from __future__ import annotations
+
+import os
+import uuid
+from collections import Counter
+
+import numpy as np
+import pytest
+import zmq
+
+from torchpool.broker.answers import Answers, Executed
+from torchpool.broker.batch import Batch
+from torchpool.broker.frontend import Frontend
+from torchpool.broker.registry import ModelVersion
+from torchpool.broker.requests import InferRequest
+from torchpool.broker.supervisor import WorkerHandle
+from torchpool.config import ModelConfig
+from torchpool.config.pbtxt import parse_pbtxt
+from torchpool.protocol import errors, messages
+from torchpool.protocol.errors import TorchpoolError
+from torchpool.shm.arena import Arena
+
+
+def version(extra: str = "") -> ModelVersion:
+    text = ('name: "m"\nplatform: "pytorch_libtorch"\nmax_batch_size: 8\n'
+            'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
+            'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n' + extra)
+    return ModelVersion("m", 1, ModelConfig.from_json({**parse_pbtxt(text), "name": "m"}), "/nowhere/1/model.pt")
+
+
+class Rig:
+    """A frontend, the client connected to it, a worker's output arena."""
+
+    def __init__(self, tmp_path) -> None:
+        tag = f"torchpool.unit{os.getpid()}.{uuid.uuid4().hex[:6]}"
+        self.ctx = zmq.Context()
+        self.frontend = Frontend(self.ctx, [f"ipc://{tmp_path}/answers.sock"])
+        self.client = self.ctx.socket(zmq.DEALER)
+        self.client.setsockopt(zmq.IDENTITY, b"client-1")
+        self.client.connect(f"ipc://{tmp_path}/answers.sock")
+        self.broker_arena = Arena(lambda i: f"{tag}in{i}", 1 << 20, 4 << 20)
+        self.worker_arena = Arena(lambda i: f"{tag}w0.{i}", 1 << 20, 4 << 20)
+        self.answers = Answers(self.frontend, self.broker_arena, Counter())
+        self.worker = WorkerHandle(0, None, None, None, None)
+
+    def request(self, mv: ModelVersion, rid: int, rows: int = 1) -> InferRequest:
+        return InferRequest(self.frontend.sockets[0], b"client-1", rid, mv, [], ["OUTPUT__0"], rows=rows,
+                            batch_size=rows)
+
+    def outputs(self, rows: np.ndarray) -> list:
+        """A worker's output descriptor for `rows`, written into its arena."""
+        block = self.worker_arena.alloc(rows.nbytes)
+        self.worker_arena.view(block)[:] = rows.tobytes()
+        return [["OUTPUT__0", "FP32", list(rows.shape), block.segment, block.offset, rows.nbytes]]
+
+    def receive(self) -> dict:
+        assert self.client.poll(5000), "no answer within 5 s"
+        header, *frames = self.client.recv_multipart()
+        return messages.decode_header(header)
+
+    def close(self) -> None:
+        self.answers.close()
+        self.client.close(linger=0)
+        self.frontend.close()
+        self.ctx.term()
+        self.broker_arena.close(unlink=True)
+        self.worker_arena.close(unlink=True)
+
+
+@pytest.fixture
+def rig(tmp_path):
+    r = Rig(tmp_path)
+    yield r
+    r.close()
+
+
+def values(answer: dict) -> list:
+    out = answer["outputs"][0]
+    return [out["name"], out["shape"], np.frombuffer(out["data"], np.float32).tolist()]
+
+
+def test_a_batch_is_split_into_one_answer_per_request_and_the_block_goes_back(rig: Rig) -> None:
+    mv = version()
+    a, b = rig.request(mv, 1, rows=1), rig.request(mv, 2, rows=2)
+    batch = Batch([a, b], 3, 3, [], ["OUTPUT__0"])
+    outputs = rig.outputs(np.arange(6, dtype=np.float32).reshape(3, 2))
+    rig.answers.complete(mv, batch, Executed(outputs, rig.worker))
+    first, second = rig.receive(), rig.receive()
+    assert (first["id"], first["ok"], values(first)) == (1, True, ["OUTPUT__0", [1, 2], [0, 1]])
+    assert (second["id"], values(second)) == (2, ["OUTPUT__0", [2, 2], [2, 3, 4, 5]])
+    # small outputs travel inline: the worker's block is free again at once
+    assert rig.worker.releases == [outputs[0][3:6]]
+    assert mv.stats.success.count == 2
+
+
+def test_a_failed_batch_fails_each_request_with_its_error(rig: Rig) -> None:
+    mv = version()
+    batch = Batch([rig.request(mv, 7), rig.request(mv, 8)], 2, 2, [], ["OUTPUT__0"])
+    rig.answers.complete(mv, batch, TorchpoolError(errors.INTERNAL, "instance 'm_0' was killed"))
+    got = [rig.receive() for _ in range(2)]
+    assert [(g["id"], g["ok"], g["error"]["code"], g["error"]["message"]) for g in got] == [
+        (7, False, "INTERNAL", "instance 'm_0' was killed"), (8, False, "INTERNAL", "instance 'm_0' was killed")]
+    assert mv.stats.fail.count == 2
+
+
+def test_outputs_that_cannot_be_split_fail_the_batch_not_the_broker(rig: Rig) -> None:
+    mv = version()
+    batch = Batch([rig.request(mv, 1), rig.request(mv, 2)], 2, 2, [], ["OUTPUT__0"])
+    outputs = rig.outputs(np.zeros((3, 2), np.float32))       # 3 rows for a batch of 2
+    rig.answers.complete(mv, batch, Executed(outputs, rig.worker))
+    got = [rig.receive() for _ in range(2)]
+    assert all(not g["ok"] and "has 3 rows for a batch of 2 rows" in g["error"]["message"] for g in got)
+    assert rig.worker.releases == [outputs[0][3:6]]
+
+
+def test_preserve_ordering_answers_in_the_order_batches_were_sent(rig: Rig) -> None:
+    mv = version("dynamic_batching { preserve_ordering: true }")
+    first, second = (Batch([rig.request(mv, i)], 1, 1, [], ["OUTPUT__0"]) for i in (1, 2))
+    rig.answers.dispatched(mv, first)
+    rig.answers.dispatched(mv, second)
+    rig.answers.complete(mv, second, Executed(rig.outputs(np.ones((1, 2), np.float32)), rig.worker))
+    assert not rig.client.poll(100)          # the second waits for the first
+    rig.answers.complete(mv, first, Executed(rig.outputs(np.zeros((1, 2), np.float32)), rig.worker))
+    got = [rig.receive(), rig.receive()]
+    assert [(g["id"], values(g)[2]) for g in got] == [(1, [0, 0]), (2, [1, 1])]
+
+
+def test_held_answers_of_a_dead_worker_keep_their_bytes(rig: Rig) -> None:
+    mv = version("dynamic_batching { preserve_ordering: true }")
+    rig.worker.mv = mv
+    rig.worker.spec = type("Spec", (), {"segment_prefix": "none-of-these."})()
+    first, second = (Batch([rig.request(mv, i)], 1, 1, [], ["OUTPUT__0"]) for i in (1, 2))
+    rig.answers.dispatched(mv, first)
+    rig.answers.dispatched(mv, second)
+    outputs = rig.outputs(np.full((1, 2), 5, np.float32))
+    rig.answers.complete(mv, second, Executed(outputs, rig.worker))
+    rig.answers.worker_gone(rig.worker)                  # copied out before its memory goes
+    rig.answers.complete(mv, first, TorchpoolError(errors.INTERNAL, "crashed"))
+    got = [rig.receive(), rig.receive()]
+    assert (got[0]["id"], got[0]["ok"]) == (1, False)
+    assert (got[1]["id"], values(got[1])[2]) == (2, [5, 5])

@@ -1,0 +1,142 @@
+"""Each request's own part of a finished batch's outputs.
+
+A batch's outputs are split back per request without copying: rows along
+dim 0, `BYTES` by element count, `BATCH_SCATTER_WITH_INPUT_SHAPE` by each
+request's source input shape; an output `reshape` is undone. Outputs a
+worker answered as views of an input block are checked to lie in one.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, Callable, Optional
+
+from ...config import ModelConfig, TensorSpec
+from ...protocol import datatypes, errors
+from ...protocol.errors import TorchpoolError
+from ..batch import Batch
+
+SCATTER = "BATCH_SCATTER_WITH_INPUT_SHAPE"
+_LENGTH = struct.Struct("<I")
+
+
+def output_shape(spec: Optional[TensorSpec], shape: list[int], batching: bool) -> list[int]:
+    """Undo an output `reshape`: the client sees the config's `dims`. (No
+    spec: a sequence state output, kept as the model made it.)"""
+    if spec is None or spec.reshape is None:
+        return shape
+    dims = ([shape[0]] if batching and shape else []) + list(spec.dims)
+    if -1 in dims:
+        known = math.prod(d for d in dims if d != -1)
+        total = math.prod(shape)
+        dims[dims.index(-1)] = total // known if known else 0
+    return dims
+
+
+def scatter_sources(cfg: ModelConfig) -> dict[str, str]:
+    """BATCH_SCATTER_WITH_INPUT_SHAPE outputs and their source inputs."""
+    return {str(t): entry["source_input"][0] for entry in cfg.batch_outputs
+            if entry.get("kind", SCATTER) == SCATTER for t in entry["target_name"]}
+
+
+def _bytes_boundaries(data: memoryview, counts: list[int], name: str, model: str) -> list[int]:
+    """Byte offsets where each request's BYTES elements start (and the end)."""
+    bounds, pos = [0], 0
+    for count in counts:
+        for _ in range(count):
+            if pos + 4 > len(data):
+                raise TorchpoolError(errors.INTERNAL, f"output '{name}' of model '{model}' is a "
+                                                      f"truncated BYTES tensor")
+            pos += 4 + _LENGTH.unpack_from(data, pos)[0]
+        bounds.append(pos)
+    return bounds
+
+
+def check_reused_outputs(batch: Batch, descriptors: list, reused: frozenset, label: str) -> None:
+    """A worker said these outputs are views of input blocks handed over for
+    reuse: each must lie inside such an input of this batch (which then has
+    one request), or the answer would point at memory the client did not
+    offer. Raises TorchpoolError otherwise."""
+    offered = [d for d in batch.inputs if len(d) > 7 and d[7] is True]
+    for name, _datatype, _shape, segment, offset, nbytes in descriptors:
+        if name not in reused:
+            continue
+        if len(batch.requests) != 1 or not any(
+                d[3] == segment and d[4] <= offset and offset + nbytes <= d[4] + d[5] for d in offered):
+            raise TorchpoolError(errors.INTERNAL, f"{label}: output '{name}' was answered as a view "
+                                                  f"of an input block it does not lie in")
+
+
+def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: list,
+                  read: Callable[[Any, int, int], memoryview]) -> list[list[tuple]]:
+    """Each request's own part of a batch's outputs.
+
+    `descriptors` are the worker's `[name, datatype, shape, segment, offset,
+    nbytes]`; `read(segment, offset, nbytes)` gives an output's bytes (only
+    BYTES outputs are read). Returns, per request, `(name, datatype, client
+    shape, segment, offset, nbytes)` for each output it asked for, in its
+    order: a byte sub-range of the batch output, no copy. Raises
+    TorchpoolError when the model's outputs cannot be split.
+    """
+    requests = batch.requests
+    model = cfg.name
+    batching = cfg.max_batch_size > 0
+    scatter = scatter_sources(cfg)
+    single = len(requests) == 1
+    parts: dict[str, list[tuple]] = {}
+    for name, datatype, shape, segment, offset, nbytes in descriptors:
+        spec = cfg.output(name)
+        if name in scatter:
+            if datatype == "BYTES":
+                raise TorchpoolError(errors.UNSUPPORTED, f"output '{name}' of model '{model}': "
+                                                         f"{SCATTER} does not support BYTES")
+            size = datatypes.element_size(datatype)
+            pos, pieces = offset, []
+            for r in requests:
+                src = list(r.shapes[scatter[name]])
+                n = math.prod(src) * size
+                pieces.append((datatype, src, segment, pos, n))
+                pos += n
+            if pos - offset > nbytes:
+                raise TorchpoolError(errors.INTERNAL,
+                                     f"output '{name}' of model '{model}' has {nbytes} bytes, but "
+                                     f"scattering it with the shapes of input '{scatter[name]}' needs "
+                                     f"{pos - offset}")
+        elif single:
+            pieces = [(datatype, output_shape(spec, shape, batching), segment, offset, nbytes)]
+        elif datatype == "BYTES":
+            count = shape[0] if shape else 0
+            if batch.rows == 0 or count % batch.rows:
+                raise TorchpoolError(errors.INTERNAL,
+                                     f"output '{name}' of model '{model}' has {count} strings for a "
+                                     f"batch of {batch.rows}: it cannot be split per request")
+            per_row = count // batch.rows
+            counts = [r.rows * per_row for r in requests]
+            bounds = _bytes_boundaries(read(segment, offset, nbytes), counts, name, model)
+            pieces = [(datatype, output_shape(spec, [c], batching), segment, offset + bounds[i],
+                       bounds[i + 1] - bounds[i]) for i, c in enumerate(counts)]
+        else:
+            if not shape or shape[0] != batch.rows:
+                got = shape[0] if shape else "no"
+                raise TorchpoolError(errors.INTERNAL,
+                                     f"output '{name}' of model '{model}' has {got} rows for a batch "
+                                     f"of {batch.rows} rows from {len(requests)} requests: a batched "
+                                     f"output must keep the batch dimension first")
+            row = nbytes // batch.rows if batch.rows else 0
+            pieces, start = [], offset
+            for r in requests:
+                n = r.rows * row
+                pieces.append((datatype, output_shape(spec, [r.rows] + list(shape[1:]), batching),
+                               segment, start, n))
+                start += n
+        parts[name] = pieces
+    out = []
+    for i, r in enumerate(requests):
+        mine = []
+        for o in r.outputs:
+            name = o if isinstance(o, str) else o[0]
+            if name in parts:
+                datatype, shape, segment, offset, nbytes = parts[name][i]
+                mine.append((name, datatype, shape, segment, offset, nbytes))
+        out.append(mine)
+    return out

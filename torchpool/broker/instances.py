@@ -1,0 +1,258 @@
+"""Worker lifecycle: every model instance from spawn to exit.
+
+    start_version ─► spawn (supervisor) ─► STARTING ──READY──► IDLE ◄──┐
+                           │ load timeout: killed   │ run(batch)       │ DONE / FAILED
+                           ▼                        ▼                  │
+                    version UNAVAILABLE           BUSY ────────────────┘
+                                                    │ crash, or the execution timeout
+                                                    ▼ (the worker is killed)
+                      its batch fails; respawned after a capped backoff, or
+                      the version is given up on after a crash loop
+
+The process mechanics (fork from the torch template, reap, stop) are the
+supervisor's; this module decides what a worker's messages and deaths mean
+for its version, its batch and the loop. It tells the server through
+`InstanceEvents`: an instance became idle (dispatch), a version settled
+(READY or failed), retiring versions may have drained.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+from ..protocol import errors, internal
+from ..protocol.errors import TorchpoolError
+from ..shm.segment import unlink_segment
+from .answers import Answers, Executed
+from .batch import Batch
+from .loop import Loop
+from .options import ServerOptions
+from .registry import LOADING, READY, UNAVAILABLE, UNLOADING, ModelVersion
+from .supervisor import BUSY, DEAD, IDLE, STARTING, Supervisor, WorkerHandle
+
+if TYPE_CHECKING:
+    from .sessions import SessionManager
+
+log = logging.getLogger("torchpool.broker")
+
+
+@dataclass
+class InstanceEvents:
+    """What the server does when instances change."""
+
+    idle: Callable[[ModelVersion], None]          # an instance is free: dispatch
+    settled: Callable[[ModelVersion], None]       # a version is READY or UNAVAILABLE
+    drained: Callable[[], None]                   # retiring versions may be done
+    stopping: Callable[[], bool]                  # the daemon is shutting down
+
+
+class Instances:
+    def __init__(self, loop: Loop, supervisor: Supervisor, answers: Answers, sessions: "SessionManager",
+                 options: ServerOptions, events: InstanceEvents) -> None:
+        self.loop = loop
+        self.supervisor = supervisor
+        self.answers = answers
+        self.sessions = sessions
+        self.options = options
+        self.events = events
+        self._batch_ids = iter(range(1, 1 << 62))
+
+    # ------------------------------------------------------------- start
+
+    def start_version(self, mv: ModelVersion) -> None:
+        for handle in self.supervisor.spawn_instances(mv):
+            self._watch(handle)
+
+    def _watch(self, h: WorkerHandle) -> None:
+        self.loop.watch(h.sock.fileno(), lambda: self._on_message(h))
+        self.loop.watch(h.sentinel, lambda: self._on_exit(h))
+        limit = self.options.load_timeout
+        if limit > 0:
+            self.loop.call_later(limit, lambda: self._kill_if_still_loading(h, limit))
+
+    def _kill_if_still_loading(self, h: WorkerHandle, limit: float) -> None:
+        if h.state == STARTING and h.process.exitcode is None:
+            log.error("%s did not finish loading within %g s; killing it", h.label, limit)
+            h.load_timed_out = limit
+            h.process.kill()           # the sentinel fails its version
+
+    def version_gone(self, mv: ModelVersion) -> None:
+        """A retired version's workers are all gone: drop what it shared."""
+        unlink_segment(self.supervisor.weights_segment(mv))
+        self.answers.flush_held(mv)
+        log.info("%s unloaded", mv.label)
+
+    # ------------------------------------------------------------- run
+
+    def run(self, mv: ModelVersion, worker: WorkerHandle, batch: Batch) -> None:
+        """Send `batch` to `worker`, one of the version's idle instances."""
+        mv.idle.remove(worker)
+        worker.state = BUSY
+        worker.batch = batch
+        worker.batch_id = next(self._batch_ids)
+        now = time.monotonic()
+        for req in batch.requests:
+            mv.stats.queue.add(int((now - req.received) * 1e9))
+        limit = self._execution_timeout(mv)
+        if limit:
+            self.loop.call_later(limit, lambda w=worker, b=worker.batch_id: self._kill_if_hung(w, b, limit))
+        self.answers.dispatched(mv, batch)
+        self.answers.collect_finished_sends()
+        releases, worker.releases = worker.releases, []
+        try:
+            worker.send(internal.RUN, worker.batch_id, batch.inputs, batch.outputs, releases)
+        except OSError:
+            pass  # the worker is dying; its sentinel will answer this batch
+
+    def _execution_timeout(self, mv: ModelVersion) -> float:
+        """Seconds a batch may run: the model's TORCHPOOL_EXECUTION_TIMEOUT_S, else the daemon's."""
+        value = mv.config.parameters.get("TORCHPOOL_EXECUTION_TIMEOUT_S")
+        try:
+            return float(value) if value is not None else self.options.execution_timeout
+        except ValueError:
+            return self.options.execution_timeout
+
+    def _kill_if_hung(self, worker: WorkerHandle, batch_id: int, limit: float) -> None:
+        if worker.state == BUSY and worker.batch_id == batch_id and worker.batch is not None:
+            log.error("%s exceeded the execution timeout of %g s; killing it", worker.label, limit)
+            worker.timed_out = limit
+            worker.process.kill()      # the sentinel answers its requests and respawns it
+
+    # ------------------------------------------------------------- messages
+
+    def _on_message(self, h: WorkerHandle) -> None:
+        msg = h.recv()
+        if msg is None:          # EOF: the sentinel tells how it died
+            self.loop.unwatch(h.sock.fileno())
+            return
+        kind = msg[0]
+        mv = h.mv
+        if kind == internal.READY:
+            self._on_ready(h, mv, msg)
+        elif kind == internal.LOAD_FAILED:
+            self.version_failed(mv, msg[2])
+        elif kind in (internal.DONE, internal.FAILED):
+            self._on_finished(h, mv, msg)
+
+    def _on_ready(self, h: WorkerHandle, mv: ModelVersion, msg: list) -> None:
+        h.state = IDLE
+        mv.idle.append(h)
+        log.debug("%s ready (pid %s, %s)", h.label, msg[1], msg[2])
+        for later in self.supervisor.spawn_deferred(mv):
+            self._watch(later)
+        if mv.state == LOADING and not mv.deferred and all(w.state != STARTING for w in mv.workers):
+            mv.state = READY
+            log.info("%s READY (%d instance%s)", mv.label, len(mv.workers), "" if len(mv.workers) == 1 else "s")
+            self.events.settled(mv)
+        self.events.idle(mv)
+
+    def _on_finished(self, h: WorkerHandle, mv: ModelVersion, msg: list) -> None:
+        batch, h.batch = h.batch, None
+        batch_id = h.batch_id
+        h.state = IDLE
+        mv.idle.append(h)
+        if batch is not None:
+            self.answers.free_batch(batch)
+        if batch is not None:
+            outcome: Optional[Executed | TorchpoolError]
+            if msg[1] != batch_id:
+                outcome = TorchpoolError(errors.INTERNAL, f"{h.label} answered batch {msg[1]} while "
+                                                          f"running batch {batch_id}")
+            elif msg[0] == internal.DONE:
+                mv.stats.record_execution(batch.items, len(batch.requests), *msg[3][:3])
+                mv.consecutive_crashes = 0
+                outcome = Executed(msg[2], h, frozenset(msg[4]) if len(msg) > 4 else frozenset())
+            else:
+                outcome = TorchpoolError(msg[2], msg[3])
+            # the scheduler sees the outputs (a sequence's state) before they go back
+            mv.scheduler.finished(batch, outcome.outputs if isinstance(outcome, Executed) else None,
+                                  self.answers.read_output)
+        # the next batch (already written while this one ran) goes first
+        self.events.idle(mv)
+        if batch is not None:
+            self.answers.complete(mv, batch, outcome)
+        if mv.state == UNLOADING:
+            self.events.drained()
+
+    # ------------------------------------------------------------- failures
+
+    def fail_queued(self, mv: ModelVersion, err: TorchpoolError) -> None:
+        """Answer every request of `mv` that has not started."""
+        for req in mv.scheduler.drain():
+            self.answers.fail(req, err)
+
+    def version_failed(self, mv: ModelVersion, reason: str) -> None:
+        first = mv.state != UNAVAILABLE
+        mv.fail(reason)
+        if first:
+            log.error("%s is UNAVAILABLE: %s", mv.label, reason)
+        self.fail_queued(mv, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} is not available: {reason}"))
+        for w in list(mv.workers):
+            if w.process.exitcode is None:
+                w.process.kill()      # the sentinel fires and reaps it
+        self.events.settled(mv)
+
+    def _on_exit(self, h: WorkerHandle) -> None:
+        self.loop.unwatch(h.sentinel)
+        self.loop.unwatch(h.sock.fileno())
+        was = h.state
+        how = self.supervisor.reap(h)
+        self.sessions.worker_gone(h)
+        self.answers.worker_gone(h)
+        mv = h.mv
+        for req, err in mv.scheduler.instance_gone(h):
+            self.answers.fail(req, err)
+        if h.batch is not None:
+            batch, h.batch = h.batch, None
+            self.answers.free_batch(batch)
+            if h.timed_out:
+                why = (f"{h.label} exceeded the execution timeout of {h.timed_out:g} s and was killed; "
+                       f"it is being restarted")
+            else:
+                why = f"{h.label} {how} while running this request"
+            err = TorchpoolError(errors.INTERNAL, why)
+            mv.scheduler.finished(batch, None, self.answers.read_output)
+            self.answers.complete(mv, batch, err)
+        if mv.state == UNLOADING:
+            if not any(w.state != DEAD for w in mv.workers):
+                self.fail_queued(mv, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} was unloaded"))
+            self.events.drained()
+            return
+        if self.events.stopping() or mv.state == UNAVAILABLE:
+            return
+        if was == STARTING:
+            if h.load_timed_out:
+                self.version_failed(mv, f"instance '{h.spec.instance}' did not finish loading within "
+                                        f"{h.load_timed_out:g} s (--load-timeout) and was killed")
+            else:
+                self.version_failed(mv, f"instance '{h.spec.instance}' {how} while loading")
+            return
+        log.error("%s %s; restarting it", h.label, how)
+        mv.stats.worker_restarts += 1
+        # A crash loop is crashes with no successful execution in between: a
+        # model that serves between crashes (a bad input now and then, an OOM
+        # kill) is restarted for ever, with backoff; one that never gets a
+        # batch through is given up on.
+        mv.consecutive_crashes += 1
+        if mv.consecutive_crashes > self.options.max_restarts:
+            self.version_failed(mv, f"instance '{h.spec.instance}' crashed {mv.consecutive_crashes} "
+                                    f"times without a successful execution in between (last: {how})")
+            return
+        delay = min(0.1 * 2 ** (mv.consecutive_crashes - 1), 10.0)
+        self.loop.call_later(delay, lambda: self._respawn(mv, h.spec.instance, h.spec.device))
+
+    def _respawn(self, mv: ModelVersion, instance: str, device: str) -> None:
+        if self.events.stopping() or mv.state in (UNAVAILABLE, UNLOADING):
+            return
+        self._watch(self.supervisor.spawn(mv, instance, device))
+
+    # ------------------------------------------------------------- stop
+
+    def stop(self) -> None:
+        """Shutdown: fail what is still running, then stop every worker."""
+        self.supervisor.stop_all(self.options.stop_timeout)
+
+    def running(self, mv: ModelVersion) -> int:
+        return sum(1 for h in mv.workers if h.batch is not None)

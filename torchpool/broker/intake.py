@@ -1,0 +1,194 @@
+"""Client requests: routed, answered or accepted.
+
+A frontend message is one of: a control call (answered at once from the
+registry, the sessions or model control; load and unload are answered when
+they finish), or an inference, which is validated against its model's
+config (requests.py), admitted and queued by its version's scheduler, and
+dispatched. A burst of messages read together is dispatched once, so that
+batching schedulers see all of it. Nothing a client sends may take the
+daemon down: anything unexpected is answered as a malformed request.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any, Callable, Optional
+
+import zmq
+
+from ..protocol import errors, messages
+from ..protocol.errors import TorchpoolError
+from .answers import Answers
+from .frontend import Frontend
+from .model_control import ModelControl
+from .registry import ModelVersion, Registry
+from .requests import InferRequest, batch_layout, validate_infer
+from .sessions import SessionManager
+
+log = logging.getLogger("torchpool.broker")
+
+
+class Intake:
+    def __init__(self, frontend: Frontend, registry: Registry, sessions: SessionManager,
+                 control: ModelControl, answers: Answers, transfer: Counter,
+                 dispatch: Callable[[ModelVersion], None], stopping: Callable[[], bool]) -> None:
+        self.frontend = frontend
+        self.registry = registry
+        self.sessions = sessions
+        self.control = control
+        self.answers = answers
+        self.transfer = transfer
+        self.dispatch = dispatch
+        self.stopping = stopping
+        self._burst: Optional[set] = None    # versions with requests accepted in this burst
+
+    def on_readable(self, sock: zmq.Socket) -> None:
+        # Drain what is there now, but give the workers' answers a turn too.
+        # Batching schedulers see the whole burst before a batch goes out:
+        # what is already waiting is batched together.
+        self._burst = set()
+        try:
+            for _ in range(64):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._handle_request(sock, frames)
+        finally:
+            burst, self._burst = self._burst, None
+            for mv in burst:
+                self.dispatch(mv)
+
+    def _handle_request(self, sock: zmq.Socket, frames: list) -> None:
+        identity = frames[0].bytes
+        request_id = None
+        if len(frames) == 2 and len(frames[1]) == 0 and self.frontend.notifies_disconnect:
+            # ROUTER_NOTIFY: the peer disconnected (closed, crashed, killed)
+            self.sessions.disconnected(identity)
+            return
+        try:
+            if len(frames) < 2:
+                raise TorchpoolError(errors.INVALID_ARG, "empty request: expected a header frame")
+            header = messages.decode_header(frames[1].buffer)
+            request_id = header.get("id")
+            op = header.get("op")
+            session = self._session_of(header, identity)
+            if op == messages.OP_INFER:
+                self._accept_infer(sock, identity, request_id, header, [f.buffer for f in frames[2:]],
+                                   session)
+                return
+            if not isinstance(op, str) or op not in messages.CONTROL_OPS:
+                raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
+            if op in (messages.OP_LOAD, messages.OP_UNLOAD):
+                self.control.check_explicit(op)
+                waiter = self._deferred_reply(sock, identity, request_id)
+                if op == messages.OP_LOAD:
+                    self.control.load(header.get("model"), header.get("config"), waiter)
+                else:
+                    self.control.unload(header.get("model"), waiter)
+                return
+            if op in messages.SESSION_OPS:
+                result = self._session_control(op, header, session, identity)
+            else:
+                result = self._control(op, header)
+        except TorchpoolError as exc:
+            self.frontend.send(sock, identity, messages.error_response(request_id, exc))
+            return
+        except Exception as exc:  # a malformed request must never take the daemon down
+            log.exception("request %r could not be handled", request_id)
+            self.frontend.send(sock, identity, messages.error_response(
+                request_id, TorchpoolError(errors.INVALID_ARG, f"malformed request: {exc!r}")))
+            return
+        self.frontend.send(sock, identity, messages.ok_response(request_id, result=result))
+
+    def _session_of(self, header: dict, identity: bytes) -> Any:
+        """The request's client session (lease renewed), after it hands back
+        the output blocks it has finished reading."""
+        session = self.sessions.get(header.get("session"), identity)
+        if session is not None and header.get("release"):
+            self.sessions.release(session, header["release"])
+        return session
+
+    def _session_control(self, op: str, header: dict, session: Any, identity: bytes) -> Any:
+        sessions = self.sessions
+        if op == messages.OP_HELLO:
+            return sessions.hello(header, identity)
+        if session is None:
+            raise TorchpoolError(errors.INVALID_ARG, f"'{op}' needs a session: say hello first")
+        if op == messages.OP_GOODBYE:
+            sessions.close(session)
+            return True
+        if op == messages.OP_ARENA_GROW:
+            return sessions.grow(session, header)
+        if op == messages.OP_REGISTER:
+            return sessions.register(session, header)
+        if op == messages.OP_UNREGISTER:
+            return sessions.unregister(session, header.get("name"))
+        return sessions.status(session, header.get("name"))
+
+    def _control(self, op: str, header: dict) -> Any:
+        reg = self.registry
+        name, version = header.get("model"), header.get("version")
+        if op == messages.OP_SERVER_LIVE:
+            return not self.stopping()
+        if op == messages.OP_SERVER_READY:
+            return not self.stopping() and reg.server_ready()
+        if op == messages.OP_MODEL_READY:
+            return not self.stopping() and reg.model_ready(name, version)
+        if op == messages.OP_MODEL_METADATA:
+            return reg.metadata(name, version)
+        if op == messages.OP_MODEL_CONFIG:
+            return reg.config(name, version)
+        if op == messages.OP_REPOSITORY_INDEX:
+            return reg.repository_index()
+        if op == messages.OP_STATISTICS:
+            return reg.statistics(name, version)
+        if op == messages.OP_SERVER_METADATA:
+            from .. import __version__
+            return {"name": "torchpool", "version": __version__,
+                    "extensions": ["system_shared_memory", "local_shared_memory"],
+                    "transfer": dict(self.transfer)}
+        raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
+
+    def _deferred_reply(self, sock: zmq.Socket, identity: bytes, request_id: Any) -> Callable:
+        """Answer a request later (load / unload finish after the call returns)."""
+        def reply(err: Optional[TorchpoolError]) -> None:
+            header = messages.error_response(request_id, err) if err else \
+                messages.ok_response(request_id, result=True)
+            self.frontend.send(sock, identity, header)
+        return reply
+
+    def _accept_infer(self, sock: zmq.Socket, identity: bytes, request_id: Any, header: dict,
+                      frames: list, session: Any) -> None:
+        if self.stopping():
+            raise TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
+        mv = self.registry.resolve(header.get("model"), header.get("version"))
+        scheduler = mv.scheduler
+        staged, outputs, batch_size, regions, region_outputs = validate_infer(
+            header, frames, mv, session, self.sessions)
+        timeout_us = header.get("timeout_us") or 0
+        if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or timeout_us < 0:
+            timeout_us = 0
+        req = InferRequest(sock, identity, request_id, mv, [], outputs, [], None,
+                           batch_size=batch_size, session=session, regions=regions,
+                           region_outputs=region_outputs, timeout_us=timeout_us,
+                           output_shm=bool(header.get("output_shm")) and session is not None and session.local)
+        if scheduler.hidden_outputs:
+            hidden = [name for name in scheduler.hidden_outputs if name not in req.outputs]
+            req.outputs = req.outputs + hidden      # the worker returns them; the client never sees them
+            req.hidden_outputs = frozenset(hidden)
+        batch_layout(req, staged, mv.config)
+        req.staged = staged
+        scheduler.admit(req, header)
+        self.answers.collect_finished_sends()   # input blocks answers were sent from come back
+        scheduler.push(req, time.monotonic())
+        # held until the request is answered: regions cannot go, the session cannot expire
+        for region in regions:
+            region.in_use += 1
+        if session is not None:
+            session.in_flight += 1
+        if self._burst is not None:
+            self._burst.add(mv)              # dispatched once the burst is read
+        else:
+            self.dispatch(mv)

@@ -1,0 +1,60 @@
+"""The broker's one event loop: file descriptors, ZeroMQ sockets and timers.
+
+Everything in the broker runs on this loop's thread: handlers registered for
+fds (worker sockets, process sentinels, the signal wake-up pipe), for
+ZeroMQ sockets (the frontend), and timers. Nothing blocks in a handler.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import zmq
+
+
+@dataclass(order=True)
+class _Timer:
+    when: float
+    seq: int
+    action: Callable[[], None] = field(compare=False)
+
+
+class Loop:
+    def __init__(self) -> None:
+        self.poller = zmq.Poller()
+        self._handlers: dict[Any, Callable[[], None]] = {}
+        self._timers: list[_Timer] = []
+        self._seq = itertools.count()
+
+    def watch(self, fd_or_socket: Any, handler: Callable[[], None]) -> None:
+        """Call `handler` whenever `fd_or_socket` is readable."""
+        self._handlers[fd_or_socket] = handler
+        self.poller.register(fd_or_socket, zmq.POLLIN)
+
+    def unwatch(self, fd_or_socket: Any) -> None:
+        if self._handlers.pop(fd_or_socket, None) is not None:
+            self.poller.unregister(fd_or_socket)
+
+    def call_later(self, delay: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._timers, _Timer(time.monotonic() + delay, next(self._seq), action))
+
+    def next_timer(self) -> Optional[float]:
+        return self._timers[0].when if self._timers else None
+
+    def run_timers(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0].when <= now:
+            heapq.heappop(self._timers).action()
+
+    def poll(self, timeout_ms: Optional[int]) -> bool:
+        """Wait up to `timeout_ms` (None: for ever, 0: not at all) and run
+        the handlers of what is readable. True when anything was."""
+        events = self.poller.poll(timeout_ms)
+        for obj, _event in events:
+            handler = self._handlers.get(obj)
+            if handler is not None:
+                handler()
+        return bool(events)

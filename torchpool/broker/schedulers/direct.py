@@ -1,0 +1,102 @@
+"""No batching: each request runs on its own, in arrival order.
+
+A request is staged as it is accepted: inline inputs copied once into the
+broker's arena, inputs already in shared memory passed by descriptor, its
+`batch_input` tensors computed. The first idle instance takes the oldest
+request. A request with a timeout that has not started by then is answered
+"Request timeout expired".
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import Counter, deque
+from typing import Any, Optional
+
+from ...config import ModelConfig
+from ...protocol import errors
+from ...protocol.errors import TorchpoolError
+from ...shm.arena import Arena, ArenaFull
+from ..batch import Batch, stage_batch_inputs
+from ..requests import InferRequest, stage_inputs
+from .base import Refusals, Scheduler
+
+TIMEOUT = "Request timeout expired"
+
+
+class DirectScheduler(Scheduler):
+    def __init__(self, config: ModelConfig, arena: Arena, transfer: Counter) -> None:
+        self.config = config
+        self.arena = arena
+        self.transfer = transfer
+        self.queue: deque[InferRequest] = deque()
+        self._deadlines: list[tuple[float, int, InferRequest]] = []
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def admit(self, req: InferRequest, header: dict) -> None:
+        pass
+
+    def push(self, req: InferRequest, now: float) -> None:
+        self._stage(req)
+        if req.timeout_us > 0:
+            req.deadline = now + req.timeout_us / 1e6
+            heapq.heappush(self._deadlines, (req.deadline, next(self._order), req))
+        req.queued = True
+        self.queue.append(req)
+
+    def _stage(self, req: InferRequest) -> None:
+        cfg = self.config
+        req.inputs, req.blocks = stage_inputs(req.staged, self.arena, cfg.name)
+        for _spec, _shape, _model_shape, payload, location in req.staged:
+            self.transfer["input_bytes_in_place" if location else "input_bytes_copied"] += len(payload)
+        if cfg.batch_inputs:
+            try:
+                extra, blocks = stage_batch_inputs(cfg, [req], self.arena)
+            except ArenaFull as exc:
+                for block in req.blocks:
+                    self.arena.free(block)
+                req.blocks = []
+                raise TorchpoolError(errors.UNAVAILABLE, f"model '{cfg.name}': {exc}; retry later or "
+                                                         f"raise --shm-limit") from None
+            req.inputs = req.inputs + extra
+            req.blocks = req.blocks + blocks
+        req.staged = []
+
+    def take(self, instance: Any, now: float) -> Optional[Batch]:
+        while self.queue:
+            req = self.queue.popleft()
+            req.queued = False
+            if req.deadline is not None and now > req.deadline:
+                return Batch([req], req.batch_size, req.rows, [], [], error=TorchpoolError(
+                    errors.UNAVAILABLE, TIMEOUT))
+            return Batch.single(req)
+        return None
+
+    def next_deadline(self) -> Optional[float]:
+        heap = self._deadlines
+        while heap and not heap[0][2].queued:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def expire(self, now: float) -> Refusals:
+        heap, late = self._deadlines, []
+        while heap and heap[0][0] <= now:
+            _, _, req = heapq.heappop(heap)
+            if req.queued:
+                req.queued = False
+                late.append(req)
+        if late:
+            gone = set(map(id, late))
+            self.queue = deque(r for r in self.queue if id(r) not in gone)
+        return [(req, TorchpoolError(errors.UNAVAILABLE, TIMEOUT)) for req in late]
+
+    def drain(self) -> list[InferRequest]:
+        out = list(self.queue)
+        for req in out:
+            req.queued = False
+        self.queue.clear()
+        self._deadlines.clear()
+        return out
