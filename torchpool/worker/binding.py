@@ -633,9 +633,11 @@ def _check_input_tensors(config: ModelConfig) -> None:
     for spec in config.inputs:
         _wire_datatype(config.name, spec.data_type, "input", spec.name)
         _check_string_rank(config, spec.name, spec.data_type, _model_dims(spec), "input")
+    # A TYPE_STRING state travels as one flat List[str] of the batch's
+    # elements whatever its dims (Triton never checks an input state's rank),
+    # so Triton's QA string-state repositories load, batched or not.
     for state in config.sequence_states():
         _wire_datatype(config.name, state.data_type, "input state", state.input_name)
-        _check_string_rank(config, state.input_name, state.data_type, state.dims, "input")
 
 
 def _output_bindings(
@@ -655,7 +657,6 @@ def _output_bindings(
         datatype[state.output_name] = _wire_datatype(
             config.name, state.data_type, "state", state.output_name
         )
-        _check_string_rank(config, state.output_name, state.data_type, state.dims, "output")
         index[state.output_name] = _require_named_index(state.output_name, "state")
     return index, datatype
 
