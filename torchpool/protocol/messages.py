@@ -9,27 +9,24 @@ The header is a msgpack map:
      "outputs": ["OUTPUT0"] | None, "timeout_us": 0}
 
 Small tensors travel inline in the header (one frame is cheapest); large ones
-as separate frames, so nobody copies them into the msgpack buffer. A response
+as separate frames, so nobody copies them into the msgpack buffer: the tensor
+entry and that rule belong to protocol/tensors.py. A response
 has the same shape: {"v": 1, "id": 7, "ok": True, "outputs": [...]} or
 {"v": 1, "id": 7, "ok": False, "error": {"code": ..., "message": ...}}; control
 calls answer {"ok": True, "result": ...}. See docs/protocol.md.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import msgpack
 
 from .errors import INVALID_ARG, TorchpoolError
+# The tensor entry's rules live in tensors.py; these names stay importable here
+# for the broker until its answer path calls tensors.py directly.
+from .tensors import INLINE_LIMIT, LOCAL_MIN_BYTES, tensor_payload  # noqa: F401
 
 PROTOCOL_VERSION = 1
-
-# Tensors up to this size ride inside the header frame.
-INLINE_LIMIT = 64 * 1024
-
-# Below this size a local client's tensors travel inline anyway: a descriptor
-# and its bookkeeping cost more than copying a few kilobytes.
-LOCAL_MIN_BYTES = 16 * 1024
 
 OP_INFER = "infer"
 OP_SERVER_LIVE = "server_live"
@@ -89,15 +86,3 @@ def ok_response(request_id: Any, **fields: Any) -> dict:
 def error_response(request_id: Any, err: TorchpoolError) -> dict:
     return {"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": err.to_wire()}
 
-
-def tensor_payload(entry: dict, frames: Sequence[Any]) -> Any:
-    """The bytes of a tensor entry: inline bytes, or the payload frame it names."""
-    data = entry.get("data")
-    if isinstance(data, int) and not isinstance(data, bool):
-        if not 1 <= data < len(frames) + 1:
-            raise TorchpoolError(INVALID_ARG, f"tensor '{entry.get('name')}' refers to payload "
-                                              f"frame {data}, but the message has {len(frames)}")
-        return frames[data - 1]
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return data
-    raise TorchpoolError(INVALID_ARG, f"tensor '{entry.get('name')}' has no data")

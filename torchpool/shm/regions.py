@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 
 import posix_ipc
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
+from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_HEADER_LAYOUT, BLOCK_MAGIC  # noqa: F401
 
-HEADER_BYTES = 64
-BLOCK_MAGIC = 0x31425054                        # "TPB1"
-BLOCK_HEADER = struct.Struct("<IIQQ")           # magic, reserved, generation, nbytes
+# The client block header is a wire fact: protocol/tensors.py owns it. These
+# names stay for the worker and the broker's sessions, which read headers.
+HEADER_BYTES = BLOCK_HEADER_BYTES               # bytes in front of a block's data
+BLOCK_HEADER = BLOCK_HEADER_LAYOUT              # the struct: magic, reserved, generation, nbytes
 
 
 class RegionError(TorchpoolError):
