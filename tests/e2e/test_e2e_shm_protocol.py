@@ -222,10 +222,10 @@ def test_a_segment_of_another_session_is_refused(shm_daemon: Daemon, session: Se
         other.close()
 
 
-def test_unknown_session_is_not_found(shm_daemon: Daemon) -> None:
+def test_unknown_session_is_session_lost(shm_daemon: Daemon) -> None:
     with RawConnection(shm_daemon.url) as rc:
         h = rc.call(rc.pack({"v": 1, "op": "server_live", "id": 1, "session": "0" * 32}))[0]
-    assert h["error"]["code"] == "NOT_FOUND" and "hello again" in h["error"]["message"]
+    assert h["error"]["code"] == "SESSION_LOST" and "hello again" in h["error"]["message"]
 
 
 # --- registered regions ---------------------------------------------------------------

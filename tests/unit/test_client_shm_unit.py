@@ -1,4 +1,4 @@
-"""Client shared memory without a daemon: block headers, the client arena,
+"""The client package without a daemon: block headers, the client arena,
 release-by-finalizer of lent outputs, zero-copy detection of `empty()` arrays,
 and the flows driven by a scripted fake daemon."""
 from __future__ import annotations
@@ -11,11 +11,13 @@ import uuid
 import numpy as np
 import pytest
 
-from torchpool import client_shm as cs
-from torchpool.client import Client
-from torchpool.protocol import errors, messages
+from torchpool.client import Client, OutputRef, RegionOutput, SharedMemoryRef
+from torchpool.client import arena as ca
+from torchpool.client import flows
+from torchpool.protocol import errors, messages, tensors
 from torchpool.protocol.errors import InferenceError
 from torchpool.shm import Segment
+from torchpool.shm.naming import boot_id
 
 KiB = 1024
 
@@ -24,7 +26,7 @@ KiB = 1024
 def arena_for_small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests drive the arena path with small tensors; by default tensors
     of at most LOCAL_MIN_BYTES travel inline (test_small_inputs_stay_inline)."""
-    monkeypatch.setattr(messages, "LOCAL_MIN_BYTES", 0)
+    monkeypatch.setattr(tensors, "LOCAL_MIN_BYTES", 0)
 
 
 @pytest.fixture
@@ -44,7 +46,7 @@ def daemon_segments(prefix):
 
 @pytest.fixture
 def arena(daemon_segments):
-    a = cs.ClientArena()
+    a = ca.ClientArena()
     a.map_segment(daemon_segments(64 * KiB))
     yield a
     a.close()
@@ -53,20 +55,20 @@ def arena(daemon_segments):
 # ------------------------------------------------------------------ headers
 
 def test_block_header_layout() -> None:
-    assert cs.BLOCK_HEADER == 64 and cs.HEADER.size == 24
+    assert tensors.BLOCK_HEADER_BYTES == 64 and tensors.BLOCK_HEADER_LAYOUT.size == 24
     buf = bytearray(128)
-    cs.write_header(buf, 0, generation=0x0102030405060708, nbytes=4096)
+    tensors.write_block_header(buf, 0, generation=0x0102030405060708, nbytes=4096)
     assert bytes(buf[:4]) == b"TPB1"                           # magic 0x31425054, little-endian
     assert struct.unpack_from("<IIQQ", buf, 0) == (0x31425054, 0, 0x0102030405060708, 4096)
-    assert cs.read_header(buf, 0) == (cs.BLOCK_MAGIC, 0x0102030405060708, 4096)
-    assert cs.block_size(0) == 64 and cs.block_size(1) == 128 and cs.block_size(64) == 128
+    assert tensors.read_block_header(buf, 0) == (tensors.BLOCK_MAGIC, 0x0102030405060708, 4096)
+    assert ca.block_size(0) == 64 and ca.block_size(1) == 128 and ca.block_size(64) == 128
 
 
 def test_header_matches_the_daemon_definition() -> None:
     regions = pytest.importorskip("torchpool.shm.regions")
-    assert regions.HEADER_BYTES == cs.BLOCK_HEADER
-    assert regions.BLOCK_MAGIC == cs.BLOCK_MAGIC
-    assert regions.BLOCK_HEADER.format == cs.HEADER.format
+    assert regions.HEADER_BYTES == tensors.BLOCK_HEADER_BYTES
+    assert regions.BLOCK_MAGIC == tensors.BLOCK_MAGIC
+    assert regions.BLOCK_HEADER.format == tensors.BLOCK_HEADER_LAYOUT.format
 
 
 # ------------------------------------------------------------------ arena
@@ -79,12 +81,12 @@ def test_arena_allocates_aligned_blocks_and_frees_them(arena) -> None:
     assert a.capacity >= 100 and b.start >= a.start + a.size       # no overlap
     assert a.address % 64 == 0
     desc = arena.hand_out(a, 100)
-    assert desc[:3] == [seg.name, a.data_offset, 100]
-    assert cs.read_header(seg.buf, a.start) == (cs.BLOCK_MAGIC, desc[3], 100)
+    assert (desc.segment, desc.offset, desc.nbytes) == (seg.name, a.data_offset, 100)
+    assert tensors.read_block_header(seg.buf, a.start) == (tensors.BLOCK_MAGIC, desc[3], 100)
     desc2 = arena.hand_out(a, 80)
     assert desc2[3] != desc[3]                                     # a fresh generation each time
     arena.free(a)
-    assert cs.read_header(seg.buf, a.start)[0] == 0                # a stale descriptor cannot match
+    assert tensors.read_block_header(seg.buf, a.start)[0] == 0                # a stale descriptor cannot match
     arena.free(b)
     assert arena.free_bytes == arena.mapped_bytes
 
@@ -107,7 +109,7 @@ def test_arena_data_is_shared_with_the_daemon_mapping(arena) -> None:
         arena.data(block, 16)[:] = b"0123456789abcdef"
         desc = arena.hand_out(block, 16)
         magic, _, gen, n = struct.unpack_from("<IIQQ", daemon_view.buf, desc[1] - 64)
-        assert (magic, gen, n) == (cs.BLOCK_MAGIC, desc[3], 16)
+        assert (magic, gen, n) == (tensors.BLOCK_MAGIC, desc[3], 16)
         assert bytes(daemon_view.buf[desc[1]:desc[1] + 16]) == b"0123456789abcdef"
     finally:
         daemon_view.close()
@@ -146,7 +148,7 @@ def test_zero_copy_detection(arena) -> None:
 
 
 def test_encode_sends_empty_buffers_without_a_copy(arena) -> None:
-    st = cs.ClientState("ipc:///nowhere", local=False)
+    st = flows.ClientState("ipc:///nowhere", local=False)
     st.session, st.local, st.arena = "s1", True, arena
     buf = arena.empty((2, 16), np.float32)
     buf[:] = 3.0
@@ -155,7 +157,7 @@ def test_encode_sends_empty_buffers_without_a_copy(arena) -> None:
     a, b, c, s = enc.entries
     seg = arena.segments[a["shm"][0]]
     assert a["shm"][1] == arena.lookup(buf).data_offset and a["shm"][2] == buf.nbytes
-    assert cs.read_header(seg.buf, a["shm"][1] - 64) == (cs.BLOCK_MAGIC, a["shm"][3], buf.nbytes)
+    assert tensors.read_block_header(seg.buf, a["shm"][1] - 64) == (tensors.BLOCK_MAGIC, a["shm"][3], buf.nbytes)
     assert "shm" in b and "shm" in c and "shm" in s and "data" not in b
     assert enc.stats == [plain.nbytes + buf[1:].nbytes + 4 + 2 + 4 + 1, buf.nbytes, 0]
     got = np.frombuffer(seg.buf, np.float32, count=32, offset=b["shm"][1])
@@ -171,7 +173,7 @@ def test_encode_sends_empty_buffers_without_a_copy(arena) -> None:
 
 
 def test_encode_copies_odd_arrays_once_in_native_order(arena) -> None:
-    st = cs.ClientState("ipc:///nowhere", local=False)
+    st = flows.ClientState("ipc:///nowhere", local=False)
     x = np.arange(32, dtype=">i4").reshape(4, 8)[:, ::2]      # big-endian and strided
     enc = st.encode_inputs({"X": x}, arena)
     (e,) = enc.entries
@@ -183,16 +185,16 @@ def test_encode_copies_odd_arrays_once_in_native_order(arena) -> None:
 
 
 def test_encode_reports_need_room_and_frees_what_it_took(arena) -> None:
-    st = cs.ClientState("ipc:///nowhere", local=False)
+    st = flows.ClientState("ipc:///nowhere", local=False)
     free0 = arena.free_bytes
-    with pytest.raises(cs._NeedRoom) as room:
+    with pytest.raises(flows._NeedRoom) as room:
         st.encode_inputs({"A": np.zeros(8 * KiB, np.float32), "B": np.zeros(16 * KiB, np.float32)}, arena)
     assert room.value.nbytes >= 64 * KiB
     assert arena.free_bytes == free0
 
 
 def test_garbage_empty_block_in_flight_is_freed_when_the_flight_ends(arena) -> None:
-    st = cs.ClientState("ipc:///nowhere", local=False)
+    st = flows.ClientState("ipc:///nowhere", local=False)
     free0 = arena.free_bytes
     buf = arena.empty((16,), np.float32)
     enc = st.encode_inputs({"A": buf}, arena)
@@ -213,7 +215,7 @@ def test_lent_outputs_are_released_when_the_last_view_is_gone(daemon_segments) -
     worker = Segment.attach(name)
     try:
         np.frombuffer(worker.buf, np.float32, count=16, offset=128)[:] = np.arange(16)
-        st = cs.ClientState("ipc:///nowhere", local=False)
+        st = flows.ClientState("ipc:///nowhere", local=False)
         st.session, st.local = "tok", True
         header = {"outputs": [{"name": "OUT", "datatype": "FP32", "shape": [4, 4],
                                "shm": [name, 128, 64, 99]}]}
@@ -253,28 +255,30 @@ def test_lent_outputs_are_released_when_the_last_view_is_gone(daemon_segments) -
 
 
 def test_late_reply_releases_lent_outputs() -> None:
-    st = cs.ClientState("ipc:///nowhere", local=False)
+    st = flows.ClientState("ipc:///nowhere", local=False)
     st.session = "tok"
-    st.finish(cs._Encoded(), None, answered=False, rid=3, token="tok")      # timed out
+    st.finish(flows._Encoded(), None, answered=False, rid=3, token="tok")      # timed out
     st.late_reply({"id": 4, "ok": True, "outputs": [{"name": "O", "shm": ["seg", 0, 8, 1]}]})
     assert st.session_fields() == {"session": "tok"}                      # not a request of ours
     st.late_reply({"id": 3, "ok": True, "outputs": [{"name": "O", "shm": ["seg", 64, 8, 2]}]})
     assert st.session_fields()["release"] == [["seg", 64, 2]]
 
 
-def test_session_error_detection() -> None:
-    assert cs.is_session_error(InferenceError(errors.NOT_FOUND, "unknown session (its lease expired)"))
-    assert not cs.is_session_error(InferenceError(errors.NOT_FOUND, "Request for unknown model: 'x'"))
-    assert not cs.is_session_error(InferenceError(errors.INTERNAL, "model failed"))
+def test_session_error_detection_is_by_code() -> None:
+    assert flows.is_session_error(InferenceError(errors.SESSION_LOST, "any text"))
+    # the English text alone no longer counts: only the code does
+    assert not flows.is_session_error(InferenceError(errors.NOT_FOUND, "unknown session (its lease expired)"))
+    assert not flows.is_session_error(InferenceError(errors.NOT_FOUND, "Request for unknown model: 'x'"))
+    assert not flows.is_session_error(InferenceError(errors.INTERNAL, "model failed"))
 
 
 def test_refs_validate() -> None:
-    ref = cs.SharedMemoryRef("r", 64, datatype="FP32", shape=[1, 16])
+    ref = SharedMemoryRef("r", 64, datatype="FP32", shape=[1, 16])
     assert ref.shape == (1, 16) and ref.wire() == ["r", 64, 0]
     with pytest.raises(ValueError):
-        cs.SharedMemoryRef("r", 64, datatype="FLOAT", shape=[1])
-    assert cs.OutputRef("OUT", "r", 128, 64).wire() == {"name": "OUT", "region": ["r", 128, 64]}
-    ro = cs.RegionOutput("OUT", "r", 8, 16, "FP32", (2, 2))
+        SharedMemoryRef("r", 64, datatype="FLOAT", shape=[1])
+    assert OutputRef("OUT", "r", 128, 64).wire() == {"name": "OUT", "region": ["r", 128, 64]}
+    ro = RegionOutput("OUT", "r", 8, 16, "FP32", (2, 2))
     buf = bytearray(32)
     np.frombuffer(buf, np.float32)[2:6] = [1, 2, 3, 4]
     assert ro.as_array(buf).tolist() == [[1, 2], [3, 4]]
@@ -282,10 +286,10 @@ def test_refs_validate() -> None:
 
 def test_local_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv("TORCHPOOL_LOCAL", "0")
-    assert not cs.local_wanted(None)
+    assert not ca.local_wanted(None)
     monkeypatch.setenv("TORCHPOOL_LOCAL", "1")
-    assert cs.local_wanted(None) == (os.access("/dev/shm", os.W_OK) and bool(cs.boot_id()))
-    assert not cs.local_wanted(False)
+    assert ca.local_wanted(None) == (os.access("/dev/shm", os.W_OK) and bool(boot_id()))
+    assert not ca.local_wanted(False)
 
 
 # ------------------------------------------------------------------ flows against a fake daemon
@@ -300,7 +304,7 @@ class FakeDaemon:
         self.seen: list[dict] = []
         self.segments: dict[str, Segment] = {}
 
-    def __call__(self, call: cs.Call):
+    def __call__(self, call: flows.Call):
         h = messages.unpack(call.frames[0])
         self.seen.append(h)
         op = h["op"]
@@ -316,8 +320,8 @@ class FakeDaemon:
                 "session": tok, "local": h["local"], "lease_s": 60, "block_header": 64,
                 "arena": [{"segment": name, "size": 4 * KiB}]}}, []
         if h.get("session") is not None and h["session"] not in self.sessions:
-            raise InferenceError(errors.NOT_FOUND, "unknown session (its lease expired or the daemon "
-                                                   "restarted); say hello again")
+            raise InferenceError(errors.SESSION_LOST, "unknown session (its lease expired or the daemon "
+                                                      "restarted); say hello again")
         if op == "arena_grow":
             name = self.make_segment(max(h["size"], 4 * KiB))
             self.segments[name] = Segment.attach(name)
@@ -327,8 +331,8 @@ class FakeDaemon:
             for e in h["inputs"]:
                 if "shm" in e:
                     seg, off, n, gen = e["shm"]
-                    magic, g, nb = cs.read_header(self.segments[seg].buf, off - 64)
-                    assert (magic, g, nb) == (cs.BLOCK_MAGIC, gen, n), "stale descriptor"
+                    magic, g, nb = tensors.read_block_header(self.segments[seg].buf, off - 64)
+                    assert (magic, g, nb) == (tensors.BLOCK_MAGIC, gen, n), "stale descriptor"
                     data = bytes(self.segments[seg].buf[off:off + n])
                 else:
                     data = e["data"] if isinstance(e["data"], bytes) else bytes(call.frames[e["data"]])
@@ -343,11 +347,11 @@ class FakeDaemon:
 
 
 def run(flow, daemon):
-    return cs.run_sync(flow, daemon)
+    return flows.run_sync(flow, daemon)
 
 
-def local_state() -> cs.ClientState:
-    st = cs.ClientState("ipc:///nowhere", local=False)
+def local_state() -> flows.ClientState:
+    st = flows.ClientState("ipc:///nowhere", local=False)
     st.want_local = True
     return st
 
@@ -437,32 +441,35 @@ def test_unmappable_arena_falls_back_to_a_remote_session(daemon_segments) -> Non
     assert st.session is not None and not st.local and st.arena is None
 
 
-def test_refused_releases_are_dropped_and_the_request_retried(daemon_segments) -> None:
+def test_releases_ride_once_on_the_next_request_and_errors_are_not_retried(daemon_segments) -> None:
     d = FakeDaemon(daemon_segments)
     st = local_state()
     run(st.hello_flow(5), d)
-    st.releases.append((st.session, ["gone-worker-segment", 0, 1]))
-    real = d.__call__
-
-    def refuse_releases(call):
-        h = messages.unpack(call.frames[0])
-        if h.get("release"):
-            d.seen.append(h)
-            raise InferenceError(errors.INVALID_ARG, "stale descriptor in 'release': no such output "
-                                                     "block is lent to this session")
-        return real(call)
+    st.releases.append((st.session, ["worker-segment", 0, 1]))
+    st.releases.append(("an-older-session", ["worker-segment", 64, 2]))   # not this session's
     x = np.ones(4, np.float32)
-    out = run(st.infer_flow("m", {"X": x}, None, None, 5, copy=True), refuse_releases)
-    assert np.array_equal(out["X"], x)
-    assert d.seen[-2].get("release") and "release" not in d.seen[-1]
+    run(st.infer_flow("m", {"X": x}, None, None, 5, copy=True), d)
+    run(st.infer_flow("m", {"X": x}, None, None, 5, copy=True), d)
+    assert d.seen[-2]["release"] == [["worker-segment", 0, 1]] and "release" not in d.seen[-1]
+
+    st.releases.append((st.session, ["worker-segment", 128, 3]))
+    sent: list[dict] = []
+
+    def refuse(call):
+        sent.append(messages.unpack(call.frames[0]))
+        raise InferenceError(errors.INVALID_ARG, "unexpected shape for input 'X'")
+    with pytest.raises(InferenceError) as exc:
+        run(st.infer_flow("m", {"X": x}, None, None, 5, copy=True), refuse)
+    assert exc.value.code == errors.INVALID_ARG
+    assert len(sent) == 1 and sent[0]["release"] == [["worker-segment", 128, 3]]   # asked once
     assert st.arena.free_bytes == st.arena.mapped_bytes
     st.close()
     d.close()
 
 
 def test_small_inputs_stay_inline_by_default(arena, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(messages, "LOCAL_MIN_BYTES", 16 * 1024)
-    st = cs.ClientState("ipc:///nowhere", local=False)
+    monkeypatch.setattr(tensors, "LOCAL_MIN_BYTES", 16 * 1024)
+    st = flows.ClientState("ipc:///nowhere", local=False)
     st.session, st.local, st.arena = "s1", True, arena
     small = np.ones((2, 16), np.float32)
     big = np.ones(8192, np.float32)                  # 32 KiB
@@ -501,3 +508,25 @@ def test_concurrent_requests_grow_the_arena_once(daemon_segments) -> None:
     finally:
         st.close()
         d.close()
+
+
+def test_a_forgotten_client_closes_its_socket(tmp_path) -> None:
+    """weakref.finalize, not __del__: a client that is garbage closes its socket;
+    close() runs once and a closed client refuses calls."""
+    from torchpool.client import AsyncClient
+
+    url = f"ipc://{tmp_path}/nobody.sock"
+    for cls in (Client, AsyncClient):
+        c = cls(url, local=False)
+        sock = c._sock
+        assert not sock.closed
+        del c
+        gc.collect()
+        assert sock.closed, cls.__name__
+    c = Client(url, local=False)
+    c.close()
+    c.close()                                             # idempotent
+    assert c._sock.closed
+    with pytest.raises(InferenceError) as exc:
+        c.server_live()
+    assert exc.value.code == errors.CANCELLED

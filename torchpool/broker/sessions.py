@@ -163,8 +163,8 @@ class SessionManager:
             return None
         session = self.sessions.get(token) if isinstance(token, str) else None
         if session is None:
-            raise TorchpoolError(errors.NOT_FOUND, "unknown session (its lease expired or the daemon "
-                                                   "restarted); say hello again")
+            raise TorchpoolError(errors.SESSION_LOST, "unknown session (its lease expired or the daemon "
+                                                      "restarted); say hello again")
         session.last_seen = time.monotonic()
         if identity:
             session.identity = identity

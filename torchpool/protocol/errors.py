@@ -1,4 +1,12 @@
-"""Error codes (Triton's) and the exception that carries one."""
+"""Error codes and the exception that carries one.
+
+The codes are Triton's (KServe's) status names, plus one of torchpool's own:
+`SESSION_LOST`, answered to a request that names a shared-memory session the
+daemon no longer knows (its lease expired, the daemon restarted). A client
+recognises it by the code, never by the message text, and says hello again.
+`CANCELLED` is raised by the client library itself (a call on a closed
+client); `UNKNOWN` stands in for an error answer that carries no code.
+"""
 from __future__ import annotations
 
 INVALID_ARG = "INVALID_ARG"
@@ -9,13 +17,14 @@ UNSUPPORTED = "UNSUPPORTED"
 ALREADY_EXISTS = "ALREADY_EXISTS"
 UNKNOWN = "UNKNOWN"
 CANCELLED = "CANCELLED"
+SESSION_LOST = "SESSION_LOST"
 
 CODES = frozenset({INVALID_ARG, NOT_FOUND, UNAVAILABLE, INTERNAL, UNSUPPORTED,
-                   ALREADY_EXISTS, UNKNOWN, CANCELLED})
+                   ALREADY_EXISTS, UNKNOWN, CANCELLED, SESSION_LOST})
 
 
 class TorchpoolError(Exception):
-    """An error with a Triton code; what the server answers and the client raises."""
+    """An error with a code; what the server answers and the client raises."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

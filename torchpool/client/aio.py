@@ -1,0 +1,181 @@
+"""The asyncio client: many concurrent calls over one DEALER socket."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from ..protocol import errors, messages
+from ..protocol.errors import InferenceError
+from .arena import DEFAULT_ARENA_CAP
+from .common import (DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, encode_control, error_of,
+                     send_goodbye_and_close, timeout_error)
+from .flows import Call, SessionLost, needs_session, run_async, sequence_field
+from .types import InferResult
+
+
+class AsyncClient(ClientBase):
+    """An asyncio client: many concurrent calls over one socket. The same
+    features as `Client`; `empty()` and the region calls are coroutines."""
+
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, local: Optional[bool] = None,
+                 arena_cap: int = DEFAULT_ARENA_CAP) -> None:
+        self._open(url, timeout, local, arena_cap, zmq.asyncio.Context.instance())
+        self._pending: dict[int, asyncio.Future] = {}
+        self._reader: Optional[asyncio.Task] = None
+        self._hello_lock: Optional[asyncio.Lock] = None
+
+    async def _read_replies(self) -> None:
+        while True:
+            reply = await self._sock.recv_multipart(copy=False)
+            header = messages.unpack(reply[0].buffer)
+            fut = self._pending.pop(header.get("id"), None) if isinstance(header, dict) else None
+            if fut is not None and not fut.done():
+                fut.set_result((header, [f.buffer for f in reply[1:]]))
+            else:
+                self._state.late_reply(header)
+
+    async def _call(self, frames: list, request_id: int, timeout: Optional[float]) -> tuple[dict, list]:
+        self._check_open()
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.ensure_future(self._read_replies())
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = fut
+        limit = self.timeout if timeout is None else timeout
+        try:
+            await self._sock.send_multipart(frames, copy=len(frames) == 1)
+            header, payload = await asyncio.wait_for(fut, limit)
+        except asyncio.TimeoutError:
+            raise timeout_error(self.url, limit) from None
+        finally:
+            self._pending.pop(request_id, None)
+        if not header.get("ok"):
+            raise error_of(header)
+        return header, payload
+
+    def _send(self, call: Call) -> Any:
+        return self._call(call.frames, call.rid, call.timeout)
+
+    async def _perform(self, make_flow: Callable, timeout: Optional[float], session: bool = False) -> Any:
+        st = self._state
+        for attempt in range(2):
+            if st.needs_hello(session):
+                if self._hello_lock is None:
+                    self._hello_lock = asyncio.Lock()
+                async with self._hello_lock:       # one hello for many concurrent calls
+                    if st.needs_hello(session):
+                        await run_async(st.hello_flow(timeout), self._send)
+            if session:
+                st.require_session()
+            try:
+                return await run_async(make_flow(), self._send)
+            except SessionLost as lost:
+                st.session_lost(lost.token)
+                if attempt:
+                    raise lost.error from None
+
+    async def _control(self, op: str, timeout: Optional[float] = None, **fields: Any) -> Any:
+        if self._state.session is None:
+            rid = next(self._ids)
+            header, _ = await self._call(encode_control(rid, op, **fields), rid, timeout)
+            return header.get("result")
+        return await self._perform(self._control_flow(op, timeout, fields), timeout)
+
+    async def server_live(self, timeout: Optional[float] = None) -> bool:
+        return bool(await self._control(messages.OP_SERVER_LIVE, timeout))
+
+    async def server_ready(self, timeout: Optional[float] = None) -> bool:
+        return bool(await self._control(messages.OP_SERVER_READY, timeout))
+
+    async def model_ready(self, name: str, version: Any = None) -> bool:
+        return bool(await self._control(messages.OP_MODEL_READY, model=name,
+                                        version=self._version_field(version)))
+
+    async def model_metadata(self, name: str, version: Any = None) -> dict:
+        return await self._control(messages.OP_MODEL_METADATA, model=name,
+                                   version=self._version_field(version))
+
+    async def model_config(self, name: str, version: Any = None) -> dict:
+        return await self._control(messages.OP_MODEL_CONFIG, model=name,
+                                   version=self._version_field(version))
+
+    async def repository_index(self) -> list[dict]:
+        return await self._control(messages.OP_REPOSITORY_INDEX)
+
+    async def server_metadata(self) -> dict:
+        return await self._control(messages.OP_SERVER_METADATA)
+
+    async def statistics(self, model: Optional[str] = None, version: Any = None) -> dict:
+        return await self._control(messages.OP_STATISTICS, model=model or "",
+                                   version=self._version_field(version))
+
+    async def load(self, name: str, config: Any = None, timeout: Optional[float] = None) -> None:
+        await self._control(messages.OP_LOAD, timeout, model=name,
+                            config=json.dumps(config) if isinstance(config, dict) else config)
+
+    async def unload(self, name: str, timeout: Optional[float] = None) -> None:
+        await self._control(messages.OP_UNLOAD, timeout, model=name)
+
+    async def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
+                    version: Any = None, timeout: Optional[float] = None, copy: bool = False,
+                    priority: int = 0, sequence_id: Any = 0, sequence_start: bool = False,
+                    sequence_end: bool = False) -> InferResult:
+        """As `Client.infer`."""
+        seq = sequence_field(sequence_id, sequence_start, sequence_end)
+        return await self._perform(
+            lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy, priority, seq),
+            timeout, needs_session(inputs, outputs))
+
+    async def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:
+        """As `Client.empty` (a coroutine: the first call may say hello)."""
+        return await self._perform(lambda: self._state.empty_flow(shape, datatype, None), None)
+
+    async def register_system_shared_memory(self, name: str, key: str, byte_size: int,
+                                            offset: int = 0) -> None:
+        await self._perform(lambda: self._state.register_flow(name, key, byte_size, offset, None),
+                            None, True)
+
+    async def unregister_system_shared_memory(self, name: Optional[str] = None) -> None:
+        await self._perform(lambda: self._state.unregister_flow(name, None), None, True)
+
+    async def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[dict]:
+        return await self._perform(lambda: self._state.status_flow(name, None), None, True)
+
+    def _stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(InferenceError(errors.CANCELLED, "client closed"))
+        self._pending.clear()
+
+    async def aclose(self, wait: float = GOODBYE_WAIT) -> None:
+        """Say goodbye, wait (briefly) for the daemon to acknowledge, close."""
+        if not self._closer.alive:
+            return
+        if wait > 0 and self._state.session is not None:
+            call = self._state.goodbye_call(None)
+            try:
+                await self._call(call.frames, call.rid, wait)
+            except (InferenceError, zmq.ZMQError):
+                pass
+            self._state.close()           # goodbye said (or given up on): nothing left to send
+        self.close()
+
+    def close(self) -> None:
+        """Close now; a goodbye is sent without waiting for its answer."""
+        if not self._closer.detach():
+            return                        # closed already
+        self._stop()
+        send_goodbye_and_close(self._sock, self._state)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()

@@ -1,0 +1,107 @@
+"""The client's public value types: region references, results, errors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..protocol import datatypes, tensors
+from ..protocol.errors import InferenceError
+
+
+@dataclass(frozen=True)
+class SharedMemoryRef:
+    """An input whose bytes are in a registered region:
+    `SharedMemoryRef(region, byte_size, offset=0, datatype="FP32", shape=(1, 16))`.
+
+    `region` is the name given to `register_system_shared_memory`; `offset`
+    is relative to the region's own offset; `byte_size` bytes starting there
+    hold the tensor (C order; BYTES in Triton's length-prefixed layout).
+    """
+
+    region: str
+    byte_size: int
+    offset: int = 0
+    datatype: str = ""
+    shape: tuple = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.datatype not in datatypes.WIRE_DATATYPES:
+            raise ValueError(f"SharedMemoryRef for region '{self.region}': datatype must be one of "
+                             f"{sorted(datatypes.WIRE_DATATYPES)}, got {self.datatype!r}")
+        if self.byte_size < 0 or self.offset < 0:
+            raise ValueError(f"SharedMemoryRef for region '{self.region}': byte_size and offset "
+                             f"must be non-negative")
+
+    def wire(self) -> list:
+        """The `region` reference as it travels: [region, byte_size, offset]."""
+        return self.entry("")[tensors.REGION]
+
+    def entry(self, name: str) -> dict:
+        """The tensor entry of input `name` read from this region."""
+        entry = tensors.tensor_entry(name, self.datatype, self.shape)
+        tensors.put_region(entry, self.region, self.byte_size, self.offset)
+        return entry
+
+
+@dataclass(frozen=True)
+class OutputRef:
+    """Ask for output `name` to be written straight into a registered region:
+    `infer(..., outputs=["OUT0", OutputRef("OUT1", "my_region", 4096)])`.
+    The result then holds a `RegionOutput` for it."""
+
+    name: str
+    region: str
+    byte_size: int
+    offset: int = 0
+
+    def wire(self) -> dict:
+        return tensors.output_request(self.name, self.region, self.byte_size, self.offset)
+
+
+@dataclass(frozen=True)
+class RegionOutput:
+    """An output the worker wrote into the caller's region: `nbytes` bytes at
+    `offset` (relative to the region's offset) of region `region`, a tensor of
+    `datatype` and `shape`. The bytes are in the caller's memory;
+    `as_array(buf)` views them as numpy given the caller's mapping of the
+    region (`buf` = the region's bytes, i.e. the segment starting at the
+    registered offset)."""
+
+    name: str
+    region: str
+    offset: int
+    nbytes: int
+    datatype: str
+    shape: tuple
+
+    def as_array(self, buf: Any) -> np.ndarray:
+        data = memoryview(buf).cast("B")[self.offset:self.offset + self.nbytes]
+        return tensors.decode_array(self.datatype, self.shape, data)
+
+
+class InferResult(dict):
+    """{output name: array} — also a context manager:
+
+        with client.infer(model, inputs) as out:
+            use(out["OUTPUT0"])
+
+    On exit it drops its own references. Outputs lent in place by the daemon
+    are released when the last view of them is garbage, never earlier: a
+    view kept beyond the `with` stays valid (until `close()`).
+    """
+
+    def release(self) -> None:
+        self.clear()
+
+    def __enter__(self) -> "InferResult":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.clear()
+
+
+class NoAnswer(InferenceError):
+    """No answer within the time limit (the request may still be running)."""

@@ -1,0 +1,71 @@
+"""User values <-> tensor bytes: what `infer` accepts and what it returns.
+
+Inputs may be numpy arrays, torch tensors (viewed through numpy, no copy on
+the CPU) or lists of str/bytes (BYTES). Outputs come back as read-only numpy
+views of the bytes they arrived in; BYTES as object arrays of bytes; BF16 as
+torch tensors when torch is installed (numpy has no bfloat16), else as the
+raw uint16 bits. torch is imported only when the caller hands us a torch
+tensor or a BF16 output arrives: a client-only install has no torch.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..protocol import datatypes, errors, tensors
+from ..protocol.errors import InferenceError
+
+
+def prepare_input(name: str, value: Any) -> tuple[str, list[int], Any]:
+    """(datatype, shape, source): source is a numpy array (maybe not
+    contiguous, maybe not native byte order) or the encoded bytes of a BYTES
+    tensor. Torch tensors are viewed through numpy (no copy when on the CPU)."""
+    if type(value).__module__.startswith("torch"):
+        import torch  # the caller already has torch loaded
+
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.resolve_conj().resolve_neg()
+        if t.dtype == torch.bfloat16:
+            return "BF16", list(t.shape), t.view(torch.int16).numpy().view(np.uint16)
+        value = t.numpy()
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, (str, bytes, bytearray)) for v in value):
+            return "BYTES", [len(value)], datatypes.encode_bytes(value)
+        value = np.asarray(value)
+    if not isinstance(value, np.ndarray):
+        value = np.asarray(value)
+    if value.dtype.kind in ("O", "S", "U"):
+        flat = value.reshape(-1)
+        return "BYTES", list(value.shape), datatypes.encode_bytes(flat.tolist())
+    try:
+        datatype = datatypes.wire_from_numpy(value.dtype)
+    except TypeError:
+        raise InferenceError(errors.INVALID_ARG,
+                             f"input '{name}': numpy dtype {value.dtype} is not supported") from None
+    return datatype, list(value.shape), value
+
+
+def nbytes_of(src: Any) -> int:
+    """Bytes of a prepared source."""
+    return src.nbytes if isinstance(src, np.ndarray) else len(src)
+
+
+def as_value(datatype: str, shape: Sequence[int], data: Any) -> Any:
+    """Tensor bytes as what `infer` returns (see the module doc)."""
+    arr = tensors.decode_array(datatype, shape, data)
+    if datatype != "BF16":
+        return arr
+    try:
+        import torch
+    except ImportError:
+        return arr
+    return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+
+
+def output_array(entry: dict, frames: Sequence[Any]) -> Any:
+    """An output that came as bytes (inline or a payload frame): a read-only
+    view that keeps the frame alive (no copy); see `as_value`."""
+    return as_value(entry[tensors.DATATYPE], entry[tensors.SHAPE], tensors.tensor_payload(entry, frames))
