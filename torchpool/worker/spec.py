@@ -1,9 +1,10 @@
-"""What the broker tells a new worker, and the entry point it starts.
+"""What the broker tells a new worker.
 
 This module must not import torch: the broker imports it, and the broker
-never loads torch (it would cost it a second and a few hundred MB). The fork
-server that starts workers preloads `torchpool.worker.process`, so the import
-inside `run_worker` is already done there.
+never loads torch (it would cost it a second and a few hundred MB). The entry
+point the broker starts is `torchpool.worker.entry.run_worker`; the alias
+here goes once the broker imports it from there (it is the one import cycle
+left in the worker: spec -> entry -> process -> spec).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class WorkerSpec:
 
 
 def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
-    """The multiprocessing target: runs in the forked child."""
-    from .process import worker_main
+    """Kept while the broker imports it from here; use `torchpool.worker.entry.run_worker`."""
+    from .entry import run_worker as entry
 
-    worker_main(spec, sock)
+    entry(spec, sock)
