@@ -54,7 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
                             grace_period=args.grace_period, busy_poll_us=args.busy_poll_us,
                             worker_busy_poll_us=args.worker_busy_poll_us,
                             client_shm_size=args.client_shm_size, client_lease=args.client_lease,
-                            execution_timeout=args.execution_timeout, metrics_port=args.metrics_port,
+                            execution_timeout=args.execution_timeout, load_timeout=args.load_timeout,
+                            metrics_port=args.metrics_port,
                             metrics_host=args.metrics_host, log_format=args.log_format,
                             model_control_mode=args.model_control_mode, load_models=args.load_model or [],
                             repository_poll_secs=args.repository_poll_secs)
@@ -137,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--execution-timeout", type=float, default=_default("execution_timeout"),
                        help="kill and restart a worker whose batch runs longer (seconds; 0 = never; "
                             f"default {_shown(_default('execution_timeout'))})")
+    serve.add_argument("--load-timeout", type=float, default=_default("load_timeout"),
+                       help="a worker that has not loaded its model by then is killed and its "
+                            "version fails (seconds; 0 = never; "
+                            f"default {_shown(_default('load_timeout'))})")
     serve.add_argument("--shm-chunk", type=_size, default=_default("shm_chunk"),
                        help=f"size of each input shared-memory segment (default {_shown(_default('shm_chunk'))})")
     serve.add_argument("--shm-limit", type=_size, default=_default("shm_limit"),
