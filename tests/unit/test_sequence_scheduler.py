@@ -10,12 +10,11 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 import pytest
 
-from torchpool.broker import schedulers
 from torchpool.broker.batch import Batch
 from torchpool.broker.requests import InferRequest, batch_layout
 from torchpool.broker.schedulers import make_scheduler

@@ -22,16 +22,9 @@ dimension, the implicit states' shapes included (a request whose state has
 another shape runs in a later batch); a request that must run alone (outputs
 into a region) runs alone.
 
-Per row, the broker adds the tensors the model expects beyond the client's
-inputs: controls (`control_input`: CONTROL_SEQUENCE_START / END / READY as
-the configured false/true pair, CONTROL_SEQUENCE_CORRID as the id) and
-implicit state (`state`): the state output of one request is the state input
-of the sequence's next one, kept by the broker, never sent to the client
-(`hidden_outputs`). On START the state is the configured `initial_state`
-(zero_data or data_file, shaped by the initial state's dims) or zeros with
-every variable dimension 1; after that it has whatever shape the model
-returned (`dims: [-1]`). TYPE_STRING state is BYTES: 4-byte little-endian
-length + bytes per element (zeros: empty strings).
+Each row gets its controls and its sequence's implicit state
+(sequence_tensors.py); the state outputs are kept per sequence (never sent
+to the client: `hidden_outputs`) and may change shape (`dims: [-1]`).
 
 With `EMPTY_SLOT_ROWS` (Triton's direct layout) a direct batch has one row
 per slot from 0 to the highest slot that runs a request, and an empty slot
@@ -47,171 +40,29 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
-import struct
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ...config import ModelConfig, SequenceState
-from ...protocol import datatypes, errors
+from ...config import ModelConfig
+from ...protocol import errors
 from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch, stage_batch_inputs, write_tensors
 from ..requests import InferRequest
 from .base import ReadOutput, Refusals, Scheduler
 from .forming import FormingBatch
+from .sequence_tensors import (EmptyRow, SequenceFlags, check_corrid, control_tensors, parse_control,
+                               parse_flags, parse_state, split_state, state_tensors)
 
 log = logging.getLogger("torchpool.broker")
-
-START, END, READY, CORRID = ("CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END",
-                             "CONTROL_SEQUENCE_READY", "CONTROL_SEQUENCE_CORRID")
-_PAIRS = {"int32_false_true": ("INT32", "<i"), "fp32_false_true": ("FP32", "<f"),
-          "bool_false_true": ("BOOL", "<?")}
-_CORRID_FORMATS = {"INT32": "<i", "UINT32": "<I", "INT64": "<q", "UINT64": "<Q"}
-_LENGTH = struct.Struct("<I")
 
 # Triton's direct layout: empty slots below the highest busy one get a
 # not-ready row of zeros. Needs the answer path to split by
 # `batch.context.row_starts`.
 EMPTY_SLOT_ROWS = False
-
-
-# ------------------------------------------------------------------ flags, controls, state
-
-@dataclass(frozen=True)
-class SequenceFlags:
-    corrid: Any
-    start: bool
-    end: bool
-
-
-def parse_flags(header: dict, model: str) -> SequenceFlags:
-    """The request's `sequence` header field, checked (Triton's wording)."""
-    raw = header.get("sequence")
-    if not isinstance(raw, dict):
-        raw = {}
-    corrid = raw.get("id")
-    valid_int = isinstance(corrid, int) and not isinstance(corrid, bool) and 0 < corrid < 2 ** 64
-    if not (valid_int or (isinstance(corrid, str) and corrid)):
-        raise TorchpoolError(errors.INVALID_ARG, f"inference request to model '{model}' must specify a "
-                                                 f"non-zero or non-empty correlation ID")
-    return SequenceFlags(corrid, raw.get("start") is True, raw.get("end") is True)
-
-
-@dataclass(frozen=True)
-class Control:
-    name: str
-    kind: str
-    datatype: str
-    pack: str                          # struct format of one element
-    values: tuple = ()                 # (false, true); empty for CORRID
-
-    def value(self, corrid: Any, start: bool, end: bool, ready: bool) -> bytes:
-        if self.kind == CORRID:
-            return struct.pack(self.pack, corrid if ready else 0)
-        on = {START: start, END: end, READY: ready}[self.kind]
-        return struct.pack(self.pack, self.values[1] if on else self.values[0])
-
-
-def parse_control(model: str, entry: dict) -> Control:
-    name = str(entry.get("name"))
-    controls = entry.get("control") or []
-    if len(controls) != 1:
-        raise TorchpoolError(errors.INVALID_ARG, f"model '{model}': sequence control input '{name}' must "
-                                                 f"have exactly one control")
-    control = controls[0]
-    kind = control.get("kind", START)
-    if kind == CORRID:
-        datatype = datatypes.config_to_wire(control.get("data_type", "TYPE_UINT64"))
-        if datatype not in _CORRID_FORMATS:
-            raise TorchpoolError(errors.INVALID_ARG, f"model '{model}': CONTROL_SEQUENCE_CORRID '{name}' "
-                                                     f"must be INT32, UINT32, INT64 or UINT64")
-        return Control(name, kind, datatype, _CORRID_FORMATS[datatype])
-    for key, (datatype, pack) in _PAIRS.items():
-        pair = control.get(key)
-        if pair:
-            if len(pair) != 2:
-                raise TorchpoolError(errors.INVALID_ARG, f"model '{model}': control '{name}' {key} "
-                                                         f"needs two values (false, true)")
-            values = tuple(bool(v) for v in pair) if datatype == "BOOL" else tuple(pair)
-            return Control(name, kind, datatype, pack, values)
-    raise TorchpoolError(errors.INVALID_ARG, f"model '{model}': control '{name}' ({kind}) sets none of "
-                                             f"int32_false_true, fp32_false_true, bool_false_true")
-
-
-@dataclass(frozen=True)
-class State:
-    spec: SequenceState
-    datatype: str                      # wire datatype
-    shape: tuple[int, ...]             # the state input on START (batch dimension included)
-    initial: bytes
-
-
-def _element_bytes(datatype: str, count: int) -> bytes:
-    """`count` zero elements (BYTES: empty strings)."""
-    if datatype == "BYTES":
-        return bytes(4 * count)
-    return bytes(count * datatypes.element_size(datatype))
-
-
-def parse_state(model: str, spec: SequenceState, model_dir: Path, batching: bool) -> State:
-    """A state's datatype and START value, checked as Triton does."""
-    name = spec.input_name
-    try:
-        datatype = datatypes.config_to_wire(spec.data_type)
-    except (KeyError, ValueError):
-        raise TorchpoolError(errors.INVALID_ARG, f"model '{model}': state '{name}' has an unsupported "
-                                                 f"data type {spec.data_type}") from None
-    prefix = (1,) if batching else ()
-    init = spec.initial_state
-    if not init:
-        dims = tuple(1 if d < 0 else d for d in spec.dims)
-        return State(spec, datatype, prefix + dims, _element_bytes(datatype, math.prod(dims)))
-    if init.get("data_type", spec.data_type) != spec.data_type:
-        raise TorchpoolError(errors.INVALID_ARG, f"The data type used for 'initial_state' field of state "
-                                                 f"'{name}' does not match the state data type.")
-    if not init.get("name"):
-        raise TorchpoolError(errors.INVALID_ARG, f"Field 'name' must be set when using initial_state for "
-                                                 f"state input '{name}'.")
-    idims = tuple(int(d) for d in init.get("dims", ()))
-    if len(idims) != len(spec.dims):
-        raise TorchpoolError(errors.INVALID_ARG,
-                             f"Number of dimensions in 'initial_state' doesn't match the size of 'state' "
-                             f"dimensions for state input '{name}'. {len(idims)} != {len(spec.dims)}")
-    for i, d in zip(idims, spec.dims):
-        if i < 0:
-            raise TorchpoolError(errors.INVALID_ARG, f"'initial_state' field for state input name "
-                                                     f"'{name}' contains variable dimensions.")
-        if d >= 0 and i != d:
-            raise TorchpoolError(errors.INVALID_ARG, f"'initial_state' dim for input name '{name}' "
-                                                     f"doesn't match 'state' dim description. {i} != {d}")
-    count = math.prod(idims)
-    initial = _element_bytes(datatype, count)
-    if init.get("data_file"):
-        path = model_dir / "initial_state" / str(init["data_file"])
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise TorchpoolError(errors.INVALID_ARG, f"model '{model}': initial state of '{name}': "
-                                                     f"cannot read {path}: {exc.strerror}") from None
-        if datatype == "BYTES":
-            try:
-                datatypes.decode_bytes(memoryview(data), count)
-            except ValueError as exc:
-                raise TorchpoolError(errors.INVALID_ARG, f"model '{model}': initial state file {path} "
-                                                         f"of '{name}' is not {count} BYTES elements: "
-                                                         f"{exc}") from None
-            initial = data
-        elif len(data) < len(initial):
-            raise TorchpoolError(errors.INVALID_ARG,
-                                 f"initial_state setting expects {len(initial)} bytes, but the data "
-                                 f"provided from {init['data_file']} only has {len(data)} bytes.")
-        else:
-            initial = data[:len(initial)]
-    return State(spec, datatype, prefix + idims, initial)
 
 
 # ------------------------------------------------------------------ bookkeeping
@@ -225,7 +76,6 @@ class Sequence:
     slot: int = -1
     running: Optional[InferRequest] = None                # its request in a batch
     last: float = 0.0                                     # last request arrived or finished
-    ended: bool = False                                   # END was handed out: no more requests
 
 
 @dataclass(eq=False)
@@ -241,30 +91,6 @@ class SequenceBatchContext:
     members: list[tuple[Sequence, InferRequest]]          # in batch.requests order
     row_starts: list[int]                                 # each request's first row in the batch
     instance: Any
-
-
-class _EmptyRow:
-    """A not-ready slot inside a direct batch: zeros shaped like a real row."""
-
-    __slots__ = ("staged", "rows", "batch_size", "shapes")
-
-    def __init__(self, like: InferRequest) -> None:
-        self.staged = []
-        for spec, shape, model_shape, payload, _location in like.staged:
-            n = math.prod(shape)
-            data = _element_bytes(spec.datatype, n) if spec.datatype == "BYTES" else bytes(len(payload))
-            self.staged.append((spec, shape, model_shape, memoryview(data), None))
-        self.rows = like.rows
-        self.batch_size = like.batch_size
-        self.shapes = like.shapes
-
-
-def _label(instance: Any) -> str:
-    for attr in ("label", "name"):
-        value = getattr(instance, attr, None)
-        if isinstance(value, str) and value:
-            return value
-    return str(instance)
 
 
 # ------------------------------------------------------------------ the scheduler
@@ -310,20 +136,7 @@ class SequenceBatcher(Scheduler):
 
     def admit(self, req: InferRequest, header: dict) -> None:
         req.sequence = parse_flags(header, self.model)
-        corrid = req.sequence.corrid
-        for c in self.controls:
-            if c.kind != CORRID:
-                continue
-            if not isinstance(corrid, int):
-                raise TorchpoolError(errors.INVALID_ARG,
-                                     f"model '{self.model}' takes the correlation ID as {c.datatype} in "
-                                     f"'{c.name}': it must be an integer, got {corrid!r}")
-            try:
-                struct.pack(c.pack, corrid)
-            except struct.error:
-                raise TorchpoolError(errors.INVALID_ARG,
-                                     f"correlation ID {corrid} does not fit {c.datatype} ('{c.name}' of "
-                                     f"model '{self.model}')") from None
+        check_corrid(self.controls, req.sequence.corrid, self.model)
         self._check_known(req)
 
     def _check_known(self, req: InferRequest) -> None:
@@ -339,8 +152,6 @@ class SequenceBatcher(Scheduler):
 
     def push(self, req: InferRequest, now: float) -> None:
         flags = req.sequence
-        if flags is None:
-            raise TorchpoolError(errors.INTERNAL, f"model '{self.model}': request has no sequence flags")
         if req.batch_size > 1:
             raise TorchpoolError(errors.INVALID_ARG, f"inference request to model '{self.model}' must "
                                                      f"specify batch-size 1 due to requirements of "
@@ -490,7 +301,6 @@ class SequenceBatcher(Scheduler):
             self.count -= 1
             if req.sequence.start:
                 seq.state = {}
-                seq.ended = False
             if not seq.state:
                 seq.state = {s.spec.input_name: (s.shape, s.initial) for s in self.states}
             seq.running = req
@@ -502,9 +312,9 @@ class SequenceBatcher(Scheduler):
         starts, row = [], 0
         if EMPTY_SLOT_ROWS and not self.oldest and self.batching and len(members) < self.slot_count:
             by_slot = {seq.slot: req for seq, req in members}
-            rows_of = [by_slot.get(i) or _EmptyRow(requests[0]) for i in range(max(by_slot) + 1)]
+            rows_of = [by_slot.get(i) or EmptyRow(requests[0]) for i in range(max(by_slot) + 1)]
         for r in rows_of:
-            if not isinstance(r, _EmptyRow):
+            if not isinstance(r, EmptyRow):
                 starts.append(row)
             row += r.rows
         context = SequenceBatchContext(members, starts, inst.handle)
@@ -523,7 +333,6 @@ class SequenceBatcher(Scheduler):
         for seq, req in members:
             req.staged = []
             if req.sequence.end:
-                seq.ended = True
                 self._release(seq)            # the slot goes to the backlog now, as in Triton
         return batch
 
@@ -540,7 +349,8 @@ class SequenceBatcher(Scheduler):
         self._count("input_bytes_copied", forming.copied)
         self._count("input_bytes_in_place", passed)
         by_req = {id(req): seq for seq, req in members}
-        tensors = self._controls(rows_of, by_req) + self._state_tensors(rows_of, by_req)
+        tensors = (control_tensors(self.controls, rows_of, self.batching)
+                   + state_tensors(self.states, rows_of, lambda r: by_req[id(r)].state, self.batching))
         extra, extra_blocks = write_tensors(tensors, self.arena)
         batch.inputs.extend(extra)
         batch.blocks.extend(extra_blocks)
@@ -553,36 +363,6 @@ class SequenceBatcher(Scheduler):
         if n:
             self.transfer[key] = self.transfer.get(key, 0) + n
 
-    def _controls(self, rows_of: list, by_req: dict) -> list[tuple[str, str, list, bytes]]:
-        out = []
-        n = len(rows_of)
-        for c in self.controls:
-            parts = []
-            for r in rows_of:
-                if isinstance(r, _EmptyRow):
-                    parts.append(c.value(0, False, False, False))
-                else:
-                    f = r.sequence
-                    parts.append(c.value(f.corrid, f.start, f.end, True))
-            out.append((c.name, c.datatype, [n, 1] if self.batching else [1], b"".join(parts)))
-        return out
-
-    def _state_tensors(self, rows_of: list, by_req: dict) -> list[tuple[str, str, list, bytes]]:
-        out = []
-        for s in self.states:
-            name = s.spec.input_name
-            real = [by_req[id(r)].state[name] for r in rows_of if not isinstance(r, _EmptyRow)]
-            shape = list(real[0][0])
-            if not self.batching:
-                out.append((name, s.datatype, shape, real[0][1]))
-                continue
-            per_row = math.prod(shape[1:])
-            empty = _element_bytes(s.datatype, per_row)
-            data = b"".join(empty if isinstance(r, _EmptyRow) else by_req[id(r)].state[name][1]
-                            for r in rows_of)
-            out.append((name, s.datatype, [len(rows_of)] + shape[1:], data))
-        return out
-
     def _outputs(self, requests: list[InferRequest]) -> list:
         if len(requests) == 1:
             return requests[0].outputs
@@ -594,8 +374,6 @@ class SequenceBatcher(Scheduler):
                     names.append(name)
         return names
 
-    # --- after a batch ---------------------------------------------------------------
-
     def finished(self, batch: Batch, outputs: Optional[list], read: ReadOutput) -> None:
         ctx = batch.context
         if not isinstance(ctx, SequenceBatchContext):
@@ -605,7 +383,8 @@ class SequenceBatcher(Scheduler):
         captured = outputs is not None and self.states and batch.error is None
         if captured:
             try:
-                states = {s.spec.input_name: self._split_state(s, by_name, batch, ctx, read)
+                states = {s.spec.input_name: split_state(self.model, s, by_name.get(s.spec.output_name),
+                                                         batch.rows, ctx.row_starts, self.batching, read)
                           for s in self.states}
             except TorchpoolError as exc:
                 log.error("%s", exc.message)
@@ -620,49 +399,6 @@ class SequenceBatcher(Scheduler):
             elif captured:
                 seq.state = {name: parts[i] for name, parts in states.items()}
 
-    def _split_state(self, s: State, by_name: dict, batch: Batch, ctx: SequenceBatchContext,
-                     read: ReadOutput) -> list[tuple[tuple, bytes]]:
-        """The state output of each request of the batch: [(shape, bytes)]."""
-        name = s.spec.output_name
-        d = by_name.get(name)
-        if d is None:
-            raise TorchpoolError(errors.INTERNAL, f"model '{self.model}' did not return its state "
-                                                  f"output '{name}'")
-        _name, datatype, shape, segment, offset, nbytes = d
-        data = read(segment, offset, nbytes)
-        shape = [int(x) for x in shape]
-        if not self.batching:
-            return [(tuple(shape), bytes(data))]
-        rows = batch.rows
-        if datatype == "BYTES":
-            count = math.prod(shape)
-            if rows == 0 or count % rows:
-                raise TorchpoolError(errors.INTERNAL, f"state output '{name}' of model '{self.model}' "
-                                                      f"has {count} strings for {rows} rows")
-            per_row = count // rows
-            if len(shape) == len(s.spec.dims) + 1 and shape[0] == rows:
-                row_shape = (1, *shape[1:])
-            else:
-                row_shape = (1, per_row) if len(s.spec.dims) == 1 else (1, *s.shape[1:])
-            bounds, pos = [0], 0
-            for _ in range(rows):
-                for _ in range(per_row):
-                    if pos + 4 > len(data):
-                        raise TorchpoolError(errors.INTERNAL, f"state output '{name}' of model "
-                                                              f"'{self.model}' is a truncated BYTES tensor")
-                    pos += 4 + _LENGTH.unpack_from(data, pos)[0]
-                bounds.append(pos)
-            return [(row_shape, bytes(data[bounds[r]:bounds[r + 1]])) for r in ctx.row_starts]
-        if not shape or shape[0] != rows:
-            raise TorchpoolError(errors.INTERNAL, f"state output '{name}' of model '{self.model}' has "
-                                                  f"shape {shape} for a batch of {rows} rows: the batch "
-                                                  f"dimension must come first")
-        size = nbytes // rows if rows else 0
-        row_shape = (1, *shape[1:])
-        return [(row_shape, bytes(data[r * size:(r + 1) * size])) for r in ctx.row_starts]
-
-    # --- instances, timers, shutdown ----------------------------------------------------
-
     def instance_gone(self, instance: Any) -> Refusals:
         inst = self.instances.pop(instance, None)
         if inst is None:
@@ -672,7 +408,7 @@ class SequenceBatcher(Scheduler):
             if seq is None:
                 continue
             message = (f"model '{self.model}': sequence {seq.corrid} was lost: instance "
-                       f"{_label(instance)} running it stopped")
+                       f"{str(getattr(instance, 'label', instance))} running it stopped")
             for req in seq.queue:
                 req.queued = False
                 out.append((req, TorchpoolError(errors.UNAVAILABLE, message)))
