@@ -20,6 +20,7 @@ from torchpool.config import ModelConfig
 from torchpool.config.pbtxt import parse_pbtxt
 from torchpool.protocol import errors, messages
 from torchpool.protocol.errors import TorchpoolError
+from torchpool.protocol.internal import OutputDescriptor
 from torchpool.shm.arena import Arena
 
 
@@ -40,6 +41,10 @@ class Rig:
         self.client = self.ctx.socket(zmq.DEALER)
         self.client.setsockopt(zmq.IDENTITY, b"client-1")
         self.client.connect(f"ipc://{tmp_path}/answers.sock")
+        # a ROUTER drops messages to peers it does not know yet: wait until it knows this one
+        self.client.send(b"hello")
+        assert self.frontend.sockets[0].poll(5000)
+        assert self.frontend.sockets[0].recv_multipart() == [b"client-1", b"hello"]
         self.broker_arena = Arena(lambda i: f"{tag}in{i}", 1 << 20, 4 << 20)
         self.worker_arena = Arena(lambda i: f"{tag}w0.{i}", 1 << 20, 4 << 20)
         self.answers = Answers(self.frontend, self.broker_arena, Counter())
@@ -53,7 +58,7 @@ class Rig:
         """A worker's output descriptor for `rows`, written into its arena."""
         block = self.worker_arena.alloc(rows.nbytes)
         self.worker_arena.view(block)[:] = rows.tobytes()
-        return [["OUTPUT__0", "FP32", list(rows.shape), block.segment, block.offset, rows.nbytes]]
+        return [OutputDescriptor("OUTPUT__0", "FP32", list(rows.shape), block.segment, block.offset, rows.nbytes)]
 
     def receive(self) -> dict:
         assert self.client.poll(5000), "no answer within 5 s"
@@ -91,7 +96,7 @@ def test_a_batch_is_split_into_one_answer_per_request_and_the_block_goes_back(ri
     assert (first["id"], first["ok"], values(first)) == (1, True, ["OUTPUT__0", [1, 2], [0, 1]])
     assert (second["id"], values(second)) == (2, ["OUTPUT__0", [2, 2], [2, 3, 4, 5]])
     # small outputs travel inline: the worker's block is free again at once
-    assert rig.worker.releases == [outputs[0][3:6]]
+    assert rig.worker.releases == [list(outputs[0][3:6])]
     assert mv.stats.success.count == 2
 
 
@@ -112,7 +117,7 @@ def test_outputs_that_cannot_be_split_fail_the_batch_not_the_broker(rig: Rig) ->
     rig.answers.complete(mv, batch, Executed(outputs, rig.worker))
     got = [rig.receive() for _ in range(2)]
     assert all(not g["ok"] and "has 3 rows for a batch of 2 rows" in g["error"]["message"] for g in got)
-    assert rig.worker.releases == [outputs[0][3:6]]
+    assert rig.worker.releases == [list(outputs[0][3:6])]
 
 
 def test_preserve_ordering_answers_in_the_order_batches_were_sent(rig: Rig) -> None:

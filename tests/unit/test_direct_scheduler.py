@@ -75,7 +75,7 @@ def test_inputs_in_shared_memory_are_passed_by_descriptor(arena: Arena) -> None:
     s = DirectScheduler(config(), arena, counts)
     s.push(request(s.config, 1.0, location=["client-seg", 64, 8, 3]), 0.0)
     batch = s.take("i", 0.0)
-    assert batch.inputs[0][3:] == ["client-seg", 64, 8, 3] and batch.requests[0].blocks == []
+    assert list(batch.inputs[0][3:7]) == ["client-seg", 64, 8, 3] and batch.requests[0].blocks == []
     assert counts == Counter({"input_bytes_in_place": 8})
 
 

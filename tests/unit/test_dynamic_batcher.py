@@ -147,7 +147,7 @@ def test_a_batch_of_one_in_shared_memory_is_not_copied(arena: Arena) -> None:
     b = DynamicBatcher(cfg, arena, counts)
     b.push(request(cfg, location=["client-seg", 64, 8, 7]), 0.0)
     batch = b.take(INSTANCE, 0.0)
-    assert batch.inputs[0][3:] == ["client-seg", 64, 8, 7] and batch.blocks == []
+    assert list(batch.inputs[0][3:7]) == ["client-seg", 64, 8, 7] and batch.blocks == []
     assert counts == {"input_bytes_in_place": 8}
     b.push(request(cfg, value=1.0, location=["client-seg", 64, 8, 7]), 0.0)
     b.push(request(cfg, value=2.0, location=["client-seg", 128, 8, 9]), 0.0)

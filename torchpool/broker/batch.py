@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from ..config import ModelConfig
 from ..protocol import errors
+from ..protocol.internal import InputDescriptor
 from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, ArenaFull, Block
 from .requests import InferRequest
@@ -100,7 +101,7 @@ def write_tensors(tensors: list[tuple[str, str, list, bytes]], arena: Arena) -> 
             blocks.append(block)
             if data:
                 arena.view(block)[:] = data
-            descriptors.append([name, datatype, shape, block.segment, block.offset, len(data), 0])
+            descriptors.append(InputDescriptor(name, datatype, shape, block.segment, block.offset, len(data)))
     except ArenaFull:
         for block in blocks:
             arena.free(block)

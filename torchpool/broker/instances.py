@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
+from ..config.parameters import model_parameters
 from ..protocol import errors, internal
 from ..protocol.errors import TorchpoolError
 from ..shm.segment import unlink_segment
@@ -102,17 +103,14 @@ class Instances:
         self.answers.collect_finished_sends()
         releases, worker.releases = worker.releases, []
         try:
-            worker.send(internal.RUN, worker.batch_id, batch.inputs, batch.outputs, releases)
+            worker.send(internal.Run(worker.batch_id, batch.inputs, batch.outputs, releases))
         except OSError:
             pass  # the worker is dying; its sentinel will answer this batch
 
     def _execution_timeout(self, mv: ModelVersion) -> float:
         """Seconds a batch may run: the model's TORCHPOOL_EXECUTION_TIMEOUT_S, else the daemon's."""
-        value = mv.config.parameters.get("TORCHPOOL_EXECUTION_TIMEOUT_S")
-        try:
-            return float(value) if value is not None else self.options.execution_timeout
-        except ValueError:
-            return self.options.execution_timeout
+        own = model_parameters(mv.config).execution_timeout
+        return own if own is not None else self.options.execution_timeout
 
     def _kill_if_hung(self, worker: WorkerHandle, batch_id: int, limit: float) -> None:
         if worker.state == BUSY and worker.batch_id == batch_id and worker.batch is not None:
@@ -123,23 +121,28 @@ class Instances:
     # ------------------------------------------------------------- messages
 
     def _on_message(self, h: WorkerHandle) -> None:
-        msg = h.recv()
+        try:
+            msg = h.recv()
+        except internal.ProtocolViolation as exc:
+            log.error("%s sent a message that is not of the worker protocol (%s); killing it", h.label, exc)
+            h.process.kill()     # its sentinel fails its batch and restarts it
+            return
         if msg is None:          # EOF: the sentinel tells how it died
             self.loop.unwatch(h.sock.fileno())
             return
-        kind = msg[0]
         mv = h.mv
-        if kind == internal.READY:
+        kind = type(msg)
+        if kind is internal.Ready:
             self._on_ready(h, mv, msg)
-        elif kind == internal.LOAD_FAILED:
-            self.version_failed(mv, msg[2])
-        elif kind in (internal.DONE, internal.FAILED):
+        elif kind is internal.LoadFailed:
+            self.version_failed(mv, msg.message)
+        elif kind is internal.Done or kind is internal.Failed:
             self._on_finished(h, mv, msg)
 
-    def _on_ready(self, h: WorkerHandle, mv: ModelVersion, msg: list) -> None:
+    def _on_ready(self, h: WorkerHandle, mv: ModelVersion, msg: internal.Ready) -> None:
         h.state = IDLE
         mv.idle.append(h)
-        log.debug("%s ready (pid %s, %s)", h.label, msg[1], msg[2])
+        log.debug("%s ready (pid %s, %s)", h.label, msg.pid, msg.device)
         for later in self.supervisor.spawn_deferred(mv):
             self._watch(later)
         if mv.state == LOADING and not mv.deferred and all(w.state != STARTING for w in mv.workers):
@@ -148,7 +151,7 @@ class Instances:
             self.events.settled(mv)
         self.events.idle(mv)
 
-    def _on_finished(self, h: WorkerHandle, mv: ModelVersion, msg: list) -> None:
+    def _on_finished(self, h: WorkerHandle, mv: ModelVersion, msg: internal.Done | internal.Failed) -> None:
         batch, h.batch = h.batch, None
         batch_id = h.batch_id
         h.state = IDLE
@@ -157,15 +160,15 @@ class Instances:
             self.answers.free_batch(batch)
         if batch is not None:
             outcome: Optional[Executed | TorchpoolError]
-            if msg[1] != batch_id:
-                outcome = TorchpoolError(errors.INTERNAL, f"{h.label} answered batch {msg[1]} while "
-                                                          f"running batch {batch_id}")
-            elif msg[0] == internal.DONE:
-                mv.stats.record_execution(batch.items, len(batch.requests), *msg[3][:3])
+            if msg.batch_id != batch_id:
+                outcome = TorchpoolError(errors.INTERNAL, f"{h.label} answered batch {msg.batch_id} "
+                                                          f"while running batch {batch_id}")
+            elif type(msg) is internal.Done:
+                mv.stats.record_execution(batch.items, len(batch.requests), *msg.timings[:3])
                 mv.consecutive_crashes = 0
-                outcome = Executed(msg[2], h, frozenset(msg[4]) if len(msg) > 4 else frozenset())
+                outcome = Executed(msg.outputs, h, frozenset(msg.reused))
             else:
-                outcome = TorchpoolError(msg[2], msg[3])
+                outcome = TorchpoolError(msg.code, msg.message)
             # the scheduler sees the outputs (a sequence's state) before they go back
             mv.scheduler.finished(batch, outcome.outputs if isinstance(outcome, Executed) else None,
                                   self.answers.read_output)

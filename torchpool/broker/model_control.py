@@ -164,7 +164,7 @@ class ModelControl:
                 if not w.stopping:
                     w.stopping = True
                     try:
-                        w.send(internal.STOP)
+                        w.send(internal.Stop())
                     except OSError:
                         pass
             if not mv.workers:

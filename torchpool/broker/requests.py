@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 from ..config import ModelConfig, TensorSpec
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
+from ..protocol.internal import InputDescriptor
 from ..protocol.messages import tensor_payload
 from ..shm.arena import Arena, ArenaFull, Block
 from ..shm.bulkcopy import copy_into
@@ -240,7 +241,7 @@ def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[li
     try:
         for spec, _shape, model_shape, payload, location in staged:
             if location is not None:
-                descriptors.append([spec.name, spec.datatype, model_shape, *location])
+                descriptors.append(InputDescriptor(spec.name, spec.datatype, model_shape, *location))
                 continue
             block = arena.alloc(len(payload))
             blocks.append(block)
@@ -248,8 +249,8 @@ def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[li
                 copy_into(arena.view(block), payload)
             # True: the answer may be sent from this block when an output is
             # a view of it (the broker keeps the block until it is sent)
-            descriptors.append([spec.name, spec.datatype, model_shape, block.segment,
-                                block.offset, block.size, 0, True])
+            descriptors.append(InputDescriptor(spec.name, spec.datatype, model_shape, block.segment,
+                                               block.offset, block.size, 0, True))
     except ArenaFull as exc:
         for block in blocks:
             arena.free(block)

@@ -45,12 +45,13 @@ import socket
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import zmq
 
 from ..config import scan_repository
-from ..protocol import errors, messages
+from ..config.parameters import ParameterError, model_parameters
+from ..protocol import errors, internal, messages
 from ..protocol.errors import TorchpoolError
 from ..shm import Arena, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
 from .answers import Answers
@@ -61,7 +62,7 @@ from .loop import Loop
 from .metrics import MetricsServer
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
 from .options import ServerOptions
-from .registry import READY, UNAVAILABLE, ModelVersion, Registry
+from .registry import READY, ModelVersion, Registry
 from .schedulers import make_scheduler
 from .sessions import SessionManager
 from .supervisor import Supervisor
@@ -358,10 +359,9 @@ class Server:
 
     def _forget(self, refs: list) -> None:
         """Every live worker unmaps segments of a closed session or region."""
-        from ..protocol import internal
         for h in self.supervisor.workers.values():
             try:
-                h.send(internal.FORGET, refs)
+                h.send(internal.Forget(refs))
             except OSError:
                 pass
 
@@ -370,11 +370,13 @@ class Server:
     def start_version(self, mv: ModelVersion) -> None:
         if mv.scheduler is None:
             try:
+                model_parameters(mv.config)       # parsed once; a bad value fails the load here
                 mv.scheduler = make_scheduler(mv.config, Path(mv.model_file).parent.parent, self.arena,
                                               self.transfer)
-            except TorchpoolError as exc:
-                mv.fail(exc.message)
-                log.error("%s is UNAVAILABLE: %s", mv.label, exc.message)
+            except (TorchpoolError, ParameterError) as exc:
+                reason = exc.message if isinstance(exc, TorchpoolError) else str(exc)
+                mv.fail(reason)
+                log.error("%s is UNAVAILABLE: %s", mv.label, reason)
                 self._settled(mv)
                 return
         self.instances.start_version(mv)

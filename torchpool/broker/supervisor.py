@@ -20,9 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import msgpack
-
 from ..config import InstanceGroup
+from ..config.parameters import model_parameters
 from ..protocol import internal
 from ..shm import remove_segments_with_prefix
 from ..worker.spec import WorkerSpec, run_worker
@@ -96,21 +95,21 @@ class WorkerHandle:
     def sentinel(self) -> int:
         return self.process.sentinel
 
-    def send(self, *msg: Any) -> None:
-        self.sock.send(msgpack.packb(msg, use_bin_type=True))
+    def send(self, msg: internal.Message) -> None:
+        self.sock.send(internal.encode(msg))
 
-    def recv(self) -> Optional[list]:
+    def recv(self) -> Optional[internal.Message]:
+        """The worker's next message; None at EOF. Raises ProtocolViolation."""
         try:
             raw = self.sock.recv(internal.MAX_MESSAGE)
         except (ConnectionError, OSError):
             return None
-        return msgpack.unpackb(raw, raw=False) if raw else None
+        return internal.decode(raw) if raw else None
 
 
 def shares_weights(mv: ModelVersion) -> bool:
-    """ENABLE_WEIGHT_SHARING, read as the worker reads booleans (it rejects bad values)."""
-    value = mv.config.parameters.get("ENABLE_WEIGHT_SHARING", "false").strip().lower()
-    return value in ("true", "on", "1")
+    """ENABLE_WEIGHT_SHARING (the server checked the parameters before any worker starts)."""
+    return model_parameters(mv.config).enable_weight_sharing
 
 
 def instance_devices(group: InstanceGroup, gpus: list[int]) -> list[str]:
@@ -208,7 +207,7 @@ class Supervisor:
         handles = list(self.workers.values())
         for h in handles:
             try:
-                h.send(internal.STOP)
+                h.send(internal.Stop())
             except OSError:
                 pass
         deadline = time.monotonic() + timeout

@@ -27,6 +27,7 @@ import zmq
 
 from ...protocol import errors, messages
 from ...protocol.errors import TorchpoolError
+from ...protocol.internal import OutputDescriptor
 from ...shm import Arena, SegmentCache
 from ...shm.arena import Block
 from ..batch import Batch
@@ -198,10 +199,10 @@ class Answers:
             parts = None
         blocks = {}
         for d in descriptors:
-            if isinstance(d[3], str) and worker is not None and d[0] not in reused:
-                blocks[d[3], d[4]] = _OutBlock(worker, [d[3], d[4], d[5]])
+            if isinstance(d.segment, str) and worker is not None and d.name not in reused:
+                blocks[d.segment, d.offset] = _OutBlock(worker, [d.segment, d.offset, d.nbytes])
         if parts is not None:
-            owner_of = {d[0]: blocks.get((d[3], d[4])) if isinstance(d[3], str) else None
+            owner_of = {d.name: blocks.get((d.segment, d.offset)) if isinstance(d.segment, str) else None
                         for d in descriptors}
             for req, pieces in zip(batch.requests, parts):
                 try:
@@ -342,9 +343,9 @@ class Answers:
         for seq, (batch, outcome) in list(order.held.items()):
             if isinstance(outcome, Executed) and outcome.worker is h:
                 reused = outcome.reused
-                copied = [[name, datatype, shape, _Copied(bytes(self.read_output(seg, off, n))), 0, n]
-                          if isinstance(seg, str) and name not in reused else [name, datatype, shape, seg, off, n]
-                          for name, datatype, shape, seg, off, n in outcome.outputs]
+                copied = [OutputDescriptor(name, datatype, shape, _Copied(bytes(self.read_output(seg, off, n))), 0, n)
+                          if isinstance(seg, str) and name not in reused else d
+                          for d in outcome.outputs for name, datatype, shape, seg, off, n in [d]]
                 order.held[seq] = (batch, Executed(copied, None, reused))
 
 

@@ -57,12 +57,13 @@ def check_reused_outputs(batch: Batch, descriptors: list, reused: frozenset, lab
     reuse: each must lie inside such an input of this batch (which then has
     one request), or the answer would point at memory the client did not
     offer. Raises TorchpoolError otherwise."""
-    offered = [d for d in batch.inputs if len(d) > 7 and d[7] is True]
+    offered = [d for d in batch.inputs if d.reuse]
     for name, _datatype, _shape, segment, offset, nbytes in descriptors:
         if name not in reused:
             continue
         if len(batch.requests) != 1 or not any(
-                d[3] == segment and d[4] <= offset and offset + nbytes <= d[4] + d[5] for d in offered):
+                d.segment == segment and d.offset <= offset and offset + nbytes <= d.offset + d.nbytes
+                for d in offered):
             raise TorchpoolError(errors.INTERNAL, f"{label}: output '{name}' was answered as a view "
                                                   f"of an input block it does not lie in")
 

@@ -15,6 +15,7 @@ import math
 from typing import Any, Optional
 
 from ...config import ModelConfig, TensorSpec
+from ...protocol.internal import InputDescriptor
 from ...shm.arena import Arena, Block
 from ...shm.bulkcopy import copy_into
 from ..requests import InferRequest
@@ -154,7 +155,7 @@ class FormingBatch:
         for name, buf in self.buffers.items():
             spec, shape, model_shape, payload, location = first[name]
             if name in in_place:
-                descriptors.append([name, spec.datatype, model_shape, *location])
+                descriptors.append(InputDescriptor(name, spec.datatype, model_shape, *location))
                 passed += len(payload)
                 buf.free()
                 continue
@@ -169,7 +170,7 @@ class FormingBatch:
             if block is None:           # nothing written (zero bytes)
                 block = self.arena.alloc(0)
             blocks.append(block)
-            descriptors.append([name, spec.datatype, batch_shape, block.segment, block.offset, nbytes, 0])
+            descriptors.append(InputDescriptor(name, spec.datatype, batch_shape, block.segment, block.offset, nbytes))
         self.buffers = {}
         return descriptors, blocks, passed
 
