@@ -15,25 +15,13 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "torchpool"
 
 # Cycles still expected, each to be deleted here once gone (the test fails
-# on an unlisted cycle, and on a listed one that no longer exists).
-#
-# Removed by the broker rewrite (issue 9, item 5: the registry holds records,
-# not schedulers' internals): today registry, supervisor, requests, batch and
-# schedulers.base import each other. While the rewrite is under way the set
-# of modules in that cycle changes, so any cycle made only of
-# torchpool.broker modules is tolerated until BROKER_CYCLES_REMOVED is True.
-BROKER_CYCLES_REMOVED = False
-ALLOWED_CYCLES: list[frozenset[str]] = [
-    # removed when broker/supervisor.py imports run_worker from torchpool.worker.entry
-    # (then spec.run_worker, its alias, is deleted)
-    frozenset({"torchpool.worker.spec", "torchpool.worker.entry", "torchpool.worker.process"}),
-]
+# on an unlisted cycle, and on a listed one that no longer exists). None are:
+# the registry holds records and imports neither schedulers nor workers.
+ALLOWED_CYCLES: list[frozenset[str]] = []
 
 
 def allowed(cycle: frozenset[str]) -> bool:
-    if cycle in ALLOWED_CYCLES:
-        return True
-    return not BROKER_CYCLES_REMOVED and all(m.startswith("torchpool.broker.") for m in cycle)
+    return cycle in ALLOWED_CYCLES
 
 
 def module_name(path: Path) -> str:

@@ -3,16 +3,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from ..config import ModelConfig, ModelEntry
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
 from .stats import VersionStats
 
-if TYPE_CHECKING:
-    from .schedulers.base import Scheduler
-    from .supervisor import WorkerHandle
 
 LOADING = "LOADING"
 READY = "READY"
@@ -32,9 +29,12 @@ class ModelVersion:
     model_file: str
     state: str = LOADING
     reason: str = ""
-    scheduler: Optional["Scheduler"] = None   # set when its workers start (broker/schedulers/)
-    workers: list["WorkerHandle"] = field(default_factory=list)
-    idle: deque["WorkerHandle"] = field(default_factory=deque)
+    # What runs it, attached by the server when its workers start. The
+    # registry holds records and imports neither: `scheduler` is a
+    # schedulers.base.Scheduler, `workers` / `idle` are supervisor.WorkerHandles.
+    scheduler: Any = None
+    workers: list = field(default_factory=list)
+    idle: deque = field(default_factory=deque)
     deferred: list[tuple[str, str]] = field(default_factory=list)   # (instance, device) not yet started
     stats: VersionStats = field(default_factory=VersionStats)
     consecutive_crashes: int = 0      # worker crashes since the last successful execution

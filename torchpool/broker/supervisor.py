@@ -24,7 +24,8 @@ from ..config import InstanceGroup
 from ..config.parameters import model_parameters
 from ..protocol import internal
 from ..shm import remove_segments_with_prefix
-from ..worker.spec import WorkerSpec, run_worker
+from ..worker.entry import run_worker
+from ..worker.spec import WorkerSpec
 from .registry import ModelVersion
 
 log = logging.getLogger("torchpool.broker")

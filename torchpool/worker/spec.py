@@ -2,14 +2,11 @@
 
 This module must not import torch: the broker imports it, and the broker
 never loads torch (it would cost it a second and a few hundred MB). The entry
-point the broker starts is `torchpool.worker.entry.run_worker`; the alias
-here goes once the broker imports it from there (it is the one import cycle
-left in the worker: spec -> entry -> process -> spec).
+point the broker starts is `torchpool.worker.entry.run_worker`.
 """
 from __future__ import annotations
 
 import logging
-import socket
 from dataclasses import dataclass
 
 from ..config.model_config import ModelConfig
@@ -32,10 +29,3 @@ class WorkerSpec:
     busy_poll_us: int = 0         # poll this long after a batch before sleeping
     shared_weights: str = ""      # ENABLE_WEIGHT_SHARING: the weights segment name
     log_format: str = "text"
-
-
-def run_worker(spec: WorkerSpec, sock: socket.socket) -> None:
-    """Kept while the broker imports it from here; use `torchpool.worker.entry.run_worker`."""
-    from .entry import run_worker as entry
-
-    entry(spec, sock)
