@@ -440,7 +440,7 @@ class SequenceBatcher(Scheduler):
             self.wake_at = None
         for inst in list(self.instances.values()):
             for seq in list(inst.slots):
-                if seq is None or seq.running is not None or seq.queue or now - seq.last < self.idle_s:
+                if seq is None or seq.running is not None or seq.queue or seq.last + self.idle_s > now:
                     continue
                 log.debug("model '%s': sequence %s idle for %.1f s: released", self.model, seq.corrid,
                           self.idle_s)
