@@ -14,7 +14,10 @@ ratios are meaningful even on a noisy 2-core machine.
      32 for the example repository's MLP (256-1024-1024-10, one instance),
      once with its `dynamic_batching { }` and once as a copy without it
      (`mlp_nobatch`: one request per execution), with the executions the
-     daemon counted (requests per execution = the mean batch size).
+     daemon counted (requests per execution = the mean batch size);
+  5. sequence batching: 16 concurrent sequences of an accumulator with
+     `direct { }` against the same model one sequence at a time
+     (bench_sequences.py).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from torchpool import Client  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_local import bench_local, render_local  # noqa: E402
+from bench_sequences import add_sequence_models, bench_sequences, render_sequences  # noqa: E402
 from bench_timing import percentiles, time_calls  # noqa: E402
 
 MiB = 1 << 20
@@ -328,6 +332,7 @@ def main() -> int:
         repo = work / "repo"
         build_example_repository(repo)
         add_unbatched_mlp(repo)
+        add_sequence_models(repo)
         print("in-process TorchScript ...", flush=True)
         results["inprocess"] = bench_inprocess(repo, n_small, n_big, secs)
         urls = {"ipc": f"ipc://{work}/tp.sock", "tcp": "tcp://127.0.0.1:18555"}
@@ -344,6 +349,8 @@ def main() -> int:
             results["local"] = bench_local(urls["ipc"], n_small, n_big)
             print("dynamic batching: MLP at concurrency 1, 8, 32 ...", flush=True)
             results["batching"] = bench_batching(urls["ipc"], secs)
+            print("sequence batching: 16 sequences, direct vs one at a time ...", flush=True)
+            results["sequences"] = bench_sequences(urls["ipc"], secs)
         finally:
             daemon.stop()
         if not args.skip_startup:
@@ -393,6 +400,8 @@ def render(r: dict) -> str:
                          + " | ".join(f"{row[k]['mean_batch']:.1f}" for k in cs) + " |")
         lines.append("| speed-up with batching | " + " | ".join(
             f"{b['mlp'][k]['rps'] / b['mlp_nobatch'][k]['rps']:.1f}x" for k in cs) + " |")
+    if "sequences" in r:
+        lines += render_sequences(r["sequences"])
     if "startup" in r:
         s = r["startup"]
         lines += ["", f"startup: {s['models']} single-instance models ready in {s['ready_s']:.2f} s; "
