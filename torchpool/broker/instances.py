@@ -202,7 +202,6 @@ class Instances:
         self.loop.unwatch(h.sock.fileno())
         was = h.state
         how = self.supervisor.reap(h)
-        self.sessions.worker_gone(h)
         self.answers.worker_gone(h)
         mv = h.mv
         for req, err in mv.scheduler.instance_gone(h):

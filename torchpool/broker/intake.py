@@ -107,7 +107,7 @@ class Intake:
         the output blocks it has finished reading."""
         session = self.sessions.get(header.get("session"), identity)
         if session is not None and header.get("release"):
-            self.sessions.release(session, header["release"])
+            self.answers.release_lent(session, header["release"])
         return session
 
     def _session_control(self, op: str, header: dict, session: Any, identity: bytes) -> Any:

@@ -15,7 +15,7 @@ from ..config import ModelConfig, TensorSpec
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
 from ..protocol.internal import InputDescriptor
-from ..protocol.messages import tensor_payload
+from ..protocol import tensors
 from ..shm.arena import Arena, ArenaFull, Block
 from ..shm.bulkcopy import copy_into
 from .registry import ModelVersion
@@ -94,16 +94,17 @@ def _payload(e: dict, frames: Sequence[Any], session: Any, sessions: Any, what: 
     in shared memory ([segment ref, offset, nbytes, generation], and `True`
     when the client lets the answer point into the block; None when inline
     bytes must be staged)."""
-    if "shm" in e:
-        view, location = sessions.arena_view(session, e["shm"], what)
-        if e.get("reuse") is True:
+    where = tensors.location(e)
+    if where == tensors.SHM:
+        view, location = sessions.arena_view(session, e[tensors.SHM], what)
+        if e.get(tensors.REUSE) is True:
             location.append(True)        # the answer may point into this block
         return view, location
-    if "region" in e:
-        region, offset, nbytes = sessions.region(session, e["region"], what)
+    if where == tensors.REGION:
+        region, offset, nbytes = sessions.region(session, e[tensors.REGION], what)
         regions.append(region)
         return region.view(offset, nbytes), [region.worker_ref(), region.offset + offset, nbytes, 0]
-    return memoryview(tensor_payload(e, frames)).cast("B"), None
+    return memoryview(tensors.tensor_payload(e, frames)).cast("B"), None
 
 
 def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion, session: Any = None,
@@ -223,8 +224,8 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
         if name in seen:
             continue
         seen.add(name)
-        if isinstance(out, dict) and "region" in out:
-            region, offset, capacity = sessions.region(session, out["region"],
+        if isinstance(out, dict) and tensors.REGION in out:
+            region, offset, capacity = sessions.region(session, out[tensors.REGION],
                                                        f"output '{name}' for model '{model}'")
             regions.append(region)
             region_outputs[name] = (region.name, offset)

@@ -124,7 +124,7 @@ class Server:
         self.frontend = Frontend(self.ctx, o.listen)
         self.answers = Answers(self.frontend, self.arena, self.transfer)
         self.sessions = SessionManager(f"{self.prefix}", o.client_shm_size, o.client_shm_limit,
-                                       o.client_lease, self.answers.give_back, self._forget)
+                                       o.client_lease, self.answers.end_loans, self._forget)
         self.answers.sessions = self.sessions
         self.loop.call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
         entries = scan_repository(o.model_repository)

@@ -104,7 +104,7 @@ class Session:
     last_seen: float
     identity: bytes = b""         # the client's ZeroMQ routing id (its connection)
     arena: dict[str, Segment] = field(default_factory=dict)
-    lent: dict[tuple[str, int], tuple[int, Any, int]] = field(default_factory=dict)  # (seg, off) -> (gen, worker, size)
+    loans: int = 0                # outputs lent to it now (the answer path owns the map of them)
     regions: dict[str, Region] = field(default_factory=dict)
     in_flight: int = 0
 
@@ -115,12 +115,12 @@ class Session:
 
 class SessionManager:
     def __init__(self, segment_prefix: str, arena_size: int, arena_limit: int, lease_s: float,
-                 give_back: Callable[[Any, list], None], forget: Callable[[list], None]) -> None:
+                 end_loans: Callable[["Session"], None], forget: Callable[[list], None]) -> None:
         self.prefix = segment_prefix
         self.arena_size = arena_size
         self.arena_limit = arena_limit
         self.lease_s = lease_s
-        self.give_back = give_back        # (worker, [[seg, off, size]]) -> the worker may reuse
+        self.end_loans = end_loans        # (session) -> every output lent to it goes back
         self.forget = forget              # ([segment refs]) -> workers drop their mappings
         self.sessions: dict[str, Session] = {}
         self._counter = itertools.count()
@@ -182,9 +182,7 @@ class SessionManager:
     def close(self, session: Session) -> None:
         """Give back everything the session held."""
         self.sessions.pop(session.token, None)
-        for (segment, offset), (_gen, worker, size) in session.lent.items():
-            self.give_back(worker, [[segment, offset, size]])
-        session.lent.clear()
+        self.end_loans(session)
         for name in list(session.regions):
             self._unregister(session, name)
         forgotten = list(session.arena)
@@ -202,7 +200,7 @@ class SessionManager:
         now = time.monotonic()
         idle = [s for s in self.sessions.values()
                 if s.in_flight == 0
-                and now - s.last_seen > self.lease_s * (10 if s.lent and s.last_seen else 1)]
+                and now - s.last_seen > self.lease_s * (10 if s.loans and s.last_seen else 1)]
         for s in idle:
             log.info("client session %s… idle for %.0f s: releasing its shared memory", s.token[:8],
                      now - s.last_seen)
@@ -212,39 +210,6 @@ class SessionManager:
     def close_all(self) -> None:
         for s in list(self.sessions.values()):
             self.close(s)
-
-    # --- lent outputs ----------------------------------------------------------
-
-    def lend(self, session: Session, worker: Any, segment: str, offset: int, size: int) -> int:
-        gen = next(self._generations)
-        session.lent[(segment, offset)] = (gen, worker, size)
-        return gen
-
-    def release(self, session: Session, releases: Any) -> int:
-        """Give back the blocks the client names. A release that matches no
-        block lent to this session with that generation (a worker that died
-        since, a duplicate) frees nothing and is ignored: it can never free
-        a block someone else reads. Returns how many were ignored."""
-        if not isinstance(releases, list):
-            raise _bad("'release' must be a list of [segment, offset, generation]")
-        ignored = 0
-        for item in releases:
-            if not (isinstance(item, list) and len(item) == 3):
-                raise _bad("'release' must be a list of [segment, offset, generation]")
-            key = (item[0], item[1])
-            lent = session.lent.get(key) if isinstance(item[0], str) and isinstance(item[1], int) else None
-            if lent is None or lent[0] != item[2]:
-                ignored += 1
-                continue
-            del session.lent[key]
-            self.give_back(lent[1], [[item[0], item[1], lent[2]]])
-        return ignored
-
-    def worker_gone(self, worker: Any) -> None:
-        """A dead worker's lent blocks need no release (its memory is gone with it)."""
-        for s in self.sessions.values():
-            for key in [k for k, v in s.lent.items() if v[1] is worker]:
-                del s.lent[key]
 
     # --- arena inputs ------------------------------------------------------------
 

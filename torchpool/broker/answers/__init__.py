@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 
 import zmq
 
-from ...protocol import errors, messages
+from ...protocol import errors, messages, tensors
 from ...protocol.errors import TorchpoolError
 from ...protocol.internal import OutputDescriptor
 from ...shm import Arena, SegmentCache
@@ -74,6 +74,15 @@ class _OutBlock:
     refs: int = 1                     # 1 while the answers are being sent
 
 
+@dataclass(eq=False)
+class _Loan:
+    """An output sub-range lent in place to a local client's session."""
+
+    session: Any
+    generation: int                   # the client names it when it releases the range
+    owner: _OutBlock
+
+
 class _Copied:
     """Output bytes copied out of a worker that died before they were sent."""
 
@@ -96,8 +105,9 @@ class Answers:
         self.worker_segments = SegmentCache()
         # zero-copy sends of worker output blocks still being written by ZeroMQ
         self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list[_OutBlock]]] = []
-        # output sub-ranges lent to local clients: (segment, offset) -> the block they are part of
-        self._lent: dict[tuple[str, int], _OutBlock] = {}
+        # the one map of output sub-ranges lent to local clients: (segment, offset) -> loan
+        self._lent: dict[tuple[str, int], _Loan] = {}
+        self._generations = itertools.count(1)
         # zero-copy sends of outputs that are views of inputs in the broker's
         # arena: those input blocks are freed once the sends are done
         self._sending_inputs: list[tuple[list[zmq.MessageTracker], list[Block]]] = []
@@ -105,8 +115,9 @@ class Answers:
     def worker_gone(self, h: WorkerHandle) -> None:
         """A worker died: forget its blocks, copy out what waits for its turn."""
         self._sending = [s for s in self._sending if s[1] is not h]
-        if self._lent:
-            self._lent = {k: v for k, v in self._lent.items() if v.worker is not h}
+        if self._lent:     # a dead worker's lent blocks need no release: its memory is gone
+            for key in [k for k, loan in self._lent.items() if loan.owner.worker is h]:
+                self._lent.pop(key).session.loans -= 1
         order = self._orders.get(h.mv)
         if order is not None:
             self._rescue_held(order, h)
@@ -115,14 +126,42 @@ class Answers:
     def close(self) -> None:
         self.worker_segments.close()
 
-    def give_back(self, worker: WorkerHandle, blocks: list) -> None:
-        """A client released lent outputs (or its session closed)."""
-        for block in blocks:
-            shared = self._lent.pop((block[0], block[1]), None)
-            if shared is not None:
-                self._unref(shared)
-            elif worker.state != DEAD:
-                worker.releases.append(block)
+    def _lend(self, session: Any, owner: _OutBlock, segment: str, offset: int) -> int:
+        generation = next(self._generations)
+        self._lent[segment, offset] = _Loan(session, generation, owner)
+        owner.refs += 1
+        session.loans += 1
+        return generation
+
+    def release_lent(self, session: Any, releases: Any) -> int:
+        """Give back the lent outputs a client names `[segment, offset,
+        generation]`. One that matches no range lent to this session with
+        that generation (a worker that died since, a duplicate) frees nothing
+        and is ignored: it can never free a block someone else reads.
+        Returns how many were ignored."""
+        if not isinstance(releases, list):
+            raise TorchpoolError(errors.INVALID_ARG, "'release' must be a list of [segment, offset, generation]")
+        ignored = 0
+        for item in releases:
+            if not (isinstance(item, list) and len(item) == 3):
+                raise TorchpoolError(errors.INVALID_ARG,
+                                     "'release' must be a list of [segment, offset, generation]")
+            key = (item[0], item[1]) if isinstance(item[0], str) and isinstance(item[1], int) else None
+            loan = self._lent.get(key) if key is not None else None
+            if loan is None or loan.session is not session or loan.generation != item[2]:
+                ignored += 1
+                continue
+            del self._lent[key]
+            session.loans -= 1
+            self._unref(loan.owner)
+        return ignored
+
+    def end_loans(self, session: Any) -> None:
+        """The session closed: everything lent to it goes back."""
+        if session.loans:
+            for key in [k for k, loan in self._lent.items() if loan.session is session]:
+                self._unref(self._lent.pop(key).owner)
+        session.loans = 0
 
     def release(self, req: InferRequest) -> None:
         """Free what the request held, once: arena blocks, regions, its session."""
@@ -243,11 +282,11 @@ class Answers:
             for name, datatype, shape, segment, offset, nbytes in pieces:
                 if name in req.hidden_outputs:
                     continue                     # sequence state: kept by the broker, never sent
-                entry = {"name": name, "datatype": datatype, "shape": shape}
+                entry = tensors.tensor_entry(name, datatype, shape)
                 outputs.append(entry)
                 if name in req.region_outputs:
                     region_name, region_offset = req.region_outputs[name]
-                    entry["region"] = [region_name, nbytes, region_offset]
+                    tensors.put_region(entry, region_name, nbytes, region_offset)
                     continue
                 if name in reused:
                     self._answer_view(entry, segment, offset, nbytes, held, frames, held_trackers)
@@ -274,17 +313,13 @@ class Answers:
         one the broker staged (`held`), sent from there."""
         self.transfer["output_bytes_reused"] += nbytes
         if not _within(held, segment, offset, nbytes):
-            entry["own"] = [segment, offset, nbytes]
+            tensors.put_own(entry, segment, offset, nbytes)
             return
         self.transfer["output_bytes_sent"] += nbytes
         data = memoryview(self.arena.segments[segment].buf)[offset:offset + nbytes]
-        if nbytes <= messages.INLINE_LIMIT:
-            entry["data"] = bytes(data)
-            return
-        frame = zmq.Frame(data, copy=False, track=True)
-        frames.append(frame)
-        trackers.append(frame.tracker)
-        entry["data"] = len(frames)
+        frame = tensors.put_data(entry, data, frames, _tracked)
+        if frame is not None:
+            trackers.append(frame.tracker)
 
     def _answer_output(self, entry: dict, segment: Any, offset: int, nbytes: int, owner: Any,
                        lend_to: Any, frames: list, trackers: list, sending: list) -> None:
@@ -292,28 +327,18 @@ class Answers:
         (`lend_to`: its session, else None); small ones inline; large ones as
         zero-copy frames of the worker's shared memory (`owner`: its block;
         None for bytes copied out of a worker that died)."""
-        if lend_to is not None and owner is not None and nbytes > messages.LOCAL_MIN_BYTES:
-            entry["shm"] = [segment, offset, nbytes,
-                            self.sessions.lend(lend_to, owner.worker, segment, offset, nbytes)]
-            owner.refs += 1
-            self._lent[segment, offset] = owner
+        if lend_to is not None and owner is not None and tensors.worth_descriptor(nbytes):
+            tensors.put_shm(entry, segment, offset, nbytes, self._lend(lend_to, owner, segment, offset))
             self.transfer["output_bytes_lent"] += nbytes
             return
         self.transfer["output_bytes_sent"] += nbytes
         data = self.read_output(segment, offset, nbytes)
-        if nbytes <= messages.INLINE_LIMIT:
-            entry["data"] = bytes(data)
-            return
-        if owner is None:
-            frames.append(data)
-        else:
-            frame = zmq.Frame(data, copy=False, track=True)
-            frames.append(frame)
+        frame = tensors.put_data(entry, data, frames, None if owner is None else _tracked)
+        if frame is not None and owner is not None:
             trackers.append(frame.tracker)
             if owner not in sending:
                 owner.refs += 1
                 sending.append(owner)
-        entry["data"] = len(frames)
 
     def collect_finished_sends(self) -> None:
         """Blocks whose zero-copy sends ZeroMQ has finished go back: worker
@@ -347,6 +372,11 @@ class Answers:
                           if isinstance(seg, str) and name not in reused else d
                           for d in outcome.outputs for name, datatype, shape, seg, off, n in [d]]
                 order.held[seq] = (batch, Executed(copied, None, reused))
+
+
+def _tracked(data: memoryview) -> zmq.Frame:
+    """A zero-copy frame whose send we can see finish (the block is then freed)."""
+    return zmq.Frame(data, copy=False, track=True)
 
 
 def _take_viewed_blocks(req: InferRequest, pieces: list, reused: frozenset) -> list[Block]:
