@@ -578,3 +578,18 @@ def test_tritons_qa_implicit_state_models_load(arena, tmp_path: Path, data_type:
     assert binding.output_index == {"OUTPUT__0": 0, "OUTPUT_STATE__1": 1}
     s = SequenceBatcher(cfg, tmp_path, arena)
     assert s.hidden_outputs == {"OUTPUT_STATE__1"}
+
+
+def test_a_request_of_a_sequence_has_batch_size_one(arena) -> None:
+    h = Harness(accumulator(mbs=4), arena)
+    spec = h.cfg.input("INPUT__0")
+    staged = [(spec, [2, 1], [2, 1], memoryview(bytes(8)), None)]
+    req = InferRequest(None, b"client", 1, None, [], ["OUTPUT__0"], batch_size=2)
+    h.s.admit(req, {"sequence": {"id": 5, "start": True}})
+    batch_layout(req, staged, h.cfg)
+    req.staged = staged
+    with pytest.raises(TorchpoolError) as err:
+        h.s.push(req, h.now)
+    assert err.value.message == ("inference request to model 'seq' must specify batch-size 1 due to "
+                                 "requirements of sequence batcher")
+    assert len(h.s) == 0 and 5 not in h.s.sequences
