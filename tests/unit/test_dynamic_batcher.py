@@ -193,3 +193,44 @@ def test_split_outputs_rows_strings_and_scatter() -> None:
     parts = split_outputs(strings, Batch(reqs, 4, 4, [], []), [["O", "BYTES", [4], "seg", 0, len(data)]],
                           lambda seg, off, n: memoryview(data)[off:off + n])
     assert parts == [[("O", "BYTES", [1, 1], "seg", 0, 5)], [("O", "BYTES", [3, 1], "seg", 5, len(data) - 5)]]
+
+
+def test_split_outputs_skips_rows_of_no_request_by_row_starts() -> None:
+    """A direct sequence batch with an empty slot: rows 0 and 2 are requests',
+    row 1 is nobody's. Each request gets its own rows, even alone in a batch."""
+    cfg = make_config("")
+    reqs = [SimpleNamespace(rows=1, outputs=["OUTPUT__0"]), SimpleNamespace(rows=1, outputs=["OUTPUT__0"])]
+    batch = Batch(reqs, 2, 3, [], [], row_starts=[0, 2])
+    parts = split_outputs(cfg, batch, [["OUTPUT__0", "FP32", [3, 2], "seg", 1000, 24]], None)
+    assert parts == [[("OUTPUT__0", "FP32", [1, 2], "seg", 1000, 8)],
+                     [("OUTPUT__0", "FP32", [1, 2], "seg", 1016, 8)]]
+    alone = Batch(reqs[:1], 1, 3, [], [], row_starts=[2])
+    parts = split_outputs(cfg, alone, [["OUTPUT__0", "FP32", [3, 2], "seg", 1000, 24]], None)
+    assert parts == [[("OUTPUT__0", "FP32", [1, 2], "seg", 1016, 8)]]
+    # BYTES: two strings per row; rows 0 and 2 are the requests'
+    strings = ModelConfig.from_json({**parse_pbtxt(
+        'name: "s"\nplatform: "pytorch_libtorch"\nmax_batch_size: 8\n'
+        'input [ { name: "I" data_type: TYPE_STRING dims: [ 2 ] } ]\n'
+        'output [ { name: "O" data_type: TYPE_STRING dims: [ 2 ] } ]\n'), "name": "s"})
+    data = datatypes.encode_bytes([b"a", b"bcd", b"", b"", b"ef", b"g"])
+    read = lambda seg, off, n: memoryview(data)[off:off + n]    # noqa: E731
+    reqs = [SimpleNamespace(rows=1, outputs=["O"]), SimpleNamespace(rows=1, outputs=["O"])]
+    parts = split_outputs(strings, Batch(reqs, 2, 3, [], [], row_starts=[0, 2]),
+                          [["O", "BYTES", [6], "seg", 0, len(data)]], read)
+    first, second = parts[0][0], parts[1][0]
+    assert first == ("O", "BYTES", [2], "seg", 0, 12)
+    assert second == ("O", "BYTES", [2], "seg", 20, len(data) - 20)
+    assert datatypes.decode_bytes(data[second[4]:second[4] + second[5]]) == [b"ef", b"g"]
+    parts = split_outputs(strings, Batch(reqs[1:], 1, 3, [], [], row_starts=[1]),
+                          [["O", "BYTES", [6], "seg", 0, len(data)]], read)
+    assert parts == [[("O", "BYTES", [2], "seg", 12, 8)]]
+
+
+def test_bytes_boundaries_and_truncation() -> None:
+    data = datatypes.encode_bytes([b"a", b"bcd", b"", b"ef"])
+    assert datatypes.bytes_boundaries(data, [1, 2, 1]) == [0, 5, 16, len(data)]
+    assert datatypes.bytes_boundaries(memoryview(data), []) == [0]
+    with pytest.raises(ValueError):
+        datatypes.bytes_boundaries(data[:-1], [4])
+    with pytest.raises(ValueError):
+        datatypes.bytes_boundaries(data, [5])

@@ -34,6 +34,20 @@ class Batch:
     seq: Optional[int] = None         # answer order, set by the answer path (preserve_ordering)
     error: Optional[TorchpoolError] = None   # could not be formed: fail its requests
     context: Any = None               # the scheduler's own bookkeeping (a sequence batch's slots)
+    # The first row of each request, when the batch also holds rows that
+    # belong to no request (a direct sequence batch's empty slots); None: the
+    # requests' rows follow one another from row 0, in order.
+    row_starts: Optional[list[int]] = None
+
+    def starts(self) -> list[int]:
+        """The first row of each request."""
+        if self.row_starts is not None:
+            return self.row_starts
+        out, row = [], 0
+        for r in self.requests:
+            out.append(row)
+            row += r.rows
+        return out
 
     @classmethod
     def single(cls, req: InferRequest) -> "Batch":

@@ -116,6 +116,24 @@ def encode_bytes(items: Iterable[Any]) -> bytes:
     return b"".join(parts)
 
 
+def bytes_boundaries(data: Any, counts: Iterable[int]) -> list[int]:
+    """Byte offsets of groups of BYTES elements: `counts[i]` elements after
+    the previous group; returns [0, end of group 0, end of group 1, ...].
+    ValueError when `data` ends inside an element."""
+    view = memoryview(data).cast("B")
+    end = len(view)
+    bounds, pos = [0], 0
+    for count in counts:
+        for _ in range(count):
+            if pos + 4 > end:
+                raise ValueError(f"truncated length prefix at byte {pos}")
+            pos += 4 + _LEN.unpack_from(view, pos)[0]
+            if pos > end:
+                raise ValueError(f"element declares more bytes than the {end} there are")
+        bounds.append(pos)
+    return bounds
+
+
 def decode_bytes(buf: Any, count: Optional[int] = None) -> list[bytes]:
     """Parse length-prefixed elements; ValueError when the layout is broken."""
     view = memoryview(buf).cast("B")

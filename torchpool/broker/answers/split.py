@@ -1,14 +1,14 @@
 """Each request's own part of a finished batch's outputs.
 
 A batch's outputs are split back per request without copying: rows along
-dim 0, `BYTES` by element count, `BATCH_SCATTER_WITH_INPUT_SHAPE` by each
+dim 0 (from `Batch.row_starts` when the batch has rows of no request),
+`BYTES` by element count, `BATCH_SCATTER_WITH_INPUT_SHAPE` by each
 request's source input shape; an output `reshape` is undone. Outputs a
 worker answered as views of an input block are checked to lie in one.
 """
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any, Callable, Optional
 
 from ...config import ModelConfig, TensorSpec
@@ -17,7 +17,6 @@ from ...protocol.errors import TorchpoolError
 from ..batch import Batch
 
 SCATTER = "BATCH_SCATTER_WITH_INPUT_SHAPE"
-_LENGTH = struct.Struct("<I")
 
 
 def output_shape(spec: Optional[TensorSpec], shape: list[int], batching: bool) -> list[int]:
@@ -37,19 +36,6 @@ def scatter_sources(cfg: ModelConfig) -> dict[str, str]:
     """BATCH_SCATTER_WITH_INPUT_SHAPE outputs and their source inputs."""
     return {str(t): entry["source_input"][0] for entry in cfg.batch_outputs
             if entry.get("kind", SCATTER) == SCATTER for t in entry["target_name"]}
-
-
-def _bytes_boundaries(data: memoryview, counts: list[int], name: str, model: str) -> list[int]:
-    """Byte offsets where each request's BYTES elements start (and the end)."""
-    bounds, pos = [0], 0
-    for count in counts:
-        for _ in range(count):
-            if pos + 4 > len(data):
-                raise TorchpoolError(errors.INTERNAL, f"output '{name}' of model '{model}' is a "
-                                                      f"truncated BYTES tensor")
-            pos += 4 + _LENGTH.unpack_from(data, pos)[0]
-        bounds.append(pos)
-    return bounds
 
 
 def check_reused_outputs(batch: Batch, descriptors: list, reused: frozenset, label: str) -> None:
@@ -83,14 +69,16 @@ def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: list,
     model = cfg.name
     batching = cfg.max_batch_size > 0
     scatter = scatter_sources(cfg)
-    single = len(requests) == 1
+    single = len(requests) == 1 and batch.row_starts is None
+    starts = batch.starts()
     parts: dict[str, list[tuple]] = {}
     for name, datatype, shape, segment, offset, nbytes in descriptors:
         spec = cfg.output(name)
         if name in scatter:
-            if datatype == "BYTES":
+            if datatype == "BYTES" or batch.row_starts is not None:
+                what = "BYTES" if datatype == "BYTES" else "rows of no request (empty sequence slots)"
                 raise TorchpoolError(errors.UNSUPPORTED, f"output '{name}' of model '{model}': "
-                                                         f"{SCATTER} does not support BYTES")
+                                                         f"{SCATTER} does not support {what}")
             size = datatypes.element_size(datatype)
             pos, pieces = offset, []
             for r in requests:
@@ -112,10 +100,16 @@ def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: list,
                                      f"output '{name}' of model '{model}' has {count} strings for a "
                                      f"batch of {batch.rows}: it cannot be split per request")
             per_row = count // batch.rows
-            counts = [r.rows * per_row for r in requests]
-            bounds = _bytes_boundaries(read(segment, offset, nbytes), counts, name, model)
-            pieces = [(datatype, output_shape(spec, [c], batching), segment, offset + bounds[i],
-                       bounds[i + 1] - bounds[i]) for i, c in enumerate(counts)]
+            try:
+                bounds = datatypes.bytes_boundaries(read(segment, offset, nbytes), [per_row] * batch.rows)
+            except ValueError as exc:
+                raise TorchpoolError(errors.INTERNAL, f"output '{name}' of model '{model}' is a "
+                                                      f"truncated BYTES tensor: {exc}") from None
+            pieces = []
+            for r, first in zip(requests, starts):
+                lo, hi = bounds[first], bounds[first + r.rows]
+                pieces.append((datatype, output_shape(spec, [r.rows * per_row], batching), segment,
+                               offset + lo, hi - lo))
         else:
             if not shape or shape[0] != batch.rows:
                 got = shape[0] if shape else "no"
@@ -124,12 +118,8 @@ def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: list,
                                      f"of {batch.rows} rows from {len(requests)} requests: a batched "
                                      f"output must keep the batch dimension first")
             row = nbytes // batch.rows if batch.rows else 0
-            pieces, start = [], offset
-            for r in requests:
-                n = r.rows * row
-                pieces.append((datatype, output_shape(spec, [r.rows] + list(shape[1:]), batching),
-                               segment, start, n))
-                start += n
+            pieces = [(datatype, output_shape(spec, [r.rows] + list(shape[1:]), batching), segment,
+                       offset + first * row, r.rows * row) for r, first in zip(requests, starts)]
         parts[name] = pieces
     out = []
     for i, r in enumerate(requests):
