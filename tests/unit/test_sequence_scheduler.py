@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
+from torchpool.broker.answers.split import split_outputs
 from torchpool.broker.batch import Batch
 from torchpool.broker.requests import InferRequest, batch_layout
 from torchpool.broker.schedulers import make_scheduler
@@ -139,7 +140,7 @@ class Harness:
             descriptors.append([name, dt, shape, block.segment, block.offset, len(data)])
         self.s.finished(batch, descriptors, self.read)
         out = []
-        starts = batch.context.row_starts
+        starts = batch.starts()
         value = results["OUTPUT__0"]
         for i, req in enumerate(batch.requests):
             if isinstance(value, list):
@@ -189,8 +190,11 @@ def test_direct_batches_across_sequences_with_their_own_state(arena) -> None:
     batch = h.s.take("w0", h.now)
     assert [r.sequence.corrid for r in batch.requests] == [1, 3]
     inputs = h.inputs(batch)
-    assert inputs["STATE_IN__5"].reshape(-1).tolist() == [10, 30]
-    assert inputs["END__2"].reshape(-1).tolist() == [0.0, 1.0]
+    # Triton's layout: slot 1 (sequence 2, nothing ready) is a not-ready row of zeros
+    assert batch.rows == 3 and batch.row_starts == [0, 2]
+    assert inputs["STATE_IN__5"].reshape(-1).tolist() == [10, 0, 30]
+    assert inputs["READY__3"].reshape(-1).tolist() == [True, False, True]
+    assert inputs["END__2"].reshape(-1).tolist() == [0.0, 0.0, 1.0]
     assert h.run(batch, accumulate) == [11, 35]
     batch = h.s.take("w0", h.now)
     assert [r.sequence.corrid for r in batch.requests] == [1]
@@ -325,16 +329,14 @@ def test_flags_and_correlation_ids_are_checked_with_tritons_words(arena) -> None
     assert len(h.s) == 0
 
 
-def test_empty_slot_rows_in_tritons_layout(arena, monkeypatch) -> None:
-    from torchpool.broker.schedulers import sequence as module
-    monkeypatch.setattr(module, "EMPTY_SLOT_ROWS", True)
+def test_empty_slot_rows_in_tritons_layout(arena) -> None:
     h = Harness(accumulator(mbs=4), arena)
     for k in (1, 2, 3):
         h.send(k, k, start=True)
     h.run(h.s.take("w0", h.now), accumulate)
     h.send(10, 2)                                # slot 1 only; slot 0 empty; slot 2 idle
     b = h.s.take("w0", h.now)
-    assert b.rows == 2 and b.context.row_starts == [1] and b.items == 1
+    assert b.rows == 2 and b.row_starts == [1] and b.items == 1
     inputs = h.inputs(b)
     assert inputs["READY__3"].reshape(-1).tolist() == [False, True]
     assert inputs["CORRID__4"].reshape(-1).tolist() == [0, 2]
@@ -345,9 +347,58 @@ def test_empty_slot_rows_in_tritons_layout(arena, monkeypatch) -> None:
     h.send(1, 1)
     h.send(1, 3)
     b = h.s.take("w0", h.now)
-    assert b.rows == 3 and b.context.row_starts == [0, 2]
+    assert b.rows == 3 and b.row_starts == [0, 2]
     assert h.inputs(b)["READY__3"].reshape(-1).tolist() == [True, False, True]
     assert h.run(b, accumulate) == [2, 4]
+
+
+def test_an_empty_middle_slot_gets_a_not_ready_row_of_zeros(arena) -> None:
+    """Slots 0 and 2 busy, slot 1 empty (its sequence ended): three rows, the
+    middle one READY=0, START/END 0, CORRID 0, zero input and state; the
+    others' controls are their own, and the answer path splits by row_starts."""
+    h = Harness(accumulator(mbs=4), arena)
+    for k in (1, 2, 3):
+        h.send(k, k, start=True)
+    h.run(h.s.take("w0", h.now), accumulate)
+    h.send(5, 2, end=True)
+    h.run(h.s.take("w0", h.now), accumulate)    # sequence 2 ended: slot 1 is free
+    assert h.s.instances["w0"].slots[1] is None
+    first = h.send(7, 1, end=True)
+    third = h.send(9, 3, start=True)             # a START on a live sequence: afresh
+    b = h.s.take("w0", h.now)
+    assert b.requests == [first, third] and b.rows == 3 and b.items == 2 and b.row_starts == [0, 2]
+    inputs = h.inputs(b)
+    assert inputs["READY__3"].reshape(-1).tolist() == [True, False, True]
+    assert inputs["START__1"].reshape(-1).tolist() == [0, 0, 1]
+    assert inputs["END__2"].reshape(-1).tolist() == [1.0, 0.0, 0.0]
+    assert inputs["CORRID__4"].reshape(-1).tolist() == [1, 0, 3]
+    assert inputs["INPUT__0"].reshape(-1).tolist() == [7, 0, 9]
+    assert inputs["STATE_IN__5"].reshape(-1).tolist() == [1, 0, 0]      # START: the initial state
+    assert inputs["START__1"].shape == (3, 1)
+    # what the answer path hands each request: its own row of the outputs
+    results = accumulate(inputs)
+    data = results["OUTPUT__0"].tobytes()
+    parts = split_outputs(h.cfg, b, [["OUTPUT__0", "INT32", [3, 1], "seg", 64, len(data)],
+                                     ["STATE_OUT__1", "INT32", [3, 1], "seg", 128, len(data)]], None)
+    assert [p[0] for p in parts] == [("OUTPUT__0", "INT32", [1, 1], "seg", 64, 4),
+                                     ("OUTPUT__0", "INT32", [1, 1], "seg", 72, 4)]
+    assert h.run(b, accumulate) == [8, 9]
+    assert h.s.sequences[3].state["STATE_IN__5"] == ((1, 1), np.int32([9]).tobytes())
+
+
+def test_oldest_and_a_full_prefix_of_slots_have_no_empty_rows(arena) -> None:
+    h = Harness(accumulator(mbs=4, strategy="oldest { max_candidate_sequences: 4 }"), arena)
+    for k in (1, 2, 3):
+        h.send(k, k, start=True)
+    h.run(h.s.take("w0", h.now), accumulate)
+    h.send(1, 3)
+    b = h.s.take("w0", h.now)
+    assert b.rows == 1 and b.row_starts is None and h.run(b, accumulate) == [4]
+    d = Harness(accumulator(mbs=4), arena)
+    d.send(1, 1, start=True)
+    d.send(2, 2, start=True)
+    b = d.s.take("w0", d.now)
+    assert b.rows == 2 and b.row_starts is None and b.starts() == [0, 1]
 
 
 def test_direct_waits_for_slot_utilization_at_most_the_queue_delay(arena) -> None:
@@ -426,7 +477,9 @@ def test_variable_shape_state_follows_the_model_and_batches_by_shape(arena) -> N
     assert h.run(b, append) == [8]
     b = h.s.take("w0", h.now)
     assert [r.sequence.corrid for r in b.requests] == [2]
-    assert h.inputs(b)["STATE_IN__5"].tolist() == [[2]]
+    # slot 0 (sequence 1) has nothing ready: a not-ready row of zeros before it
+    assert h.inputs(b)["STATE_IN__5"].tolist() == [[0], [2]] and b.row_starts == [1]
+    assert h.inputs(b)["READY__3"].reshape(-1).tolist() == [False, True]
     assert h.run(b, append) == [7]
 
 

@@ -26,11 +26,11 @@ Each row gets its controls and its sequence's implicit state
 (sequence_tensors.py); the state outputs are kept per sequence (never sent
 to the client: `hidden_outputs`) and may change shape (`dims: [-1]`).
 
-With `EMPTY_SLOT_ROWS` (Triton's direct layout) a direct batch has one row
-per slot from 0 to the highest slot that runs a request, and an empty slot
-in between gets a row of zeros with READY false; `Batch.context.row_starts`
-then says where each request's row is. Off (the default until the answer
-path reads `row_starts`), the rows are the requests', in slot order.
+A direct batch has one row per slot from 0 to the highest slot that runs
+a request, as in Triton: an empty slot in between gets a row of zeros with
+READY false (CORRID 0) and `Batch.row_starts` says where each request's row
+is (not with `batch_output`s, nor for a request that runs alone: there
+the rows are the requests', in slot order).
 
 A worker that dies takes its sequences with it: their waiting requests fail
 with an error naming the model, the sequence and the instance, their slots
@@ -50,19 +50,13 @@ from ...config import ModelConfig
 from ...protocol import errors
 from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
-from ..batch import Batch, stage_batch_inputs, write_tensors
+from ..batch import Batch
 from ..requests import InferRequest
 from .base import ReadOutput, Refusals, Scheduler
-from .forming import FormingBatch
-from .sequence_tensors import (EmptyRow, SequenceFlags, check_corrid, control_tensors, parse_control,
-                               parse_flags, parse_state, split_state, state_tensors)
+from .sequence_tensors import (SequenceFlags, check_corrid, layout_rows, parse_control, parse_flags,
+                               parse_state, split_state, stage_rows)
 
 log = logging.getLogger("torchpool.broker")
-
-# Triton's direct layout: empty slots below the highest busy one get a
-# not-ready row of zeros. Needs the answer path to split by
-# `batch.context.row_starts`.
-EMPTY_SLOT_ROWS = False
 
 
 # ------------------------------------------------------------------ bookkeeping
@@ -89,7 +83,6 @@ class _Instance:
 class SequenceBatchContext:
     """A sequence batch's own bookkeeping (Batch.context)."""
     members: list[tuple[Sequence, InferRequest]]          # in batch.requests order
-    row_starts: list[int]                                 # each request's first row in the batch
     instance: Any
 
 
@@ -307,25 +300,22 @@ class SequenceBatcher(Scheduler):
             seq.last = now
             members.append((seq, req))
         requests = [req for _seq, req in members]
-        # rows: the requests in slot order, or (Triton's layout) one row per slot
-        rows_of: list = list(requests)
-        starts, row = [], 0
-        if EMPTY_SLOT_ROWS and not self.oldest and self.batching and len(members) < self.slot_count:
-            by_slot = {seq.slot: req for seq, req in members}
-            rows_of = [by_slot.get(i) or EmptyRow(requests[0]) for i in range(max(by_slot) + 1)]
-        for r in rows_of:
-            if not isinstance(r, EmptyRow):
-                starts.append(row)
-            row += r.rows
-        context = SequenceBatchContext(members, starts, inst.handle)
-        items = sum(r.batch_size for r in requests)
-        batch = Batch(requests, items, row, [], self._outputs(requests), context=context)
+        # Triton's direct layout, unless the rows must be the requests' (a request
+        # with outputs into a region runs alone; scatter outputs follow the requests)
+        empty_slots = (not self.oldest and self.batching and not self.config.batch_outputs
+                       and not requests[0].exclusive)
+        rows_of, starts = layout_rows(requests, [seq.slot for seq in seqs], empty_slots)
+        batch = Batch(requests, sum(r.batch_size for r in requests), sum(r.rows for r in rows_of), [],
+                      self._outputs(requests), context=SequenceBatchContext(members, inst.handle),
+                      row_starts=starts)
+        by_req = {id(req): seq for seq, req in members}
         try:
-            self._write(batch, rows_of, members)
+            batch.inputs, batch.blocks, copied, passed = stage_rows(
+                self.config, self.arena, rows_of, self.controls, self.states,
+                lambda r: by_req[id(r)].state, self.batching)
+            self._count("input_bytes_copied", copied)
+            self._count("input_bytes_in_place", passed)
         except ArenaFull as exc:
-            for block in batch.blocks:
-                self.arena.free(block)
-            batch.blocks, batch.inputs = [], []
             batch.error = TorchpoolError(errors.UNAVAILABLE, f"model '{self.model}': {exc}; retry later "
                                                              f"or raise --shm-limit")
             for seq, _req in members:
@@ -335,29 +325,6 @@ class SequenceBatcher(Scheduler):
             if req.sequence.end:
                 self._release(seq)            # the slot goes to the backlog now, as in Triton
         return batch
-
-    def _write(self, batch: Batch, rows_of: list, members: list[tuple[Sequence, InferRequest]]) -> None:
-        forming = FormingBatch(self.arena, None, len(rows_of))
-        try:
-            for r in rows_of:
-                forming.append(r)
-            inputs, blocks, passed = forming.finish(self.config)
-        except ArenaFull:
-            forming.free()
-            raise
-        batch.inputs, batch.blocks = inputs, blocks
-        self._count("input_bytes_copied", forming.copied)
-        self._count("input_bytes_in_place", passed)
-        by_req = {id(req): seq for seq, req in members}
-        tensors = (control_tensors(self.controls, rows_of, self.batching)
-                   + state_tensors(self.states, rows_of, lambda r: by_req[id(r)].state, self.batching))
-        extra, extra_blocks = write_tensors(tensors, self.arena)
-        batch.inputs.extend(extra)
-        batch.blocks.extend(extra_blocks)
-        if self.config.batch_inputs:
-            extra, extra_blocks = stage_batch_inputs(self.config, rows_of, self.arena)
-            batch.inputs.extend(extra)
-            batch.blocks.extend(extra_blocks)
 
     def _count(self, key: str, n: int) -> None:
         if n:
@@ -384,7 +351,7 @@ class SequenceBatcher(Scheduler):
         if captured:
             try:
                 states = {s.spec.input_name: split_state(self.model, s, by_name.get(s.spec.output_name),
-                                                         batch.rows, ctx.row_starts, self.batching, read)
+                                                         batch.rows, batch.starts(), self.batching, read)
                           for s in self.states}
             except TorchpoolError as exc:
                 log.error("%s", exc.message)
@@ -472,4 +439,4 @@ class SequenceBatcher(Scheduler):
         return self.count
 
 
-__all__ = ["SequenceBatcher", "SequenceBatchContext", "SequenceFlags", "parse_flags", "EMPTY_SLOT_ROWS"]
+__all__ = ["SequenceBatcher", "SequenceBatchContext", "SequenceFlags", "parse_flags"]

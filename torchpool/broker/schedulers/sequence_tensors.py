@@ -21,23 +21,22 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
-from ...config import SequenceState
+from ...config import ModelConfig, SequenceState
 from ...protocol import datatypes, errors
 from ...protocol.errors import TorchpoolError
+from ...shm.arena import Arena, ArenaFull
+from ..batch import batch_input_values, write_tensors
 from ..requests import InferRequest
+from .forming import FormingBatch
 
 START, END, READY, CORRID = ("CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END",
                              "CONTROL_SEQUENCE_READY", "CONTROL_SEQUENCE_CORRID")
 _PAIRS = {"int32_false_true": ("INT32", "<i"), "fp32_false_true": ("FP32", "<f"),
           "bool_false_true": ("BOOL", "<?")}
 _CORRID_FORMATS = {"INT32": "<i", "UINT32": "<I", "INT64": "<q", "UINT64": "<Q"}
-_LENGTH = struct.Struct("<I")
 Tensors = list[tuple[str, str, list, bytes]]      # [(name, datatype, shape, bytes)]
-
-# Triton's direct layout: empty slots below the highest busy one get a
-# not-ready row of zeros. Needs the answer path to split by
 
 
 @dataclass(frozen=True)
@@ -189,7 +188,6 @@ def parse_state(model: str, spec: SequenceState, model_dir: Path, batching: bool
     return State(spec, datatype, prefix + idims, initial)
 
 
-
 class EmptyRow:
     """A not-ready slot inside a direct batch: zeros shaped like a real row."""
 
@@ -204,6 +202,49 @@ class EmptyRow:
         self.rows = like.rows
         self.batch_size = like.batch_size
         self.shapes = like.shapes
+
+
+def layout_rows(requests: list[InferRequest], slots: list[int], empty_slots: bool
+                ) -> tuple[list, Optional[list[int]]]:
+    """A batch's rows and each request's first row (None: the requests' own
+    rows, in order). `requests` run in `slots` (ascending); with
+    `empty_slots` (Triton's direct layout) every slot from 0 to the highest
+    busy one gets a row, an EmptyRow where it runs nothing."""
+    if not empty_slots or slots == list(range(len(slots))):
+        return list(requests), None
+    by_slot = dict(zip(slots, requests))
+    rows = [by_slot.get(i) or EmptyRow(requests[0]) for i in range(max(slots) + 1)]
+    starts, row = [], 0
+    for r in rows:
+        if not isinstance(r, EmptyRow):
+            starts.append(row)
+        row += r.rows
+    return rows, starts
+
+
+def stage_rows(config: ModelConfig, arena: Arena, rows: list, controls: list[Control], states: list[State],
+               state_of: Callable[[InferRequest], dict], batching: bool) -> tuple[list, list, int, int]:
+    """Write a sequence batch into the arena: the rows' inputs (contiguous),
+    their controls and states, and the `batch_input`s. Returns (worker
+    descriptors, blocks, bytes copied, bytes left in place); raises ArenaFull
+    having freed what it took."""
+    forming = FormingBatch(arena, None, len(rows))
+    blocks: list = []
+    try:
+        for r in rows:
+            forming.append(r)
+        inputs, blocks, passed = forming.finish(config)
+        tensors = control_tensors(controls, rows, batching) + state_tensors(states, rows, state_of, batching)
+        for made in (tensors, batch_input_values(config, rows) if config.batch_inputs else []):
+            extra, extra_blocks = write_tensors(made, arena)
+            inputs.extend(extra)
+            blocks.extend(extra_blocks)
+    except ArenaFull:
+        forming.free()
+        for block in blocks:
+            arena.free(block)
+        raise
+    return inputs, blocks, forming.copied, passed
 
 
 
@@ -262,14 +303,11 @@ def split_state(model: str, s: State, descriptor: Any, rows: int, row_starts: li
             row_shape = (1, *shape[1:])
         else:                              # a flat List[str] of the whole batch
             row_shape = (1, per_row) if len(s.spec.dims) == 1 else (1, *s.shape[1:])
-        bounds, pos = [0], 0
-        for _ in range(rows):
-            for _ in range(per_row):
-                if pos + 4 > len(data):
-                    raise TorchpoolError(errors.INTERNAL, f"state output '{name}' of model '{model}' is "
-                                                          f"a truncated BYTES tensor")
-                pos += 4 + _LENGTH.unpack_from(data, pos)[0]
-            bounds.append(pos)
+        try:
+            bounds = datatypes.bytes_boundaries(data, [per_row] * rows)
+        except ValueError as exc:
+            raise TorchpoolError(errors.INTERNAL, f"state output '{name}' of model '{model}' is a "
+                                                  f"truncated BYTES tensor: {exc}") from None
         return [(row_shape, bytes(data[bounds[r]:bounds[r + 1]])) for r in row_starts]
     if not shape or shape[0] != rows:
         raise TorchpoolError(errors.INTERNAL, f"state output '{name}' of model '{model}' has shape {shape} "
