@@ -95,6 +95,23 @@ class Accumulate(nn.Module):
         return total, total, seen
 
 
+class SlotRows(nn.Module):
+    """Accumulate, and beside it what the whole batch held (at most 4 rows):
+    [READY of rows 0..3, CORRID of rows 0..3], -1 past the last row."""
+
+    def forward(self, x: Tensor, start: Tensor, end: Tensor, ready: Tensor, corrid: Tensor,
+                state: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        total = torch.where(start != 0, x, x + state)
+        total = torch.where(ready, total, torch.zeros_like(total))
+        n = x.shape[0]
+        rows = torch.full_like(corrid, n)
+        seen = torch.cat([start.to(torch.int64), end.to(torch.int64), ready.to(torch.int64), corrid, rows],
+                         dim=1)
+        pad = torch.full([4 - n], -1, dtype=torch.int64)
+        batch = torch.cat([ready.reshape(-1).to(torch.int64), pad, corrid.reshape(-1), pad])
+        return total, total, seen, batch.reshape(1, 8).expand(n, 8).contiguous()
+
+
 class SlowAccumulate(nn.Module):
     """Running sum; an input above 1000 first spins that many iterations."""
 
@@ -166,6 +183,13 @@ MODELS = {
   oldest { max_candidate_sequences: 8 preferred_batch_size: [ 8 ] max_queue_delay_microseconds: 20000 }"""
                                                 + ALL_CONTROLS,
                                                 extra='instance_group [ { count: 1 kind: KIND_CPU } ]')),
+    # four slots; a batch with fewer than two ready slots waits up to 200 ms for a second
+    "seq_slots": (SlotRows(), sequence_model("seq_slots", 4, """
+  max_sequence_idle_microseconds: 30000000
+  direct { max_queue_delay_microseconds: 200000 minimum_slot_utilization: 0.5 }""" + ALL_CONTROLS,
+                                            io_text=ACCUMULATE_IO.replace("\n]", """,
+  { name: "BATCH__3" data_type: TYPE_INT64 dims: [ 8 ] }\n]"""),
+                                            extra='instance_group [ { count: 1 kind: KIND_CPU } ]')),
     "seq_one_slot": (Accumulate(), sequence_model("seq_one_slot", 1, """
   max_sequence_idle_microseconds: 300000
   direct { }""" + ALL_CONTROLS, extra='instance_group [ { count: 1 kind: KIND_CPU } ]')),
@@ -445,3 +469,42 @@ def test_string_state(seq_url: str) -> None:
     a, b = asyncio.run(main())
     assert a == [b"a", b"a+bb", b"a+bb+c"]
     assert b == [b"x", b"x+yyy"]
+
+
+def test_an_empty_slot_below_a_busy_one_is_a_not_ready_row(seq_daemon: Daemon) -> None:
+    """Triton's direct layout: with slots 0 and 2 busy and slot 1 free, a batch
+    of both has three rows, the middle one READY=0 and CORRID 0, and each
+    sequence still gets its own row's result."""
+    def send(c: Client, x: int, seq: int, **flags) -> tuple[int, list[int], list[int]]:
+        out = c.infer("seq_slots", {"INPUT__0": np.array([[x]], np.int32)}, sequence_id=seq, **flags)
+        assert sorted(out) == ["BATCH__3", "OUTPUT__0", "SEEN__2"]
+        return (int(out["OUTPUT__0"].reshape(-1)[0]), out["SEEN__2"].reshape(-1).tolist(),
+                out["BATCH__3"].reshape(-1).tolist())
+
+    with Client(seq_daemon.url, timeout=30) as c:
+        # one at a time: 301 takes slot 0, 302 slot 1, 303 slot 2
+        assert send(c, 1, 301, sequence_start=True) == (1, [1, 0, 1, 301, 1],
+                                                        [1, -1, -1, -1, 301, -1, -1, -1])
+        # 301 holds slot 0 but sends nothing: its row is there, not ready
+        assert send(c, 2, 302, sequence_start=True) == (2, [1, 0, 1, 302, 2], [0, 1, -1, -1, 0, 302, -1, -1])
+        assert send(c, 3, 303, sequence_start=True) == (3, [1, 0, 1, 303, 3], [0, 0, 1, -1, 0, 0, 303, -1])
+        assert send(c, 20, 302, sequence_end=True)[0] == 22      # slot 1 is free now
+        inferences, executions = stats(c, "seq_slots")
+
+    async def both() -> list[dict]:
+        async with AsyncClient(seq_daemon.url, timeout=30) as ac:
+            return list(await asyncio.gather(*(
+                ac.infer("seq_slots", {"INPUT__0": np.array([[x]], np.int32)}, sequence_id=seq)
+                for x, seq in ((10, 301), (30, 303)))))
+
+    a, b = asyncio.run(both())
+    # one batch of three rows: 301 in row 0, the empty slot 1, 303 in row 2
+    assert a["BATCH__3"].reshape(-1).tolist() == [1, 0, 1, -1, 301, 0, 303, -1]
+    assert b["BATCH__3"].reshape(-1).tolist() == [1, 0, 1, -1, 301, 0, 303, -1]
+    assert a["SEEN__2"].reshape(-1).tolist() == [0, 0, 1, 301, 3]
+    assert b["SEEN__2"].reshape(-1).tolist() == [0, 0, 1, 303, 3]
+    assert int(a["OUTPUT__0"].reshape(-1)[0]) == 11 and int(b["OUTPUT__0"].reshape(-1)[0]) == 33
+    with Client(seq_daemon.url, timeout=30) as c:
+        assert stats(c, "seq_slots") == (inferences + 2, executions + 1)
+        assert send(c, 100, 303, sequence_end=True)[0] == 133
+        assert send(c, 100, 301, sequence_end=True)[0] == 111
