@@ -70,8 +70,6 @@ from .systemd import Notifier
 
 log = logging.getLogger("torchpool.broker")
 
-SWEEP_S = 0.25     # how often schedulers' idle timers are checked at the latest
-
 
 class Server:
     def __init__(self, options: ServerOptions) -> None:
@@ -150,7 +148,6 @@ class Server:
             self.loop.call_later(o.repository_poll_secs, self._poll_repository)
         for mv in self.registry.all_versions():
             self.start_version(mv)
-        self.loop.call_later(SWEEP_S, self._sweep)
         log.info("listening on %s; loading %d model versions from %s", ", ".join(o.listen),
                  len(self.registry.all_versions()), o.model_repository)
         self.notifier.status(f"loading {len(self.registry.all_versions())} model versions")
@@ -314,11 +311,6 @@ class Server:
                 for req, err in scheduler.expire(now):
                     self.answers.fail(req, err)
                 self._dispatch(mv)
-
-    def _sweep(self) -> None:
-        """Wake the loop now and then: deadlines far away (an idle sequence)
-        are checked at least this often even while the loop busy-polls."""
-        self.loop.call_later(SWEEP_S, self._sweep)
 
     def _watchdog(self) -> None:
         """WATCHDOG=1 from the main loop itself: a stuck loop stops the pings."""
