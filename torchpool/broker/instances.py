@@ -158,7 +158,6 @@ class Instances:
         mv.idle.append(h)
         if batch is not None:
             self.answers.free_batch(batch)
-        if batch is not None:
             outcome: Optional[Executed | TorchpoolError]
             if msg.batch_id != batch_id:
                 outcome = TorchpoolError(errors.INTERNAL, f"{h.label} answered batch {msg.batch_id} "
