@@ -14,7 +14,9 @@ from ..protocol.errors import InferenceError
 from .arena import DEFAULT_ARENA_CAP
 from .common import (DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, encode_control, error_of,
                      send_goodbye_and_close, timeout_error)
-from .flows import Call, SessionLost, needs_session, run_async, sequence_field
+from .flows import SessionLost, run_async, sequence_field
+from .regions import needs_session
+from .types import Call
 from .types import InferResult
 
 

@@ -20,28 +20,19 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-import os
-import secrets
-import weakref
-from typing import Any, Callable, Generator, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ..protocol import datatypes, errors, messages, tensors
-from ..protocol.errors import InferenceError, TorchpoolError
-from ..protocol.messages import (OP_ARENA_GROW, OP_GOODBYE, OP_HELLO, OP_REGISTER, OP_SHM_STATUS,
-                                 OP_UNREGISTER)
+from ..protocol.errors import InferenceError
+from ..protocol.messages import OP_ARENA_GROW, OP_GOODBYE, OP_HELLO
 from ..shm.naming import boot_id
-from .arena import DEFAULT_ARENA_CAP, ArenaBlock, ClientArena, OutputMaps, block_size, local_wanted
-from .types import InferResult, NoAnswer, OutputRef, RegionOutput, SharedMemoryRef
-from .values import as_value, nbytes_of, output_array, prepare_input
-
-TOKEN_BYTES = 16                       # the ownership proof of a registered region
-
-
-def _shm_key(key: str) -> str:
-    return "/" + key.lstrip("/")
-
+from .arena import DEFAULT_ARENA_CAP, ClientArena, OutputMaps, block_size, local_wanted
+from .outputs import OutputDecoding, _Encoded
+from .regions import RegionFlows
+from .types import Call, Flow, NoAnswer, OutputRef, SharedMemoryRef
+from .values import nbytes_of, prepare_input
 
 class SessionLost(Exception):
     """The daemon no longer knows our session (lease expired, daemon restarted)."""
@@ -57,17 +48,6 @@ def is_session_error(exc: InferenceError) -> bool:
     return exc.code == errors.SESSION_LOST
 
 
-class Call:
-    """One request a flow wants sent: the driver sends `frames` and answers
-    with the reply to `rid` (or throws the error / NoAnswer in)."""
-
-    __slots__ = ("rid", "frames", "timeout")
-
-    def __init__(self, rid: int, frames: list, timeout: Optional[float]) -> None:
-        self.rid, self.frames, self.timeout = rid, frames, timeout
-
-
-Flow = Generator[Call, Any, Any]
 
 
 class _NeedRoom(Exception):
@@ -75,21 +55,11 @@ class _NeedRoom(Exception):
         self.nbytes = nbytes
 
 
-class _Encoded:
-    __slots__ = ("entries", "frames", "blocks", "lent", "stats")
-
-    def __init__(self) -> None:
-        self.entries: list[dict] = []
-        self.frames: list = []
-        self.blocks: list[ArenaBlock] = []      # copy blocks: freed when answered
-        self.lent: list[ArenaBlock] = []        # empty() blocks in flight
-        self.stats = [0, 0, 0]                  # copied, zero-copy, inline
-
-
 # --- the client state and its flows ----------------------------------------------------
 
-class ClientState:
-    """A client's session, arena, lent outputs, regions and transfer counts."""
+class ClientState(OutputDecoding, RegionFlows):
+    """A client's session, arena, lent outputs, regions and transfer counts
+    (decoding answers: outputs.py; registered regions: regions.py)."""
 
     def __init__(self, url: str, local: Optional[bool] = None,
                  arena_cap: int = DEFAULT_ARENA_CAP) -> None:
@@ -390,86 +360,6 @@ class ClientState:
         finally:
             self.finish(enc, arena, answered, rid, token)
 
-    # -- outputs
-    def decode_outputs(self, header: dict, frames: Sequence[Any], copy: bool,
-                       token: Optional[str] = None, enc: Optional[_Encoded] = None,
-                       arena: Optional[ClientArena] = None) -> InferResult:
-        """The outputs of an answer to a request sent in session `token`
-        (with the input blocks `enc` holds in `arena`)."""
-        token = self.session if token is None else token
-        result = InferResult()
-        entries = header.get("outputs") or []
-        error: Optional[BaseException] = None
-        kept: dict[ArenaBlock, np.ndarray] = {}
-        for e in entries:
-            try:
-                where = tensors.location(e)
-                if where == tensors.SHM:
-                    value = self._lent_output(e, copy, token)
-                elif where == tensors.OWN:
-                    value = _reused_output(e, copy, enc, arena, kept)
-                elif where == tensors.REGION:
-                    region, nbytes, offset = tensors.region_ref(e)
-                    value = RegionOutput(e[tensors.NAME], region, offset, nbytes,
-                                         e[tensors.DATATYPE], tuple(e[tensors.SHAPE]))
-                else:
-                    value = output_array(e, frames)
-                    if copy and isinstance(value, np.ndarray):
-                        value = np.array(value)
-                result[e[tensors.NAME]] = value
-            except BaseException as exc:   # keep going: every lent block must be released
-                error = error or exc
-        if error is not None:
-            raise error
-        return result
-
-    def _lent_output(self, e: dict, copy: bool, token: Optional[str]) -> Any:
-        """An output lent in the worker's memory: a read-only view of it,
-        released to the daemon once the view is garbage (at once with
-        `copy`, or for BYTES and BF16, which are converted)."""
-        segment, offset, nbytes, generation = tensors.shm_ref(e)
-        rel = (token, [segment, offset, generation])
-        datatype, shape = e[tensors.DATATYPE], e[tensors.SHAPE]
-        keep = False
-        try:
-            mm = self.outputs.get(segment, offset + nbytes)
-            data = memoryview(mm)[offset:offset + nbytes]
-            if datatype == "BYTES" or datatype == "BF16":
-                return as_value(datatype, shape, data)
-            base = np.frombuffer(data, dtype=datatypes.numpy_dtype(datatype))
-            if copy:
-                return base.reshape(shape).copy()
-            arr = base.reshape(shape)
-            fin = weakref.finalize(base, self.releases.append, rel)
-            fin.atexit = False
-            keep = True
-            return arr
-        finally:
-            if not keep:
-                self.releases.append(rel)
-
-    def late_reply(self, header: Any) -> None:
-        """The answer of a request we stopped waiting for: free its blocks and
-        hand back any outputs it was lent."""
-        if not isinstance(header, dict):
-            return
-        held = self.quarantine.pop(header.get("id"), None)
-        if held is None:
-            return            # not ours, or of a session that is gone
-        token, arena, blocks, lent = held
-        if arena is not None and arena is self.arena:
-            for block in blocks:
-                arena.free(block)
-            for block in lent:
-                arena.flight_done(block)
-        for e in header.get("outputs") or []:
-            if isinstance(e, dict) and tensors.location(e) == tensors.SHM:
-                try:
-                    seg, off, _n, gen = tensors.shm_ref(e)
-                except TorchpoolError:
-                    continue
-                self.releases.append((token, [seg, off, gen]))
-
     # -- empty()
     def empty_flow(self, shape: Sequence[int], datatype: str, timeout: Optional[float]) -> Flow:
         if datatype == "BYTES" or datatype not in datatypes.WIRE_DATATYPES:
@@ -489,84 +379,8 @@ class ClientState:
                 arr = arena.empty(shape, dtype)
         return np.empty(shape, dtype) if arr is None else arr
 
-    # -- registered regions
-    def register_flow(self, name: str, key: str, byte_size: int, offset: int,
-                      timeout: Optional[float]) -> Flow:
-        """Register a region after proving we can write it (a token at `offset`)."""
-        import posix_ipc
-
-        if not isinstance(key, str) or not key.strip("/"):
-            raise InferenceError(errors.INVALID_ARG, f"region '{name}': key must be a shared-memory name")
-        if not isinstance(offset, int) or not isinstance(byte_size, int) or offset < 0 or byte_size < 0:
-            raise InferenceError(errors.INVALID_ARG, f"region '{name}': offset and byte_size must be "
-                                                     f"non-negative integers")
-        try:
-            shm = posix_ipc.SharedMemory(_shm_key(key))
-        except (posix_ipc.Error, ValueError, OSError) as exc:
-            raise InferenceError(errors.INVALID_ARG, f"region '{name}': this client cannot open "
-                                                     f"its shared-memory segment ({exc})") from None
-        fd = shm.fd
-        try:
-            size = os.fstat(fd).st_size
-            if offset + max(byte_size, TOKEN_BYTES) > size:
-                raise InferenceError(errors.INVALID_ARG,
-                                     f"region '{name}': offset {offset} + byte size {byte_size} does "
-                                     f"not fit the segment's {size} bytes")
-            saved = os.pread(fd, TOKEN_BYTES, offset)
-            token = secrets.token_bytes(TOKEN_BYTES)
-            os.pwrite(fd, token, offset)
-            try:
-                yield from self.exchange(OP_REGISTER, timeout,
-                                         {"name": name, "key": key, "byte_size": byte_size,
-                                          "offset": offset, "token": token})
-            finally:
-                os.pwrite(fd, saved, offset)
-        finally:
-            os.close(fd)
-        self.regions[name] = (key, byte_size, offset)
-        return True
-
-    def unregister_flow(self, name: Optional[str], timeout: Optional[float]) -> Flow:
-        result = yield from self.control_flow(OP_UNREGISTER, timeout, {"name": name})
-        if name is None:
-            self.regions.clear()
-        else:
-            self.regions.pop(name, None)
-        return result
-
-    def status_flow(self, name: Optional[str], timeout: Optional[float]) -> Flow:
-        return (yield from self.control_flow(OP_SHM_STATUS, timeout, {"name": name}))
-
     def transfer_stats(self) -> dict:
         return dict(self.stats)
-
-
-def _reused_output(e: dict, copy: bool, enc: Optional[_Encoded], arena: Optional[ClientArena],
-                   kept: dict[ArenaBlock, np.ndarray]) -> Any:
-    """An output that is a view of one of this request's input blocks (the
-    model returned its input, or a part of it): a read-only array on that
-    block, which stays ours until the array goes. `kept` maps the blocks
-    this answer already took to their whole-block arrays."""
-    segment, offset, nbytes = tensors.own_ref(e)
-    name = e.get(tensors.NAME)
-    for block in [*kept, *(enc.blocks if enc is not None else ())]:
-        if block.segment == segment and block.data_offset <= offset \
-                and offset + nbytes <= block.data_offset + block.capacity:
-            break
-    else:
-        raise InferenceError(errors.INTERNAL, f"output '{name}' points into an input block this "
-                                              f"request did not send")
-    base = kept.get(block)
-    if base is None:
-        base = kept[block] = arena.keep(block)
-        enc.blocks.remove(block)          # no longer freed with the request
-    start = offset - block.data_offset
-    data = base[start:start + nbytes]
-    datatype, shape = e[tensors.DATATYPE], e[tensors.SHAPE]
-    if datatype == "BYTES" or datatype == "BF16":
-        return as_value(datatype, shape, data.tobytes())
-    arr = data.view(datatypes.numpy_dtype(datatype)).reshape(shape)
-    return arr.copy() if copy else arr
 
 
 def sequence_field(sequence_id: Any, start: bool, end: bool) -> Optional[dict]:
@@ -574,13 +388,6 @@ def sequence_field(sequence_id: Any, start: bool, end: bool) -> Optional[dict]:
     if not sequence_id and not start and not end:
         return None
     return {"id": sequence_id, "start": bool(start), "end": bool(end)}
-
-
-def needs_session(inputs: Mapping[str, Any], outputs: Optional[Iterable[Any]]) -> bool:
-    """Does this request name registered regions (so it cannot run without a session)?"""
-    if any(isinstance(v, SharedMemoryRef) for v in inputs.values()):
-        return True
-    return outputs is not None and any(isinstance(o, OutputRef) for o in outputs)
 
 
 def run_sync(flow: Flow, send: Callable[[Call], Any]) -> Any:

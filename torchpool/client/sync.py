@@ -11,7 +11,9 @@ import zmq
 from ..protocol import messages
 from .arena import DEFAULT_ARENA_CAP
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, encode_control, error_of, timeout_error
-from .flows import Call, SessionLost, needs_session, run_sync, sequence_field
+from .flows import SessionLost, run_sync, sequence_field
+from .regions import needs_session
+from .types import Call
 from .types import InferResult
 
 

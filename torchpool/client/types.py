@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generator, Optional
 
 import numpy as np
 
@@ -105,3 +105,16 @@ class InferResult(dict):
 
 class NoAnswer(InferenceError):
     """No answer within the time limit (the request may still be running)."""
+
+
+class Call:
+    """One request a flow wants sent: the driver sends `frames` and answers
+    with the reply to `rid` (or throws the error / NoAnswer in)."""
+
+    __slots__ = ("rid", "frames", "timeout")
+
+    def __init__(self, rid: int, frames: list, timeout: Optional[float]) -> None:
+        self.rid, self.frames, self.timeout = rid, frames, timeout
+
+
+Flow = Generator[Call, Any, Any]

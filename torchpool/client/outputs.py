@@ -1,0 +1,143 @@
+"""Decoding an answer's outputs, for `ClientState` (flows.py).
+
+An output arrives inline or as a payload frame (an array view of the
+bytes), lent in place in a worker's memory (a read-only view released to the
+daemon once garbage), back in one of the request's own input blocks (`own`),
+or written into a registered region. The late answer of a request we stopped
+waiting for only gives back what it held.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ..protocol import datatypes, errors, tensors
+from ..protocol.errors import InferenceError, TorchpoolError
+from .arena import ArenaBlock, ClientArena
+from .types import InferResult, RegionOutput
+from .values import as_value, output_array
+
+
+class _Encoded:
+    __slots__ = ("entries", "frames", "blocks", "lent", "stats")
+
+    def __init__(self) -> None:
+        self.entries: list[dict] = []
+        self.frames: list = []
+        self.blocks: list[ArenaBlock] = []      # copy blocks: freed when answered
+        self.lent: list[ArenaBlock] = []        # empty() blocks in flight
+        self.stats = [0, 0, 0]                  # copied, zero-copy, inline
+
+
+class OutputDecoding:
+    """Mixed into ClientState: uses its `session`, `outputs` (OutputMaps),
+    `releases`, `quarantine` and `arena`."""
+
+    def decode_outputs(self, header: dict, frames: Sequence[Any], copy: bool,
+                       token: Optional[str] = None, enc: Optional[_Encoded] = None,
+                       arena: Optional[ClientArena] = None) -> InferResult:
+        """The outputs of an answer to a request sent in session `token`
+        (with the input blocks `enc` holds in `arena`)."""
+        token = self.session if token is None else token
+        result = InferResult()
+        entries = header.get("outputs") or []
+        error: Optional[BaseException] = None
+        kept: dict[ArenaBlock, np.ndarray] = {}
+        for e in entries:
+            try:
+                where = tensors.location(e)
+                if where == tensors.SHM:
+                    value = self._lent_output(e, copy, token)
+                elif where == tensors.OWN:
+                    value = _reused_output(e, copy, enc, arena, kept)
+                elif where == tensors.REGION:
+                    region, nbytes, offset = tensors.region_ref(e)
+                    value = RegionOutput(e[tensors.NAME], region, offset, nbytes,
+                                         e[tensors.DATATYPE], tuple(e[tensors.SHAPE]))
+                else:
+                    value = output_array(e, frames)
+                    if copy and isinstance(value, np.ndarray):
+                        value = np.array(value)
+                result[e[tensors.NAME]] = value
+            except BaseException as exc:   # keep going: every lent block must be released
+                error = error or exc
+        if error is not None:
+            raise error
+        return result
+
+    def _lent_output(self, e: dict, copy: bool, token: Optional[str]) -> Any:
+        """An output lent in the worker's memory: a read-only view of it,
+        released to the daemon once the view is garbage (at once with
+        `copy`, or for BYTES and BF16, which are converted)."""
+        segment, offset, nbytes, generation = tensors.shm_ref(e)
+        rel = (token, [segment, offset, generation])
+        datatype, shape = e[tensors.DATATYPE], e[tensors.SHAPE]
+        keep = False
+        try:
+            mm = self.outputs.get(segment, offset + nbytes)
+            data = memoryview(mm)[offset:offset + nbytes]
+            if datatype == "BYTES" or datatype == "BF16":
+                return as_value(datatype, shape, data)
+            base = np.frombuffer(data, dtype=datatypes.numpy_dtype(datatype))
+            if copy:
+                return base.reshape(shape).copy()
+            arr = base.reshape(shape)
+            fin = weakref.finalize(base, self.releases.append, rel)
+            fin.atexit = False
+            keep = True
+            return arr
+        finally:
+            if not keep:
+                self.releases.append(rel)
+
+    def late_reply(self, header: Any) -> None:
+        """The answer of a request we stopped waiting for: free its blocks and
+        hand back any outputs it was lent."""
+        if not isinstance(header, dict):
+            return
+        held = self.quarantine.pop(header.get("id"), None)
+        if held is None:
+            return            # not ours, or of a session that is gone
+        token, arena, blocks, lent = held
+        if arena is not None and arena is self.arena:
+            for block in blocks:
+                arena.free(block)
+            for block in lent:
+                arena.flight_done(block)
+        for e in header.get("outputs") or []:
+            if isinstance(e, dict) and tensors.location(e) == tensors.SHM:
+                try:
+                    seg, off, _n, gen = tensors.shm_ref(e)
+                except TorchpoolError:
+                    continue
+                self.releases.append((token, [seg, off, gen]))
+
+
+def _reused_output(e: dict, copy: bool, enc: Optional[_Encoded], arena: Optional[ClientArena],
+                   kept: dict[ArenaBlock, np.ndarray]) -> Any:
+    """An output that is a view of one of this request's input blocks (the
+    model returned its input, or a part of it): a read-only array on that
+    block, which stays ours until the array goes. `kept` maps the blocks
+    this answer already took to their whole-block arrays."""
+    segment, offset, nbytes = tensors.own_ref(e)
+    name = e.get(tensors.NAME)
+    for block in [*kept, *(enc.blocks if enc is not None else ())]:
+        if block.segment == segment and block.data_offset <= offset \
+                and offset + nbytes <= block.data_offset + block.capacity:
+            break
+    else:
+        raise InferenceError(errors.INTERNAL, f"output '{name}' points into an input block this "
+                                              f"request did not send")
+    base = kept.get(block)
+    if base is None:
+        base = kept[block] = arena.keep(block)
+        enc.blocks.remove(block)          # no longer freed with the request
+    start = offset - block.data_offset
+    data = base[start:start + nbytes]
+    datatype, shape = e[tensors.DATATYPE], e[tensors.SHAPE]
+    if datatype == "BYTES" or datatype == "BF16":
+        return as_value(datatype, shape, data.tobytes())
+    arr = data.view(datatypes.numpy_dtype(datatype)).reshape(shape)
+    return arr.copy() if copy else arr
