@@ -29,15 +29,13 @@ import posix_ipc
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
+from ..protocol.messages import REGION_TOKEN_BYTES
 from ..shm.naming import PREFIX, boot_id
-from ..shm.regions import BLOCK_HEADER as BLOCK_HEADER_STRUCT, BLOCK_MAGIC, HEADER_BYTES
+from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_header
 from ..shm.segment import Segment
 
 log = logging.getLogger("torchpool.broker")
 
-BLOCK_HEADER = HEADER_BYTES
-_HEADER = BLOCK_HEADER_STRUCT
-TOKEN_BYTES = 16
 MAX_INT = (1 << 63) - 1
 
 
@@ -137,7 +135,7 @@ class SessionManager:
         self.sessions[session.token] = session
         return {"session": session.token, "local": local, "boot_id": self.boot_id,
                 "arena": [{"segment": s.name, "size": s.size} for s in session.arena.values()],
-                "lease_s": self.lease_s, "block_header": BLOCK_HEADER}
+                "lease_s": self.lease_s, "block_header": BLOCK_HEADER_BYTES}
 
     def _add_segment(self, session: Session, size: int) -> Segment:
         if session.arena_bytes + size > self.arena_limit:
@@ -224,9 +222,9 @@ class SessionManager:
         if seg is None:
             raise _bad(f"{what}: the segment is not part of this session's arena")
         _check_range(what, offset, nbytes, seg.size)
-        if offset < BLOCK_HEADER:
+        if offset < BLOCK_HEADER_BYTES:
             raise _bad(f"{what}: offset {offset} leaves no room for the block header")
-        magic, _, gen, size = _HEADER.unpack_from(seg.buf, offset - BLOCK_HEADER)
+        magic, gen, size = read_block_header(seg.buf, offset - BLOCK_HEADER_BYTES)
         if magic != BLOCK_MAGIC or gen != generation or size != nbytes:
             raise _bad(f"{what}: stale descriptor (block header says generation {gen}, {size} bytes; "
                        f"the request says generation {generation}, {nbytes} bytes)")
@@ -247,8 +245,8 @@ class SessionManager:
         if name in session.regions:
             raise TorchpoolError(errors.ALREADY_EXISTS, f"region '{name}' is already registered")
         offset, byte_size, token = header.get("offset", 0), header.get("byte_size"), header.get("token")
-        if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
-            raise _bad(f"region '{name}': 'token' must be {TOKEN_BYTES} bytes")
+        if not isinstance(token, bytes) or len(token) != REGION_TOKEN_BYTES:
+            raise _bad(f"region '{name}': 'token' must be {REGION_TOKEN_BYTES} bytes")
         try:
             shm = posix_ipc.SharedMemory("/" + key)
         except (posix_ipc.Error, ValueError, OSError):
@@ -258,9 +256,9 @@ class SessionManager:
         try:
             st = os.fstat(fd)
             _check_range(f"region '{name}'", offset, byte_size, st.st_size)
-            if byte_size < TOKEN_BYTES:
-                raise _bad(f"region '{name}': byte size must be at least {TOKEN_BYTES}")
-            if os.pread(fd, TOKEN_BYTES, offset) != token:
+            if byte_size < REGION_TOKEN_BYTES:
+                raise _bad(f"region '{name}': byte size must be at least {REGION_TOKEN_BYTES}")
+            if os.pread(fd, REGION_TOKEN_BYTES, offset) != token:
                 raise TorchpoolError(errors.INVALID_ARG,
                                      f"region '{name}': ownership proof failed (the token is not at "
                                      f"the region's offset); the daemon maps only segments the "

@@ -40,6 +40,10 @@ OP_STATISTICS = "statistics"
 OP_LOAD = "load"
 OP_UNLOAD = "unload"
 
+# The ownership proof of a registered region: this many random bytes the
+# client writes at the region's offset for the daemon to read back.
+REGION_TOKEN_BYTES = 16
+
 OP_HELLO = "hello"
 OP_GOODBYE = "goodbye"
 OP_ARENA_GROW = "arena_grow"

@@ -38,7 +38,8 @@ from .binding import ExecutionError, ModelLoadError, load_model
 from .settings import after_execution, apply_process_settings, grad_context, model_settings
 from .spec import WorkerSpec
 from .weights import share_weights
-from ..shm.regions import BLOCK_HEADER, BLOCK_MAGIC, HEADER_BYTES, RegionMaps
+from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_header
+from ..shm.regions import RegionMaps
 
 log = logging.getLogger("torchpool.worker")
 
@@ -325,7 +326,7 @@ class Worker:
         buf = self.inputs_shm.get(ref).buf
         if generation:
             # the client may have reused the block since the broker checked it
-            magic, _, gen, size = BLOCK_HEADER.unpack_from(buf, offset - HEADER_BYTES)
+            magic, gen, size = read_block_header(buf, offset - BLOCK_HEADER_BYTES)
             if magic != BLOCK_MAGIC or gen != generation or size != nbytes:
                 raise ExecutionError(f"{what}: stale descriptor (the block was reused before the "
                                      f"model ran)", errors.INVALID_ARG)

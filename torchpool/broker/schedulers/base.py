@@ -31,6 +31,9 @@ ReadOutput = Callable[[Any, int, int], memoryview]
 # requests the scheduler gives up on, each with the error its client gets
 Refusals = list[tuple["InferRequest", TorchpoolError]]
 
+# what a request whose timeout passed before it started is answered (Triton's words)
+TIMEOUT = "Request timeout expired"
+
 
 class Scheduler(ABC):
     """Decides which accepted requests of one model version run together, on

@@ -19,9 +19,7 @@ from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch, stage_batch_inputs
 from ..requests import InferRequest, stage_inputs
-from .base import Refusals, Scheduler
-
-TIMEOUT = "Request timeout expired"
+from .base import TIMEOUT, Refusals, Scheduler
 
 
 class DirectScheduler(Scheduler):

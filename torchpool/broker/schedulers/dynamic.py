@@ -47,10 +47,8 @@ from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch, stage_batch_inputs
 from ..requests import InferRequest
-from .base import Refusals, Scheduler
+from .base import TIMEOUT, Refusals, Scheduler
 from .forming import FormingBatch
-
-TIMEOUT = "Request timeout expired"
 
 
 class DynamicBatcher(Scheduler):
