@@ -329,6 +329,8 @@ class Server:
         """Idle instances of `mv` take the batches its scheduler has for them;
         the scheduler prepares the next one meanwhile."""
         scheduler = mv.scheduler
+        if not len(scheduler):
+            return
         now = time.monotonic()
         try:
             for instance in list(mv.idle):
