@@ -15,6 +15,7 @@ from torchpool.broker.batch import Batch
 from torchpool.broker.frontend import Frontend
 from torchpool.broker.registry import ModelVersion
 from torchpool.broker.requests import InferRequest
+from torchpool.broker.sessions import SessionManager
 from torchpool.broker.supervisor import WorkerHandle
 from torchpool.config import ModelConfig
 from torchpool.config.pbtxt import parse_pbtxt
@@ -146,3 +147,35 @@ def test_held_answers_of_a_dead_worker_keep_their_bytes(rig: Rig) -> None:
     got = [rig.receive(), rig.receive()]
     assert (got[0]["id"], got[0]["ok"]) == (1, False)
     assert (got[1]["id"], values(got[1])[2]) == (2, [5, 5])
+
+
+def test_a_client_cannot_release_what_was_lent_to_another_session(rig: Rig) -> None:
+    """One map holds every lent output: a release names the range and its
+    generation, and only the session it was lent to can give it back."""
+    sessions = SessionManager(f"torchpool.unit{os.getpid()}.{uuid.uuid4().hex[:6]}", 1 << 20, 4 << 20, 60.0,
+                              rig.answers.end_loans, lambda refs: None)
+    rig.answers.sessions = sessions
+    victim = sessions.sessions[sessions.hello({})["session"]]
+    attacker = sessions.sessions[sessions.hello({})["session"]]
+    mv = version()
+    req = rig.request(mv, 1)
+    req.session, req.output_shm = victim, True
+    victim.in_flight = 1
+    rows = np.arange(8192, dtype=np.float32).reshape(1, 8192)      # 32 KiB: lent, not inline
+    outputs = rig.outputs(rows)
+    rig.answers.complete(mv, Batch([req], 1, 1, [], ["OUTPUT__0"]), Executed(outputs, rig.worker))
+    segment, offset, nbytes, generation = rig.receive()["outputs"][0]["shm"]
+    assert (segment, offset, nbytes) == tuple(outputs[0][3:6]) and victim.loans == 1
+    # the attacker read the descriptor somehow: its releases free nothing
+    assert rig.answers.release_lent(attacker, [[segment, offset, generation]]) == 1
+    assert rig.answers.release_lent(attacker, [[segment, offset, generation + 1]]) == 1
+    with pytest.raises(TorchpoolError) as bad:
+        rig.answers.release_lent(attacker, [[segment, offset]])
+    assert bad.value.code == errors.INVALID_ARG
+    sessions.close(attacker)                        # its session closing gives back nothing of the victim's
+    assert rig.worker.releases == [] and victim.loans == 1
+    view = np.frombuffer(rig.worker_arena.segments[segment].buf, np.float32, 8192, offset)
+    assert view[:3].tolist() == [0, 1, 2]
+    assert rig.answers.release_lent(victim, [[segment, offset, generation]]) == 0
+    assert rig.worker.releases == [list(outputs[0][3:6])] and victim.loans == 0
+    sessions.close_all()
