@@ -47,18 +47,13 @@ def _serve(args: argparse.Namespace) -> int:
     from .broker.server import Server
 
     level = setup_logging(args.log_level, args.log_format)
-    options = ServerOptions(model_repository=args.model_repository,
-                            listen=args.listen or [DEFAULT_LISTEN], log_level=level,
-                            shm_chunk=args.shm_chunk, shm_limit=args.shm_limit,
-                            worker_shm_chunk=args.worker_shm_chunk,
-                            grace_period=args.grace_period, busy_poll_us=args.busy_poll_us,
-                            worker_busy_poll_us=args.worker_busy_poll_us,
-                            client_shm_size=args.client_shm_size, client_lease=args.client_lease,
-                            execution_timeout=args.execution_timeout, load_timeout=args.load_timeout,
-                            metrics_port=args.metrics_port,
-                            metrics_host=args.metrics_host, log_format=args.log_format,
-                            model_control_mode=args.model_control_mode, load_models=args.load_model or [],
-                            repository_poll_secs=args.repository_poll_secs)
+    # every serve flag is named after its ServerOptions field
+    given = {name: getattr(args, name) for name in _OPTION_FIELDS if hasattr(args, name)}
+    given.update(listen=args.listen or [DEFAULT_LISTEN], log_level=level,
+                 load_models=args.load_model or [],
+                 local_allow_users=args.local_allow_users or [],
+                 local_allow_groups=args.local_allow_groups or [])
+    options = ServerOptions(**given)
     try:
         return Server(options).run()
     except AddressInUse as exc:
@@ -108,6 +103,45 @@ def _make_example_repo(args: argparse.Namespace) -> int:
     names = build_example_repository(Path(args.directory))
     print(f"built {len(names)} models in {args.directory}: {', '.join(names)}")
     return 0
+
+
+def _add_security_flags(serve: argparse.ArgumentParser) -> None:
+    """Who may connect and how much each client may take (docs/security.md)."""
+    sec = serve.add_argument_group("clients: access and limits (docs/security.md)")
+    sec.add_argument("--local-socket", default=_default("local_socket"), metavar="PATH",
+                     help="unix socket where local clients get their shared-memory sessions "
+                          "(default: the first ipc:// path + '.local'; '' turns the local path off)")
+    sec.add_argument("--local-allow-user", dest="local_allow_users", action="append", metavar="USER",
+                     help="only these users (names or uids) may open local sessions; repeatable")
+    sec.add_argument("--local-allow-group", dest="local_allow_groups", action="append", metavar="GROUP",
+                     help="... or members of these groups; repeatable")
+    sec.add_argument("--curve-secret-key", default=_default("curve_secret_key"), metavar="FILE",
+                     help="encrypt and authenticate tcp:// with ZeroMQ CURVE: this daemon's "
+                          "secret key file (torchpool keygen)")
+    sec.add_argument("--curve-authorized-keys", default=_default("curve_authorized_keys"),
+                     metavar="DIR", help="directory of the client public keys allowed over tcp://")
+    sec.add_argument("--insecure-tcp", action="store_true", default=_default("insecure_tcp"),
+                     help="allow a non-loopback tcp:// address without CURVE")
+    sec.add_argument("--remote-model-control", action="store_true",
+                     default=_default("remote_model_control"),
+                     help="accept load/unload from tcp:// clients too (default: ipc:// only)")
+    for flag, name, kind, what in (
+            ("--max-sessions", "max_sessions", int, "client sessions in all"),
+            ("--max-sessions-per-peer", "max_sessions_per_peer", int,
+             "sessions per local user or per connection"),
+            ("--client-shm-limit", "client_shm_limit", _size, "arena bytes of one local client"),
+            ("--client-shm-total", "client_shm_total", _size, "arena bytes of all local clients"),
+            ("--max-regions-per-session", "max_regions_per_session", int,
+             "registered regions of one session"),
+            ("--max-in-flight-per-client", "max_in_flight_per_client", int,
+             "unanswered requests of one connection; more are refused at once"),
+            ("--max-unread-replies", "max_unread_replies", int,
+             "replies queued for a connection that does not read them; then its requests "
+             "fail and its memory is freed"),
+            ("--max-bytes-elements", "max_bytes_elements", int, "elements of one BYTES tensor"),
+            ("--max-bytes-tensor-bytes", "max_bytes_tensor_bytes", _size, "bytes of one BYTES tensor")):
+        sec.add_argument(flag, dest=name, type=kind, default=_default(name),
+                         help=f"limit: {what} (default {_shown(_default(name))})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--client-lease", type=float, default=_default("client_lease"),
                        help="seconds after which an idle client's session and shared memory are "
                             f"released (default {_shown(_default('client_lease'))})")
+    _add_security_flags(serve)
     serve.set_defaults(func=_serve)
 
     infer = sub.add_parser("infer", help="send one request and print the outputs as JSON lines")

@@ -11,7 +11,7 @@ from torchpool.logs import setup_logging
 
 # ServerOptions fields with no command-line flag (set by code or tests only)
 NOT_ON_THE_COMMAND_LINE = {"model_repository", "listen", "worker_shm_limit", "stop_timeout",
-                           "max_restarts", "client_shm_limit", "load_models"}
+                           "max_restarts", "load_models"}
 
 
 def test_serve_defaults_are_the_server_options_defaults() -> None:
@@ -20,7 +20,9 @@ def test_serve_defaults_are_the_server_options_defaults() -> None:
     for f in dataclasses.fields(ServerOptions):
         if f.name in NOT_ON_THE_COMMAND_LINE:
             continue
-        if f.name == "log_level":
+        if f.name in ("local_allow_users", "local_allow_groups"):
+            assert args[f.name] is None and f.default_factory() == []   # repeatable flags
+        elif f.name == "log_level":
             assert getattr(logging, args["log_level"].upper()) == f.default
         else:
             assert args[f.name] == f.default, f.name

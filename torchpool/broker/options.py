@@ -24,6 +24,7 @@ class ServerOptions:
     max_restarts: int = 5               # crashes in a row, no batch done in between: UNAVAILABLE
     client_shm_size: int = 64 * MiB     # a local client's arena segment
     client_shm_limit: int = 1024 * MiB  # a local client's arena, all segments
+    client_shm_total: int = 8192 * MiB  # every local client's arena together
     client_lease: float = 60.0          # an idle client session is closed after this long
     execution_timeout: float = 0.0      # a batch running longer gets its worker killed; 0 = never
     load_timeout: float = 600.0         # a worker not loaded by then is killed, its version fails; 0 = never
@@ -33,3 +34,18 @@ class ServerOptions:
     model_control_mode: str = "none"    # none | poll | explicit (Triton's)
     load_models: list[str] = field(default_factory=list)   # explicit mode: load these at start ("*" = all)
     repository_poll_secs: float = 15.0
+    # --- who may connect, and how much each may take (docs/security.md) ---
+    local_socket: Optional[str] = None  # unix side channel of local sessions; None = auto, "" = off
+    local_allow_users: list[str] = field(default_factory=list)   # names or uids; empty = any peer
+    local_allow_groups: list[str] = field(default_factory=list)  # that can open the socket file
+    curve_secret_key: Optional[str] = None       # tcp: this daemon's CURVE key file (torchpool keygen)
+    curve_authorized_keys: Optional[str] = None  # tcp: directory of client public keys allowed in
+    insecure_tcp: bool = False          # allow non-loopback tcp without CURVE
+    remote_model_control: bool = False  # load/unload from tcp clients too (default: ipc only)
+    max_sessions: int = 1024            # client sessions, all peers together
+    max_sessions_per_peer: int = 64     # per local uid, per tcp/ipc connection
+    max_regions_per_session: int = 128  # registered regions of one session
+    max_in_flight_per_client: int = 1024   # unanswered requests of one connection
+    max_unread_replies: int = 1024      # replies queued for a connection that does not read
+    max_bytes_elements: int = 1 << 22   # elements of one BYTES tensor
+    max_bytes_tensor_bytes: int = 256 * MiB  # bytes of one BYTES tensor

@@ -18,9 +18,12 @@ ALREADY_EXISTS = "ALREADY_EXISTS"
 UNKNOWN = "UNKNOWN"
 CANCELLED = "CANCELLED"
 SESSION_LOST = "SESSION_LOST"
+# A client went over one of its limits (sessions, arena bytes, regions,
+# requests in flight, unread replies, BYTES size): gRPC's and KServe's name.
+RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 
 CODES = frozenset({INVALID_ARG, NOT_FOUND, UNAVAILABLE, INTERNAL, UNSUPPORTED,
-                   ALREADY_EXISTS, UNKNOWN, CANCELLED, SESSION_LOST})
+                   ALREADY_EXISTS, UNKNOWN, CANCELLED, SESSION_LOST, RESOURCE_EXHAUSTED})
 
 
 class TorchpoolError(Exception):
