@@ -1,9 +1,13 @@
-"""Build of the one C extension; everything else is in setup.cfg.
+"""Build of the C extensions; everything else is in setup.cfg.
 
-The extension is optional: without a C compiler torchpool installs and
-works, its large shared-memory copies just take the ordinary path.
+Every extension is optional: without a C compiler torchpool installs and
+works. Large shared-memory copies then take the ordinary path, BYTES
+tensors are checked in Python (slower), and workers refuse client-owned
+regions, which are safe only under the SIGBUS guard.
 """
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("torchpool.shm._streamcopy", ["torchpool/shm/_streamcopy.c"],
-                             optional=True)])
+setup(ext_modules=[
+    Extension("torchpool.shm._streamcopy", ["torchpool/shm/_streamcopy.c"], optional=True),
+    Extension("torchpool.shm._sigbus", ["torchpool/shm/_sigbus.c"], optional=True),
+])
