@@ -117,14 +117,26 @@ class Registry:
             raise TorchpoolError(errors.NOT_FOUND, f"Request for unknown model: '{name}' is not found")
         return model
 
+    def version_of(self, model: Model, version: Any) -> Optional[int]:
+        """The version a request names, checked the same way for every op
+        (infer, model_ready, model_metadata, model_config, statistics): None
+        for "the highest ready one"; INVALID_ARG when it is not a version
+        number; NOT_FOUND when the model has no such version."""
+        wanted = parse_version(model.name, version)
+        if wanted is not None and wanted not in model.versions:
+            raise TorchpoolError(errors.NOT_FOUND,
+                                 f"Request for unknown model: '{model.name}' version {wanted} is not found")
+        return wanted
+
     def resolve(self, name: Any, version: Any) -> ModelVersion:
         """The version a request addresses; the highest ready one when unspecified."""
         model = self.model(name)
-        wanted = _parse_version(name, version)
+        parse_version(name, version)            # malformed: INVALID_ARG before anything else
         if model.error:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
         if model.unloaded:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is unloaded")
+        wanted = self.version_of(model, version)
         if wanted is None:
             ready = model.ready_versions()
             if not ready:
@@ -133,10 +145,7 @@ class Registry:
                 raise TorchpoolError(errors.UNAVAILABLE,
                                      f"model '{name}' has no ready version ({reasons})")
             return model.versions[ready[-1]]
-        mv = model.versions.get(wanted)
-        if mv is None:
-            raise TorchpoolError(errors.NOT_FOUND,
-                                 f"Request for unknown model: '{name}' version {wanted} is not found")
+        mv = model.versions[wanted]
         if mv.state != READY:
             why = f": {mv.reason}" if mv.reason else ""
             raise TorchpoolError(errors.UNAVAILABLE,
@@ -159,6 +168,7 @@ class Registry:
 
     def model_ready(self, name: Any, version: Any) -> bool:
         """Ready means a live worker can run it now (not only that it loaded)."""
+        parse_version(name, version)     # a malformed version is an error, as for every op
         try:
             return self.resolve(name, version).serving
         except TorchpoolError:
@@ -167,10 +177,12 @@ class Registry:
     def statistics(self, name: Any, version: Any) -> dict:
         """Triton's statistics: {"model_stats": [...]} for one model or all."""
         if name in (None, ""):
+            if parse_version(name, version) is not None:
+                raise TorchpoolError(errors.INVALID_ARG, "statistics of a version need the model's name")
             versions = self.all_versions()
         else:
             model = self.model(name)
-            wanted = _parse_version(name, version)
+            wanted = self.version_of(model, version)
             versions = [mv for v, mv in sorted(model.versions.items()) if wanted is None or v == wanted]
         return {"model_stats": [mv.stats.to_triton(mv.name, mv.version) for mv in versions]}
 
@@ -190,10 +202,7 @@ class Registry:
         model = self.model(name)
         if model.entry.config is None:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
-        wanted = _parse_version(name, version)
-        if wanted is not None and wanted not in model.versions:
-            raise TorchpoolError(errors.NOT_FOUND,
-                                 f"Request for unknown model: '{name}' version {wanted} is not found")
+        wanted = self.version_of(model, version)
         cfg = model.entry.config
         batch = [-1] if cfg.max_batch_size > 0 else []
         versions = [str(wanted)] if wanted is not None else [str(v) for v in model.ready_versions()]
@@ -211,18 +220,21 @@ class Registry:
         model = self.model(name)
         if model.entry.config is None:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
+        self.version_of(model, version)
         return model.entry.config.raw
 
 
-def _parse_version(name: Any, version: Any) -> Optional[int]:
-    if version in (None, "", 0, -1):
+def parse_version(name: Any, version: Any) -> Optional[int]:
+    """A request's `version` field: None (the highest ready version) for nil,
+    "", 0 or -1; else a non-negative integer, given as an int or as a string
+    of decimal digits. Anything else (a float, a bool, "v1", " 1", "1_0", a
+    list) is INVALID_ARG."""
+    if version is None or (isinstance(version, (int, str)) and not isinstance(version, bool)
+                           and version in ("", 0, -1)):
         return None
-    try:
-        v = int(version)
-    except (TypeError, ValueError):
-        raise TorchpoolError(errors.INVALID_ARG,
-                             f"invalid version {version!r} for model '{name}': expected a positive integer") from None
-    if v < 0:
-        raise TorchpoolError(errors.INVALID_ARG,
-                             f"invalid version {version!r} for model '{name}': expected a positive integer")
-    return v
+    if isinstance(version, int) and not isinstance(version, bool) and version > 0:
+        return version
+    if isinstance(version, str) and version.isascii() and version.isdigit():
+        return int(version)
+    raise TorchpoolError(errors.INVALID_ARG,
+                         f"invalid version {version!r} for model '{name}': expected a positive integer")
