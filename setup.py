@@ -2,12 +2,13 @@
 
 Every extension is optional: without a C compiler torchpool installs and
 works. Large shared-memory copies then take the ordinary path, BYTES
-tensors are checked in Python (slower), and workers refuse client-owned
-regions, which are safe only under the SIGBUS guard.
+tensors are walked in Python (much slower for many elements), and workers
+refuse client-owned regions, which are safe only under the SIGBUS guard.
 """
 from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("torchpool.shm._streamcopy", ["torchpool/shm/_streamcopy.c"], optional=True),
     Extension("torchpool.shm._sigbus", ["torchpool/shm/_sigbus.c"], optional=True),
+    Extension("torchpool.protocol._bytescan", ["torchpool/protocol/_bytescan.c"], optional=True),
 ])

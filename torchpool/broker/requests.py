@@ -18,7 +18,25 @@ from ..protocol.internal import InputDescriptor
 from ..protocol import tensors
 from ..shm.arena import Arena, ArenaFull, Block
 from ..shm.bulkcopy import copy_into
+from .options import ServerOptions
 from .registry import ModelVersion
+
+
+@dataclass(frozen=True)
+class TensorLimits:
+    """What one input tensor may hold, beyond what the model config says:
+    BYTES tensors cost the broker a walk over every element and the worker a
+    Python object per element. The defaults are ServerOptions'."""
+
+    max_bytes_elements: int = ServerOptions.max_bytes_elements
+    max_bytes_tensor_bytes: int = ServerOptions.max_bytes_tensor_bytes
+
+    @classmethod
+    def of(cls, options: ServerOptions) -> "TensorLimits":
+        return cls(options.max_bytes_elements, options.max_bytes_tensor_bytes)
+
+
+DEFAULT_LIMITS = TensorLimits()
 
 
 @dataclass(eq=False)
@@ -58,6 +76,12 @@ class InferRequest:
 
 def _bad(message: str) -> TorchpoolError:
     return TorchpoolError(errors.INVALID_ARG, message)
+
+
+def _too_much(name: str, model: str, what: str, limit: int, flag: str) -> TorchpoolError:
+    return TorchpoolError(errors.RESOURCE_EXHAUSTED, f"input '{name}' for model '{model}' has {what}; "
+                                                     f"this server accepts at most {limit} per tensor "
+                                                     f"({flag})")
 
 
 def _shape_str(shape: Sequence[int]) -> str:
@@ -108,8 +132,9 @@ def _payload(e: dict, frames: Sequence[Any], session: Any, sessions: Any, what: 
 
 
 def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion, session: Any = None,
-                   sessions: Any = None) -> tuple[list[tuple], list, int, list, dict]:
-    """Check inputs and requested outputs against the config.
+                   sessions: Any = None, *, limits: TensorLimits = DEFAULT_LIMITS
+                   ) -> tuple[list[tuple], list, int, list, dict]:
+    """Check inputs and requested outputs against the config and `limits`.
 
     Returns ([(spec, shape, model_shape, payload, location)], requested
     outputs for the worker, batch size, regions used, {output: (region, offset)}).
@@ -163,12 +188,19 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion, sessio
         if not _matches(expected, shape):
             raise _bad(f"unexpected shape for input '{name}' for model '{model}'. "
                        f"Expected {_shape_str(expected)}, got {_shape_str(shape)}")
+        count = math.prod(shape)
+        if datatype == "BYTES" and count > limits.max_bytes_elements:
+            # refused before its payload is even looked at
+            raise _too_much(name, model, f"{count} BYTES elements", limits.max_bytes_elements,
+                            "--max-bytes-elements")
         payload, location = _payload(e, frames, session, sessions,
                                      f"input '{name}' for model '{model}'", regions)
-        count = math.prod(shape)
         if datatype == "BYTES":
+            if len(payload) > limits.max_bytes_tensor_bytes:
+                raise _too_much(name, model, f"{len(payload)} bytes of BYTES elements",
+                                limits.max_bytes_tensor_bytes, "--max-bytes-tensor-bytes")
             try:
-                datatypes.decode_bytes(payload, count)
+                datatypes.check_bytes(payload, count)
             except ValueError as exc:
                 raise _bad(f"input '{name}' for model '{model}' (BYTES, shape {_shape_str(shape)}): "
                            f"{exc}; each element is a 4-byte little-endian length and its bytes") from None

@@ -6,6 +6,7 @@ client library uses it in processes that never load torch.
 """
 from __future__ import annotations
 
+import itertools
 import struct
 from typing import Any, Iterable, Optional
 
@@ -99,6 +100,16 @@ def wire_from_torch(dtype: Any) -> str:
 
 
 # --- BYTES elements: 4-byte little-endian length + bytes, as in Triton -------
+#
+# The walks over the length prefixes are in C (`_bytescan.c`, optional): a
+# Python loop per element kept the broker's thread busy for seconds on one
+# tensor of millions of short strings. The pure-Python walks below are the
+# fallback without a compiler and give the same answers and messages.
+
+try:
+    from . import _bytescan
+except ImportError:          # pragma: no cover - built on every supported install
+    _bytescan = None
 
 _LEN = struct.Struct("<I")
 
@@ -116,38 +127,75 @@ def encode_bytes(items: Iterable[Any]) -> bytes:
     return b"".join(parts)
 
 
+def _walk(view: memoryview, pos: int, count: int, items: Optional[list] = None) -> tuple[int, int]:
+    """Python fallback: walk `count` elements (-1: to the end) from `pos`,
+    appending them to `items` if given; returns (end, elements walked).
+    ValueError worded as in _bytescan.c."""
+    end, unpack = len(view), _LEN.unpack_from
+    for n in range(count) if count >= 0 else itertools.count():
+        if pos + 4 > end:
+            if pos == end:
+                if count < 0:
+                    return pos, n
+                raise ValueError(f"{count} elements expected but the data ends after {n}")
+            raise ValueError(f"element {n}: its 4-byte length prefix is cut off "
+                             f"({end - pos} bytes remain at byte {pos})")
+        claim = unpack(view, pos)[0]
+        if pos + 4 + claim > end:
+            raise ValueError(f"element {n} claims {claim} bytes but only {end - pos - 4} remain")
+        if items is not None:
+            items.append(bytes(view[pos + 4:pos + 4 + claim]))
+        pos += 4 + claim
+    return pos, count
+
+
+def _fill_exactly(view: memoryview, end: int, count: int) -> None:
+    if end != len(view):
+        raise ValueError(f"{len(view) - end} bytes follow the last of the {count} elements")
+
+
+def check_bytes(buf: Any, count: int, max_bytes: Optional[int] = None) -> int:
+    """Check that exactly `count` BYTES elements fill `buf`, without making
+    them: returns the sum of their lengths. ValueError, naming the element and
+    what is wrong, when the layout is broken or the elements hold more than
+    `max_bytes` bytes."""
+    view = memoryview(buf).cast("B")
+    limit = len(view) if max_bytes is None else max_bytes
+    if _bytescan is not None:
+        return _bytescan.scan(view, count, limit)
+    if count < 0:
+        raise ValueError(f"scan: count must be >= 0, not {count}")
+    if count > len(view) // 4:
+        raise ValueError(f"{count} elements expected but {len(view)} bytes hold at most "
+                         f"{len(view) // 4}")
+    end, _ = _walk(view, 0, count)
+    _fill_exactly(view, end, count)
+    total = len(view) - 4 * count
+    if total > limit:
+        raise ValueError(f"the {count} elements hold {total} bytes, more than {limit}")
+    return total
+
+
 def bytes_boundaries(data: Any, counts: Iterable[int]) -> list[int]:
     """Byte offsets of groups of BYTES elements: `counts[i]` elements after
     the previous group; returns [0, end of group 0, end of group 1, ...].
     ValueError when `data` ends inside an element."""
     view = memoryview(data).cast("B")
-    end = len(view)
     bounds, pos = [0], 0
     for count in counts:
-        for _ in range(count):
-            if pos + 4 > end:
-                raise ValueError(f"truncated length prefix at byte {pos}")
-            pos += 4 + _LEN.unpack_from(view, pos)[0]
-            if pos > end:
-                raise ValueError(f"element declares more bytes than the {end} there are")
+        pos = _bytescan.skip(view, pos, count) if _bytescan is not None else _walk(view, pos, count)[0]
         bounds.append(pos)
     return bounds
 
 
 def decode_bytes(buf: Any, count: Optional[int] = None) -> list[bytes]:
-    """Parse length-prefixed elements; ValueError when the layout is broken."""
+    """Parse length-prefixed elements (exactly `count` of them, when given,
+    filling `buf`); ValueError when the layout is broken."""
     view = memoryview(buf).cast("B")
+    want = -1 if count is None else count
+    if _bytescan is not None:
+        return _bytescan.split(view, want)
     items: list[bytes] = []
-    pos, end = 0, len(view)
-    while pos < end:
-        if end - pos < 4:
-            raise ValueError(f"truncated length prefix at byte {pos}")
-        (n,) = _LEN.unpack_from(view, pos)
-        pos += 4
-        if end - pos < n:
-            raise ValueError(f"element {len(items)} declares {n} bytes but only {end - pos} remain")
-        items.append(bytes(view[pos:pos + n]))
-        pos += n
-    if count is not None and len(items) != count:
-        raise ValueError(f"expected {count} elements, found {len(items)}")
+    end, n = _walk(view, 0, want, items)
+    _fill_exactly(view, end, n)
     return items
