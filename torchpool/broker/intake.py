@@ -62,7 +62,7 @@ class Intake:
 
     def _handle_request(self, sock: zmq.Socket, frames: list) -> None:
         identity = frames[0].bytes
-        request_id = None
+        request_id = op = None
         if len(frames) == 2 and len(frames[1]) == 0 and self.frontend.notifies_disconnect:
             # ROUTER_NOTIFY: the peer disconnected (closed, crashed, killed)
             self.sessions.disconnected(identity)
@@ -70,7 +70,11 @@ class Intake:
         try:
             if len(frames) < 2:
                 raise TorchpoolError(errors.INVALID_ARG, "empty request: expected a header frame")
-            header = messages.decode_header(frames[1].buffer)
+            try:
+                header = messages.decode_header(frames[1].buffer)
+            except messages.HeaderError as exc:
+                request_id = exc.request_id          # a readable header's id is echoed
+                raise
             request_id = header.get("id")
             op = header.get("op")
             session = self._session_of(header, identity)
@@ -93,7 +97,9 @@ class Intake:
             else:
                 result = self._control(op, header)
         except TorchpoolError as exc:
-            self.frontend.send(sock, identity, messages.error_response(request_id, exc))
+            if op in (messages.OP_LOAD, messages.OP_UNLOAD):   # the client's copy hides paths: the log has them
+                log.warning("%s refused: %s", op, exc.message)
+            self.frontend.send(sock, identity, messages.error_response(request_id, self._public(exc)))
             return
         except Exception as exc:  # a malformed request must never take the daemon down
             log.exception("request %r could not be handled", request_id)
@@ -141,7 +147,8 @@ class Intake:
         if op == messages.OP_MODEL_CONFIG:
             return reg.config(name, version)
         if op == messages.OP_REPOSITORY_INDEX:
-            return reg.repository_index()
+            return [{**row, "reason": messages.hide_paths(row["reason"], str(self.control.root))}
+                    for row in reg.repository_index()]
         if op == messages.OP_STATISTICS:
             return reg.statistics(name, version)
         if op == messages.OP_SERVER_METADATA:
@@ -151,10 +158,17 @@ class Intake:
                     "transfer": dict(self.transfer)}
         raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
 
+    def _public(self, err: TorchpoolError) -> TorchpoolError:
+        """`err` as the client sees it: a path in the model repository shown
+        relative to it (a load error's "addsub/config.pbtxt:3: ..."); every
+        other path is cut down by error_response. The log keeps the full text."""
+        message = messages.hide_paths(err.message, str(self.control.root))
+        return err if message == err.message else TorchpoolError(err.code, message)
+
     def _deferred_reply(self, sock: zmq.Socket, identity: bytes, request_id: Any) -> Callable:
         """Answer a request later (load / unload finish after the call returns)."""
         def reply(err: Optional[TorchpoolError]) -> None:
-            header = messages.error_response(request_id, err) if err else \
+            header = messages.error_response(request_id, self._public(err)) if err else \
                 messages.ok_response(request_id, result=True)
             self.frontend.send(sock, identity, header)
         return reply

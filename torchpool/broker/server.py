@@ -236,8 +236,8 @@ class Server:
                     continue
                 try:
                     request_id = messages.decode_header(frames[1]).get("id")
-                except TorchpoolError:
-                    request_id = None
+                except messages.HeaderError as exc:
+                    request_id = exc.request_id
                 self.frontend.send(sock, frames[0], messages.error_response(request_id, refusal))
 
     # -------------------------------------------------------------- signals

@@ -17,7 +17,9 @@ calls answer {"ok": True, "result": ...}. See docs/protocol.md.
 """
 from __future__ import annotations
 
-from typing import Any
+import os
+import re
+from typing import Any, Optional
 
 import msgpack
 
@@ -68,19 +70,50 @@ def unpack(buf: Any) -> Any:
     return msgpack.unpackb(buf, raw=False, use_list=True, strict_map_key=False)
 
 
+class HeaderError(TorchpoolError):
+    """A header the daemon cannot serve (not a msgpack map, or a protocol
+    version it does not speak), with the request's `id` when the header was
+    readable: the error answer echoes it like every other answer."""
+
+    def __init__(self, message: str, request_id: Any = None) -> None:
+        super().__init__(INVALID_ARG, message)
+        self.request_id = request_id
+
+
 def decode_header(frame: Any) -> dict:
-    """Decode and sanity-check a header; TorchpoolError(INVALID_ARG) if malformed."""
+    """Decode and sanity-check a header; HeaderError (INVALID_ARG, with the
+    request's id when there is one) if malformed."""
     try:
         header = unpack(frame)
     except Exception as exc:  # msgpack raises several types
-        raise TorchpoolError(INVALID_ARG, f"malformed request header: {exc or type(exc).__name__} "
-                                          f"(expected a msgpack map)") from None
+        raise HeaderError(f"malformed request header: {exc or type(exc).__name__} "
+                          f"(expected a msgpack map)") from None
     if not isinstance(header, dict):
-        raise TorchpoolError(INVALID_ARG, "malformed request header: not a map")
-    if header.get("v") != PROTOCOL_VERSION:
-        raise TorchpoolError(INVALID_ARG, f"unsupported protocol version {header.get('v')!r}; "
-                                          f"this server speaks {PROTOCOL_VERSION}")
+        raise HeaderError("malformed request header: not a map")
+    if header.get("v") != PROTOCOL_VERSION or isinstance(header.get("v"), bool):
+        raise HeaderError(f"unsupported protocol version {header.get('v')!r}; "
+                          f"this server speaks {PROTOCOL_VERSION}", header.get("id"))
     return header
+
+
+# an absolute path of two components or more, not inside a word ("1/2" or "N/A" are not paths)
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~/-])/(?:[\w.+@%~-]+/)+([\w.+@%~-]*)")
+
+
+def hide_paths(text: str, root: Optional[str] = None) -> str:
+    """`text` as a client may see it: no file-system path of the server's.
+    A path inside `root` (the model repository) is shown relative to it
+    ("addsub/config.pbtxt:3"), any other absolute path by its last component
+    only ("libcustom_op.so"). The daemon's log keeps the full text."""
+    if "/" not in text:
+        return text
+    if root:
+        for form in sorted({root, os.path.abspath(root), os.path.realpath(root)}, key=len, reverse=True):
+            form = form.rstrip("/")
+            if form:
+                itself = r"(?<![\w.+@%~/-])" + re.escape(form) + r"(?![\w.+@%~-])"   # not within a name
+                text = re.sub(itself + r"/(?=[^\s/])", "", re.sub(itself + r"/?(?=\s|$|['\")])", ".", text))
+    return _ABSOLUTE_PATH.sub(lambda m: m.group(1) or m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
 
 
 def ok_response(request_id: Any, **fields: Any) -> dict:
@@ -88,5 +121,7 @@ def ok_response(request_id: Any, **fields: Any) -> dict:
 
 
 def error_response(request_id: Any, err: TorchpoolError) -> dict:
-    return {"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": err.to_wire()}
+    """An error answer; its message never shows a path of the server's (hide_paths)."""
+    return {"v": PROTOCOL_VERSION, "id": request_id, "ok": False,
+            "error": {"code": err.code, "message": hide_paths(err.message)}}
 

@@ -100,7 +100,7 @@ def load_extensions(model: str, model_dir: Path, settings: ModelParameters) -> N
 _TORCHSCRIPT_PREAMBLE = "The following operation failed in the TorchScript interpreter."
 
 
-def client_text(message: str) -> str:
+def client_text(message: object) -> str:
     """The part of an error text a client should see: one line, no traceback.
 
     TorchScript errors embed the interpreter's preamble, two tracebacks with
@@ -109,8 +109,11 @@ def client_text(message: str) -> str:
     the preamble (e.g. "PyTorch execute failure: ") and that exception line;
     of any other text keep its first line (torch's own errors list
     registration sites with server paths on the lines after it). The whole
-    text goes to the daemon's log with the traceback.
+    text goes to the daemon's log with the traceback. (Paths left in that
+    line are cut down where every error answer is made: messages.hide_paths.)
+    `message` may be an exception: its text is used.
     """
+    message = str(message)
     lines = message.splitlines()
     if len(lines) <= 1:
         return message
