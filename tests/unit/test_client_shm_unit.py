@@ -1,14 +1,21 @@
 """The client package without a daemon: block headers, the client arena,
 release-by-finalizer of lent outputs, zero-copy detection of `empty()` arrays,
-and the flows driven by a scripted fake daemon."""
+and the flows driven by a scripted fake daemon (which serves a real unix
+side channel: attach, arena fds, grown and lent segments pushed as fds)."""
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
+import secrets
+import select
+import socket
 import struct
+import threading
 import uuid
 
 import numpy as np
+import posix_ipc
 import pytest
 
 from torchpool.client import Client, OutputRef, RegionOutput, SharedMemoryRef
@@ -16,8 +23,9 @@ from torchpool.client import arena as ca
 from torchpool.client import flows
 from torchpool.protocol import errors, messages, tensors
 from torchpool.protocol.errors import InferenceError
-from torchpool.shm import Segment
-from torchpool.shm.naming import boot_id
+from torchpool.shm import NamedSegment, Segment
+
+from ..support.daemon import wait_for
 
 KiB = 1024
 
@@ -31,23 +39,24 @@ def arena_for_small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def daemon_segments(prefix):
-    """Segments as a daemon would create them for a client (we own them here)."""
+    """Segments as a daemon would create them for a client: sealed memfds
+    (we own them here, and keep their fds to hand on)."""
     made: list[Segment] = []
 
-    def make(size: int) -> str:
+    def make(size: int) -> Segment:
         seg = Segment.create(f"{prefix}c{len(made)}", size, prefault=False)
         made.append(seg)
-        return seg.name
+        return seg
     yield make
     for seg in made:
-        seg.unlink()
         seg.close()
 
 
 @pytest.fixture
 def arena(daemon_segments):
     a = ca.ClientArena()
-    a.map_segment(daemon_segments(64 * KiB))
+    seg = daemon_segments(64 * KiB)
+    a.map_segment(seg.name, os.dup(seg.fd))       # as handed over the side channel
     yield a
     a.close()
 
@@ -95,24 +104,47 @@ def test_arena_full_returns_none_and_grows_with_a_segment(arena, daemon_segments
     big = arena.alloc(60 * KiB)
     assert big is not None
     assert arena.alloc(8 * KiB) is None
-    arena.map_segment(daemon_segments(32 * KiB))
+    seg = daemon_segments(32 * KiB)
+    arena.map_segment(seg.name, os.dup(seg.fd))
     other = arena.alloc(8 * KiB)
     assert other is not None and other.segment != big.segment
     assert arena.mapped_bytes == 96 * KiB
 
 
-def test_arena_data_is_shared_with_the_daemon_mapping(arena) -> None:
-    name = next(iter(arena.segments))
-    daemon_view = Segment.attach(name)
+def test_arena_data_is_shared_with_the_daemon_mapping(daemon_segments) -> None:
+    seg = daemon_segments(64 * KiB)
+    arena = ca.ClientArena()
+    arena.map_segment(seg.name, os.dup(seg.fd))
+    worker_view = Segment.from_fd(seg.name, os.dup(seg.fd))     # a worker's mapping of the same memfd
     try:
+        assert arena.segments[seg.name].fd == -1                   # the client keeps no fd it does not need
         block = arena.alloc(16)
         arena.data(block, 16)[:] = b"0123456789abcdef"
         desc = arena.hand_out(block, 16)
-        magic, _, gen, n = struct.unpack_from("<IIQQ", daemon_view.buf, desc[1] - 64)
-        assert (magic, gen, n) == (tensors.BLOCK_MAGIC, desc[3], 16)
-        assert bytes(daemon_view.buf[desc[1]:desc[1] + 16]) == b"0123456789abcdef"
+        for view in (worker_view.buf, seg.buf):
+            magic, _, gen, n = struct.unpack_from("<IIQQ", view, desc[1] - 64)
+            assert (magic, gen, n) == (tensors.BLOCK_MAGIC, desc[3], 16)
+            assert bytes(view[desc[1]:desc[1] + 16]) == b"0123456789abcdef"
     finally:
-        daemon_view.close()
+        worker_view.close()
+        arena.close()
+
+
+def test_arena_maps_only_memory_sealed_against_shrinking(daemon_segments) -> None:
+    """A daemon (or anyone on the socket) handing an fd whose size can change
+    would let the memory shrink under the client's mapping: refused."""
+    arena = ca.ClientArena()
+    fd = os.memfd_create("torchpool.unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 64 * KiB)
+    with pytest.raises(ValueError, match="not sealed against shrinking"):
+        arena.map_segment("unsealed", fd)
+    with pytest.raises(OSError):                 # map_segment took the fd, even when refusing it
+        fcntl.fcntl(fd, fcntl.F_GETFD)
+    assert arena.segments == {} and arena.mapped_bytes == 0
+    seg = daemon_segments(8 * KiB)
+    arena.map_segment(seg.name, os.dup(seg.fd))
+    assert arena.mapped_bytes == 8 * KiB and arena.alloc(4 * KiB) is not None
+    arena.close()
 
 
 # ------------------------------------------------------------------ empty()
@@ -210,13 +242,16 @@ def test_garbage_empty_block_in_flight_is_freed_when_the_flight_ends(arena) -> N
 
 # ------------------------------------------------------------------ lent outputs
 
-def test_lent_outputs_are_released_when_the_last_view_is_gone(daemon_segments) -> None:
-    name = daemon_segments(64 * KiB)
-    worker = Segment.attach(name)
+def test_lent_outputs_are_released_when_the_last_view_is_gone(fake_daemon, prefix) -> None:
+    d = fake_daemon()
+    st = local_state()
+    run(st.hello_flow(5), d)
+    assert st.outputs.link is st.link is not None
+    worker = Segment.create(f"{prefix}w0.0", 64 * KiB, prefault=False)     # a worker's output memory
     try:
         np.frombuffer(worker.buf, np.float32, count=16, offset=128)[:] = np.arange(16)
-        st = flows.ClientState("ipc:///nowhere", local=False)
-        st.session, st.local = "tok", True
+        name = worker.name
+        d.push(st.session, [worker], writable=False)     # before the answer that lends in it
         header = {"outputs": [{"name": "OUT", "datatype": "FP32", "shape": [4, 4],
                                "shm": [name, 128, 64, 99]}]}
         with st.decode_outputs(header, [], copy=False) as out:
@@ -227,19 +262,23 @@ def test_lent_outputs_are_released_when_the_last_view_is_gone(daemon_segments) -
                 arr[0, 0] = 1
             row = arr[2]
         assert out == {}
+        # the client mapped the fd it was handed: it sees the worker's memory, not a copy
+        worker.buf[128 + 8 * 4:128 + 9 * 4] = np.float32(80).tobytes()
+        assert row[0] == 80.0
+        worker.buf[128 + 8 * 4:128 + 9 * 4] = np.float32(8).tobytes()
         del arr
         gc.collect()
         assert not st.releases                    # `row` still views it
         assert row[0] == 8.0
         del row
         gc.collect()
-        assert list(st.releases) == [("tok", [name, 128, 99])]
-        assert st.session_fields() == {"session": "tok", "release": [[name, 128, 99]]}
-        assert st.session_fields() == {"session": "tok"}
+        assert list(st.releases) == [(st.session, [name, 128, 99])]
+        assert st.session_fields() == {"session": st.session, "release": [[name, 128, 99]]}
+        assert st.session_fields() == {"session": st.session}
         # copy=True: an ordinary array, released at once
         out = st.decode_outputs(header, [], copy=True)
         assert out["OUT"].flags.writeable and out["OUT"].flags.owndata
-        assert list(st.releases) == [("tok", [name, 128, 99])]
+        assert list(st.releases) == [(st.session, [name, 128, 99])]
         # releases of another session are dropped
         st.releases.append(("old", [name, 0, 1]))
         assert st.session_fields()["release"] == [[name, 128, 99]]
@@ -249,9 +288,42 @@ def test_lent_outputs_are_released_when_the_last_view_is_gone(daemon_segments) -
                                               "shm": [name, 1024, 9, 5]}]}, [], copy=False)
         assert out["T"].tolist() == [b"hello"]
         assert st.session_fields()["release"] == [[name, 1024, 5]]
-        st.outputs.clear()
+        # the handed fd was read-only: the client's mapping cannot write the worker's memory
+        mm = st.outputs.get(name, 0)
+        with pytest.raises(TypeError):
+            mm[0] = 1
+        # beyond the segment: refused (and still released)
+        with pytest.raises(InferenceError) as exc:
+            st.decode_outputs({"outputs": [{"name": "O", "datatype": "FP32", "shape": [16],
+                                            "shm": [name, 64 * KiB - 32, 64, 6]}]}, [], copy=False)
+        assert exc.value.code == errors.INTERNAL and "beyond" in str(exc.value)
+        assert st.session_fields()["release"] == [[name, 64 * KiB - 32, 6]]
     finally:
+        st.close()
         worker.close()
+
+
+def test_an_output_in_memory_never_handed_is_refused(fake_daemon, prefix) -> None:
+    """The client maps only fds it was handed over its side channel; a name
+    alone (say, of a segment in /dev/shm) gets nothing mapped."""
+    d = fake_daemon()
+    st = local_state()
+    run(st.hello_flow(5), d)
+    named = NamedSegment.create(f"{prefix}w1.0", 4 * KiB, prefault=False)
+    try:
+        header = {"outputs": [{"name": "O", "datatype": "FP32", "shape": [4], "shm": [named.name, 0, 16, 3]}]}
+        with pytest.raises(InferenceError) as exc:
+            st.decode_outputs(header, [], copy=False)
+        assert exc.value.code == errors.INTERNAL and "did not hand to this client" in str(exc.value)
+        assert st.session_fields()["release"] == [[named.name, 0, 3]]        # handed back all the same
+        st.outputs.clear()                     # a session that is not local: nothing can be mapped
+        with pytest.raises(InferenceError) as exc:
+            st.decode_outputs(header, [], copy=False)
+        assert exc.value.code == errors.INTERNAL and "without a local session" in str(exc.value)
+    finally:
+        st.close()
+        named.close()
+        named.unlink()
 
 
 def test_late_reply_releases_lent_outputs() -> None:
@@ -288,22 +360,115 @@ def test_local_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv("TORCHPOOL_LOCAL", "0")
     assert not ca.local_wanted(None)
     monkeypatch.setenv("TORCHPOOL_LOCAL", "1")
-    assert ca.local_wanted(None) == (os.access("/dev/shm", os.W_OK) and bool(boot_id()))
+    # asked for whatever the host: the side channel, not a boot id, says who gets it
+    assert ca.local_wanted(None) is True
     assert not ca.local_wanted(False)
 
 
 # ------------------------------------------------------------------ flows against a fake daemon
 
 class FakeDaemon:
-    """Answers calls in-process, like the daemon would (enough for the flows)."""
+    """Answers calls in-process, like the daemon would (enough for the flows),
+    and serves a real side channel: an AF_UNIX SOCK_SEQPACKET listener whose
+    thread answers `attach` with the arena's fds (the flow's attach blocks on
+    that answer). Later segments are pushed from the calling thread, before
+    the answer that names them, as the daemon does.
 
-    def __init__(self, make_segment, hello: str = "ok") -> None:
+    `channel`: "ok"; "missing" (hello names a socket that does not exist);
+    "refuse" (attach answered with an error); "unsealed" (the arena fd is a
+    memfd whose size can change); "no-memory" (an arena named without its fd).
+    """
+
+    def __init__(self, make_segment, directory, hello: str = "ok", channel: str = "ok") -> None:
         self.make_segment = make_segment
         self.hello = hello
+        self.channel = channel
         self.sessions: set[str] = set()
         self.seen: list[dict] = []
-        self.segments: dict[str, Segment] = {}
+        self.attaches: list[dict] = []
+        self.segments: dict[str, Segment] = {}          # client arenas, by name
+        self.channels: dict[str, socket.socket] = {}    # attached side channels, by session
+        self.handed: dict[str, set] = {}                # session -> segment names handed to it
+        self.pushes: list[tuple[str, list, bool]] = []  # (session, segment names, writable) pushed
+        self.worker: Segment | None = None              # where outputs are lent (lend=True)
+        self.lend = False
+        self.pending: dict[tuple[str, str], tuple[str, int, bytes]] = {}   # register challenges
+        self.proved: dict[str, bytes] = {}
+        self.errors: list[BaseException] = []
+        self.path = str(directory / "fake.local")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(self.path)
+        self.listener.listen(8)
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._serve, name="fake-side-channel", daemon=True)
+        self._thread.start()
 
+    # -- the side channel
+    def _serve(self) -> None:
+        while True:
+            ready, _, _ = select.select([self.listener, self._stop_r], [], [])
+            if self._stop_r in ready:
+                return
+            conn, _ = self.listener.accept()
+            try:
+                self._attach(conn)
+            except BaseException as exc:        # shows in close()
+                self.errors.append(exc)
+                conn.close()
+
+    def _attach(self, conn: socket.socket) -> None:
+        conn.settimeout(10)
+        req = messages.unpack(conn.recv(4096))
+        self.attaches.append(req)
+        token = req.get("session")
+        if self.channel == "refuse" or token not in self.sessions:
+            code = errors.UNAVAILABLE if self.channel == "refuse" else errors.SESSION_LOST
+            conn.send(messages.pack({"ok": False, "error": {"code": code, "message": "refused"}}))
+            conn.close()
+            return
+        arena, fds, close_after = [], [], []
+        if req.get("arena", True):
+            if self.channel == "unsealed":
+                fd = os.memfd_create("torchpool.unsealed", os.MFD_CLOEXEC)
+                os.ftruncate(fd, 4 * KiB)
+                arena, fds, close_after = [{"segment": "unsealed", "size": 4 * KiB}], [fd], [fd]
+            else:
+                seg = self.make_segment(4 * KiB)
+                self.segments[seg.name] = seg
+                arena = [{"segment": seg.name, "size": seg.size}]
+                fds = [] if self.channel == "no-memory" else [seg.fd]
+        conn.setblocking(False)                      # channel_closed() peeks without waiting
+        self.channels[token] = conn                 # before the answer: the flow goes on once it has it
+        self.handed[token] = {a["segment"] for a in arena}
+        answer = messages.pack({"ok": True, "arena": arena, "block_header": 64})
+        if fds:
+            socket.send_fds(conn, [answer], fds)
+        else:
+            conn.send(answer)
+        for fd in close_after:
+            os.close(fd)
+
+    def push(self, token: str, segments: list[Segment], writable: bool) -> None:
+        """Hand a session's client segment fds (read-only ones for worker memory)."""
+        fds = [s.fd if writable else os.open(f"/proc/self/fd/{s.fd}", os.O_RDONLY) for s in segments]
+        try:
+            body = messages.pack({"segments": [{"segment": s.name, "size": s.size} for s in segments]})
+            socket.send_fds(self.channels[token], [body], fds)
+        finally:
+            if not writable:
+                for fd in fds:
+                    os.close(fd)
+        self.handed[token].update(s.name for s in segments)
+        self.pushes.append((token, [s.name for s in segments], writable))
+
+    def channel_closed(self, token: str) -> bool:
+        """The client closed its side channel (which ends a session)."""
+        try:
+            return self.channels[token].recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+
+    # -- the zmq side
     def __call__(self, call: flows.Call):
         h = messages.unpack(call.frames[0])
         self.seen.append(h)
@@ -313,37 +478,100 @@ class FakeDaemon:
                 raise InferenceError(errors.UNSUPPORTED, "unknown operation 'hello'")
             tok = uuid.uuid4().hex
             self.sessions.add(tok)
-            name = self.make_segment(4 * KiB)
-            if os.path.exists(f"/dev/shm/{name}"):
-                self.segments[name] = Segment.attach(name)
+            path = self.path + ".missing" if self.channel == "missing" else self.path
             return {"id": h["id"], "ok": True, "result": {
-                "session": tok, "local": h["local"], "lease_s": 60, "block_header": 64,
-                "arena": [{"segment": name, "size": 4 * KiB}]}}, []
-        if h.get("session") is not None and h["session"] not in self.sessions:
+                "session": tok, "local": False, "lease_s": 60, "local_socket": path,
+                "block_header": 64}}, []
+        token = h.get("session")
+        if token is not None and token not in self.sessions:
             raise InferenceError(errors.SESSION_LOST, "unknown session (its lease expired or the daemon "
                                                       "restarted); say hello again")
+        if op == "goodbye":
+            self.sessions.discard(token)
         if op == "arena_grow":
-            name = self.make_segment(max(h["size"], 4 * KiB))
-            self.segments[name] = Segment.attach(name)
-            return {"id": h["id"], "ok": True, "result": {"segment": name, "size": h["size"]}}, []
+            seg = self.make_segment(max(h["size"], 4 * KiB))
+            self.segments[seg.name] = seg
+            self.push(token, [seg], writable=True)              # before the answer names it
+            return {"id": h["id"], "ok": True, "result": {"segment": seg.name, "size": seg.size}}, []
+        if op == "register_system_shared_memory":
+            return {"id": h["id"], "ok": True, "result": self._register(token, h)}, []
         if op == "infer":
             outs = []
             for e in h["inputs"]:
                 if "shm" in e:
                     seg, off, n, gen = e["shm"]
+                    assert seg in self.handed[token], "a segment not handed to this session"
                     magic, g, nb = tensors.read_block_header(self.segments[seg].buf, off - 64)
                     assert (magic, g, nb) == (tensors.BLOCK_MAGIC, gen, n), "stale descriptor"
                     data = bytes(self.segments[seg].buf[off:off + n])
                 else:
                     data = e["data"] if isinstance(e["data"], bytes) else bytes(call.frames[e["data"]])
-                outs.append({"name": e["name"], "datatype": e["datatype"], "shape": e["shape"],
-                             "data": data})
+                out = {"name": e["name"], "datatype": e["datatype"], "shape": e["shape"]}
+                if self.lend and h.get("output_shm"):
+                    out["shm"] = self._lend(token, data, len(outs))
+                else:
+                    out["data"] = data
+                outs.append(out)
             return {"id": h["id"], "ok": True, "outputs": outs}, []
         return {"id": h["id"], "ok": True, "result": True}, []
 
+    def _lend(self, token: str, data: bytes, i: int) -> list:
+        """Write an output into the worker's memory and lend it: [segment, offset, nbytes, gen]."""
+        if self.worker is None:
+            self.worker = Segment.create(f"torchpool.fake.{uuid.uuid4().hex[:8]}.w0.0", 64 * KiB,
+                                         prefault=False)
+        if self.worker.name not in self.handed[token]:
+            self.push(token, [self.worker], writable=False)      # once, before the first answer lending in it
+        off = 64 + i * 16 * KiB
+        self.worker.buf[off:off + len(data)] = data
+        return [self.worker.name, off, len(data), 1000 + i]
+
+    def _register(self, token: str, h: dict):
+        """The challenge: a nonce the client must write at the region's offset."""
+        if token not in self.channels:
+            raise InferenceError(errors.INVALID_ARG, "registered regions need a local session")
+        name = h["name"]
+        if "challenge" not in h:
+            if self.hello == "short-challenge":
+                return {"challenge": b"8 bytes!"}          # not a 16-byte nonce
+            nonce = secrets.token_bytes(16)
+            self.pending[(token, name)] = (h["key"], h["offset"], nonce)
+            return {"challenge": nonce}
+        key, offset, nonce = self.pending.pop((token, name))
+        shm = posix_ipc.SharedMemory("/" + key)
+        try:
+            written = os.pread(shm.fd, 16, offset)
+        finally:
+            shm.close_fd()
+        if h["challenge"] != nonce or written != nonce:
+            raise InferenceError(errors.INVALID_ARG, "ownership proof failed")
+        self.proved[name] = written
+        return True
+
     def close(self) -> None:
-        for s in self.segments.values():
-            s.close()
+        os.write(self._stop_w, b"x")
+        self._thread.join(10)
+        assert not self._thread.is_alive()
+        for conn in self.channels.values():
+            conn.close()
+        self.listener.close()
+        os.close(self._stop_r)
+        os.close(self._stop_w)
+        if self.worker is not None:
+            self.worker.close()
+        assert not self.errors, self.errors
+
+
+@pytest.fixture
+def fake_daemon(daemon_segments, tmp_path):
+    made: list[FakeDaemon] = []
+
+    def make(**kw) -> FakeDaemon:
+        made.append(FakeDaemon(daemon_segments, tmp_path, **kw))
+        return made[-1]
+    yield make
+    for d in made:
+        d.close()
 
 
 def run(flow, daemon):
@@ -356,13 +584,17 @@ def local_state() -> flows.ClientState:
     return st
 
 
-def test_hello_then_arena_inputs_then_grow(daemon_segments) -> None:
-    d = FakeDaemon(daemon_segments)
+def test_hello_then_arena_inputs_then_grow(fake_daemon) -> None:
+    d = fake_daemon()
     st = local_state()
     try:
         assert st.needs_hello()
         run(st.hello_flow(5), d)
+        assert d.seen[0]["local"] is True and "boot_id" not in d.seen[0]
+        assert d.attaches == [{"op": "attach", "session": st.session, "arena": True}]
         assert st.local and st.session in d.sessions and st.arena.mapped_bytes == 4 * KiB
+        assert set(st.arena.segments) == d.handed[st.session] and st.link.arena == []   # fds taken
+        (first_segment,) = st.arena.segments
         x = np.arange(16, dtype=np.float32)
         out = run(st.infer_flow("m", {"X": x}, None, None, 5, copy=True), d)
         assert np.array_equal(out["X"], x)
@@ -373,18 +605,49 @@ def test_hello_then_arena_inputs_then_grow(daemon_segments) -> None:
         out = run(st.infer_flow("m", {"X": big}, None, None, 5, copy=True), d)
         assert d.seen[-2]["op"] == "arena_grow" and np.array_equal(out["X"], big)
         assert len(st.arena.segments) == 2 and "shm" in d.seen[-1]["inputs"][0]
+        (grown,) = set(st.arena.segments) - {first_segment}
+        assert d.pushes == [(st.session, [grown], True)]             # the pushed fd was mapped
         huge = np.ones(2 * 1024 * KiB, np.uint8)                     # above the client's cap: inline
         st.arena.cap = 1024 * KiB
         run(st.infer_flow("m", {"X": huge}, None, None, 5, copy=True), d)
         assert "data" in d.seen[-1]["inputs"][0]
         assert st.stats["bytes_inline"] == huge.nbytes
+        token = st.session
     finally:
         st.close()
-        d.close()
+    # closing the client closes its side channel: that is what ends the session daemon-side
+    wait_for(lambda: d.channel_closed(token), 5, "the client to close its side channel")
 
 
-def test_session_lost_rehello_and_retry(daemon_segments) -> None:
-    d = FakeDaemon(daemon_segments)
+def test_outputs_lent_in_place_arrive_as_fds_before_the_answer(fake_daemon) -> None:
+    d = fake_daemon()
+    d.lend = True
+    st = local_state()
+    try:
+        run(st.hello_flow(5), d)
+        x = np.arange(64, dtype=np.float32)
+        y = np.full(32, 7, np.int32)
+        out = run(st.infer_flow("m", {"X": x, "Y": y}, None, None, 5, copy=False), d)
+        assert d.pushes == [(st.session, [d.worker.name], False)]         # before the answer, read-only
+        assert np.array_equal(out["X"], x) and np.array_equal(out["Y"], y)
+        assert not out["X"].flags.writeable
+        d.worker.buf[64:68] = np.float32(-1).tobytes()                   # a view of the worker's memory
+        assert out["X"][0] == -1.0
+        del out
+        gc.collect()
+        assert sorted(item for _, item in st.releases) == [[d.worker.name, 64, 1000],
+                                                          [d.worker.name, 64 + 16 * KiB, 1001]]
+        # the next answer lending in the same memory needs no new fd: the mapping is reused
+        again = run(st.infer_flow("m", {"X": x}, None, None, 5, copy=True), d)
+        assert np.array_equal(again["X"], x) and again["X"].flags.writeable
+        assert len(d.pushes) == 1
+        assert d.seen[-1]["release"]                                     # the releases rode along
+    finally:
+        st.close()
+
+
+def test_session_lost_rehello_and_retry(fake_daemon) -> None:
+    d = fake_daemon()
 
     class FakeClient(Client):
         def __init__(self) -> None:   # no socket: the fake daemon answers
@@ -407,6 +670,9 @@ def test_session_lost_rehello_and_retry(daemon_segments) -> None:
         out = c.infer("m", {"X": x})
         assert np.array_equal(out["X"], x) and c.session != first
         assert [h["op"] for h in d.seen] == ["hello", "infer", "infer", "hello", "infer"]
+        # the new session attached over a new side channel; the old one was closed
+        assert [a["session"] for a in d.attaches] == [first, c.session]
+        wait_for(lambda: d.channel_closed(first), 5, "the lost session's side channel to close")
         buf = c.empty((1, 16))
         buf[:] = 2
         out = c.infer("m", {"X": buf})
@@ -414,11 +680,10 @@ def test_session_lost_rehello_and_retry(daemon_segments) -> None:
         assert c.transfer_stats()["bytes_zero_copy"] == 64
     finally:
         c.close()
-        d.close()
 
 
-def test_hello_refused_falls_back_to_inline(daemon_segments) -> None:
-    d = FakeDaemon(daemon_segments, hello="unsupported")
+def test_hello_refused_falls_back_to_inline(fake_daemon) -> None:
+    d = fake_daemon(hello="unsupported")
     st = local_state()
     run(st.hello_flow(5), d)
     assert st.session is None and st.unsupported and not st.needs_hello()
@@ -429,20 +694,75 @@ def test_hello_refused_falls_back_to_inline(daemon_segments) -> None:
         st.require_session()
     assert exc.value.code == errors.UNSUPPORTED
     assert isinstance(run(st.empty_flow((2, 2), "FP32", 5), d), np.ndarray)
+    assert d.attaches == []
 
 
-def test_unmappable_arena_falls_back_to_a_remote_session(daemon_segments) -> None:
-    """Same boot id but another /dev/shm (e.g. another container): goodbye, hello as remote."""
-    d = FakeDaemon(lambda size: "torchpool.no-such-segment-" + uuid.uuid4().hex)
+@pytest.mark.parametrize("channel", ["missing", "refuse", "unsealed", "no-memory"])
+def test_no_side_channel_falls_back_to_a_remote_session(fake_daemon, channel: str) -> None:
+    """Another host or container (the socket is not there), a refusal, or memory
+    the client must not map: goodbye, and hello again as a remote client."""
+    d = fake_daemon(channel=channel)
     st = local_state()
-    run(st.hello_flow(5), d)
-    assert [h["op"] for h in d.seen] == ["hello", "goodbye", "hello"]
-    assert d.seen[-1]["local"] is False
-    assert st.session is not None and not st.local and st.arena is None
+    try:
+        run(st.hello_flow(5), d)
+        assert [h["op"] for h in d.seen] == ["hello", "goodbye", "hello"]
+        first = d.seen[0]
+        assert d.seen[1]["session"] != st.session and d.seen[2]["local"] is False
+        assert st.session is not None and not st.local and st.arena is None and st.link is None
+        assert st.outputs.link is None
+        assert [a["session"] for a in d.attaches] == ([] if channel == "missing" else [d.seen[1]["session"]])
+        assert first["local"] is True
+        if channel in ("unsealed", "no-memory"):
+            # the client gave the attached channel up (the daemon ends that session)
+            wait_for(lambda: d.channel_closed(d.seen[1]["session"]), 5, "the refused channel to close")
+        # requests go inline, with no arena descriptors
+        out = run(st.infer_flow("m", {"X": np.ones(16, np.float32)}, None, None, 5, copy=True), d)
+        assert np.array_equal(out["X"], np.ones(16)) and "data" in d.seen[-1]["inputs"][0]
+        assert "output_shm" not in d.seen[-1]
+    finally:
+        st.close()
 
 
-def test_releases_ride_once_on_the_next_request_and_errors_are_not_retried(daemon_segments) -> None:
-    d = FakeDaemon(daemon_segments)
+def test_register_proves_access_with_the_daemons_challenge(fake_daemon, prefix) -> None:
+    """A session without the local path attaches (no arena) so the daemon knows
+    who registers; the daemon's nonce is written at the region's offset while
+    it checks, and the client's bytes there are put back afterwards."""
+    d = fake_daemon()
+    st = flows.ClientState("ipc:///nowhere", local=False)
+    region = NamedSegment.create(f"{prefix}region", 4 * KiB, prefault=False)
+    try:
+        run(st.hello_flow(5), d)
+        assert st.session is not None and st.link is None and not st.local
+        region.buf[256:272] = b"user data: 16 B."
+        assert run(st.register_flow("r", region.name, 1024, 256, 5), d) is True
+        assert d.attaches == [{"op": "attach", "session": st.session, "arena": False}]
+        assert st.link is not None and not st.local and st.arena is None
+        first, second = [h for h in d.seen if h["op"] == "register_system_shared_memory"]
+        assert {k: first[k] for k in ("name", "key", "byte_size", "offset")} == \
+            {"name": "r", "key": region.name, "byte_size": 1024, "offset": 256}
+        assert "challenge" not in first and "token" not in first
+        assert len(d.proved["r"]) == 16 and second["challenge"] == d.proved["r"]   # read back from the segment
+        assert bytes(region.buf[256:272]) == b"user data: 16 B."                  # put back
+        assert st.regions == {"r": (region.name, 1024, 256)}
+        # a daemon whose challenge is not a 16-byte nonce: nothing registered, the bytes untouched
+        d.hello = "short-challenge"
+        with pytest.raises(InferenceError) as exc:
+            run(st.register_flow("r2", region.name, 1024, 512, 5), d)
+        assert exc.value.code == errors.INTERNAL and "no challenge" in str(exc.value)
+        assert "r2" not in st.regions and bytes(region.buf[512:528]) == bytes(16)
+        # a region that does not fit its segment is refused before asking the daemon
+        asked = len(d.seen)
+        with pytest.raises(InferenceError) as exc:
+            run(st.register_flow("r3", region.name, 4 * KiB, 8, 5), d)
+        assert exc.value.code == errors.INVALID_ARG and len(d.seen) == asked
+    finally:
+        st.close()
+        region.close()
+        region.unlink()
+
+
+def test_releases_ride_once_on_the_next_request_and_errors_are_not_retried(fake_daemon) -> None:
+    d = fake_daemon()
     st = local_state()
     run(st.hello_flow(5), d)
     st.releases.append((st.session, ["worker-segment", 0, 1]))
@@ -464,7 +784,6 @@ def test_releases_ride_once_on_the_next_request_and_errors_are_not_retried(daemo
     assert len(sent) == 1 and sent[0]["release"] == [["worker-segment", 128, 3]]   # asked once
     assert st.arena.free_bytes == st.arena.mapped_bytes
     st.close()
-    d.close()
 
 
 def test_small_inputs_stay_inline_by_default(arena, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -481,10 +800,10 @@ def test_small_inputs_stay_inline_by_default(arena, monkeypatch: pytest.MonkeyPa
     st.finish(enc, arena, answered=True)
 
 
-def test_concurrent_requests_grow_the_arena_once(daemon_segments) -> None:
+def test_concurrent_requests_grow_the_arena_once(fake_daemon) -> None:
     """Two flows interleaved (as AsyncClient runs them) that both find the arena
     full: one asks for a segment; the other goes inline instead of adding one more."""
-    d = FakeDaemon(daemon_segments)
+    d = fake_daemon()
     st = local_state()
     try:
         run(st.hello_flow(5), d)
@@ -507,7 +826,6 @@ def test_concurrent_requests_grow_the_arena_once(daemon_segments) -> None:
         assert not st.arena.growing
     finally:
         st.close()
-        d.close()
 
 
 def test_a_forgotten_client_closes_its_socket(tmp_path) -> None:
