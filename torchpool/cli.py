@@ -1,4 +1,4 @@
-"""Command line: `torchpool serve | infer | make-example-repo`."""
+"""Command line: `torchpool serve | infer | keygen | make-example-repo`."""
 from __future__ import annotations
 
 import argparse
@@ -43,8 +43,7 @@ def _size(text: str) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .broker.frontend import AddressInUse
-    from .broker.server import Server
+    from .broker.auth import SecurityError, check_options
 
     level = setup_logging(args.log_level, args.log_format)
     # every serve flag is named after its ServerOptions field
@@ -55,10 +54,37 @@ def _serve(args: argparse.Namespace) -> int:
                  local_allow_groups=args.local_allow_groups or [])
     options = ServerOptions(**given)
     try:
-        return Server(options).run()
-    except AddressInUse as exc:
+        # key files and addresses are checked before anything starts (or torch is
+        # imported): a one-line error, exit status 2
+        check_options(options.listen, options.curve_secret_key, options.curve_authorized_keys,
+                      options.insecure_tcp)
+    except SecurityError as exc:
         logging.getLogger("torchpool").error("%s", exc)
         return 2
+    from .broker.frontend import AddressInUse
+    from .broker.server import Server
+
+    try:
+        return Server(options).run()
+    except (AddressInUse, SecurityError) as exc:
+        logging.getLogger("torchpool").error("%s", exc)
+        return 2
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from .broker.auth import SecurityError, keygen, read_certificate
+
+    try:
+        public_file, secret_file = keygen(args.directory, args.name)
+        public, _ = read_certificate(public_file, secret=False)
+    except (SecurityError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"public key {public.decode()}\n"
+          f"  {public_file}  (public: copy it into the daemon's --curve-authorized-keys directory,\n"
+          f"  or give it to clients as server_key)\n"
+          f"  {secret_file}  (secret, mode 600: --curve-secret-key, or a client's client_key)")
+    return 0
 
 
 def _parse_input(text: str) -> tuple[str, object]:
@@ -211,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--version")
     infer.add_argument("--timeout", type=float, default=60.0)
     infer.set_defaults(func=_infer)
+
+    keys = sub.add_parser("keygen", help="write a CURVE key pair for tcp:// (NAME.key public, "
+                                         "NAME.key_secret secret)")
+    keys.add_argument("directory", help="where to write the two files (created if missing)")
+    keys.add_argument("--name", default="torchpool",
+                      help="file name of the pair, e.g. server or the client's name (default torchpool)")
+    keys.set_defaults(func=_keygen)
 
     example = sub.add_parser("make-example-repo", help="write the example model repository")
     example.add_argument("directory")

@@ -1,7 +1,21 @@
-"""The frontend: ROUTER sockets on every --listen URL.
+"""The frontend: ROUTER sockets on every --listen URL, and what it knows of
+each connection.
 
 Clients are DEALER sockets; every message arrives as
-`[routing id, header, payload...]` and every answer goes back the same way.
+`[routing id, header, payload...]` and every answer goes back the same way,
+through `send`, the one path out. A connection is a routing id on one socket.
+
+    ipc://  plain ROUTER (the socket file's mode guards it)
+    tcp://  a CURVE server with a ZAP allow-list when --curve-secret-key is
+            given (auth.py); without it, loopback only unless --insecure-tcp
+
+Per connection the frontend keeps two limits (ARCHITECTURE.md, "Trust
+boundaries"): requests in flight (`InFlight`, --max-in-flight-per-client)
+and replies it has not read (--max-unread-replies: the socket's send
+high-water mark). A reply to a connection whose queue is full, or that is
+gone, is dropped (it could not be delivered anyway), the connection is
+marked as not reading and reported once through `on_stalled`; its requests
+are refused until a reply gets through again.
 """
 from __future__ import annotations
 
@@ -9,13 +23,17 @@ import errno
 import logging
 import os
 import socket
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import zmq
 
-from ..protocol import messages
+from ..protocol import errors, messages
+from ..protocol.errors import TorchpoolError
+from .auth import CurveAuth, SecurityError, check_options, is_loopback, is_tcp
 
 log = logging.getLogger("torchpool.broker")
+
+_MAX_MARKS = 4096     # connections remembered as stalled (or gone); the oldest are forgotten
 
 
 class AddressInUse(Exception):
@@ -53,37 +71,133 @@ def _claim_ipc_path(path: str) -> None:
         probe.close()
 
 
+class InFlight:
+    """Unanswered infer requests per connection (socket, routing id).
+
+    A request is added when it is accepted and taken away when its one final
+    answer goes out (Answers.release): removal is idempotent, so no path can
+    count it twice. A connection at its limit has its next request refused
+    at once with RESOURCE_EXHAUSTED; other connections are not affected."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit                 # 0: no limit
+        self._by_connection: dict[tuple[Any, bytes], set] = {}
+
+    def check(self, sock: Any, identity: bytes) -> None:
+        if not self.limit:
+            return
+        held = self._by_connection.get((sock, identity))
+        if held is not None and len(held) >= self.limit:
+            raise TorchpoolError(errors.RESOURCE_EXHAUSTED,
+                                 f"this connection has {len(held)} requests in flight; this server "
+                                 f"accepts at most {self.limit} per connection "
+                                 f"(--max-in-flight-per-client)")
+
+    def add(self, req: Any) -> None:
+        key = (req.socket, req.identity)
+        held = self._by_connection.get(key)
+        if held is None:
+            held = self._by_connection[key] = set()
+        held.add(req)
+
+    def done(self, req: Any) -> None:
+        key = (req.socket, req.identity)
+        held = self._by_connection.get(key)
+        if held is not None:
+            held.discard(req)
+            if not held:
+                del self._by_connection[key]
+
+    def __len__(self) -> int:
+        """Requests in flight over every connection."""
+        return sum(len(held) for held in self._by_connection.values())
+
+
 class Frontend:
-    def __init__(self, ctx: zmq.Context, urls: Sequence[str]) -> None:
+    """The daemon's listening sockets, one ROUTER per URL; the one path
+    replies take out; and per-connection state (in flight, not reading).
+
+    `max_in_flight`: unanswered requests per connection (0: no limit).
+    `max_unread_replies`: replies queued for one connection before it counts
+    as not reading (0: no limit). `on_stalled(identity)`: told once when a
+    connection stops reading, or is found gone (its sessions can go)."""
+
+    def __init__(self, ctx: zmq.Context, urls: Sequence[str], *, curve_secret_key: Optional[str] = None,
+                 curve_authorized_keys: Optional[str] = None, insecure_tcp: bool = False,
+                 max_in_flight: int = 0, max_unread_replies: int = 0,
+                 on_stalled: Optional[Callable[[bytes], None]] = None) -> None:
         self.urls = list(urls)
         self.sockets: list[zmq.Socket] = []
         self.notifies_disconnect = False        # ROUTER_NOTIFY took (libzmq with drafts)
+        self.in_flight = InFlight(max_in_flight)
+        self.max_unread_replies = max_unread_replies
+        self.on_stalled = on_stalled
+        self._remote: set[zmq.Socket] = set()  # sockets of tcp:// URLs
+        self._url_of: dict[zmq.Socket, str] = {}
+        self._stalled: dict[tuple[zmq.Socket, bytes], int] = {}   # -> replies dropped since
+        self._gone: dict[tuple[zmq.Socket, bytes], None] = {}     # reported gone already
         self._ipc_files: list[str] = []
+        self._auth: Optional[CurveAuth] = check_options(self.urls, curve_secret_key, curve_authorized_keys,
+                                                        insecure_tcp)
         try:
-            for url in self.urls:
-                self._bind(ctx, url)
+            made = [self._socket(ctx, url) for url in self.urls]
+            if self._auth is not None and not self._remote:
+                log.warning("--curve-secret-key given but no tcp:// address to secure with it")
+                self._auth = None
+            if self._auth is not None:
+                self._auth.start(ctx)           # ZAP answers before any CURVE socket listens
+            for sock, url in made:
+                self._bind(sock, url)
+                self._say_how_secure(url, insecure_tcp)
         except BaseException:
             self.close()
             raise
 
-    def _bind(self, ctx: zmq.Context, url: str) -> None:
-        path = ipc_path(url)
-        if path:
-            _claim_ipc_path(path)
+    @classmethod
+    def from_options(cls, ctx: zmq.Context, options: Any) -> "Frontend":
+        """A frontend on `options.listen` (a ServerOptions) with its access options and limits."""
+        return cls(ctx, options.listen, curve_secret_key=options.curve_secret_key,
+                   curve_authorized_keys=options.curve_authorized_keys, insecure_tcp=options.insecure_tcp,
+                   max_in_flight=options.max_in_flight_per_client,
+                   max_unread_replies=options.max_unread_replies)
+
+    def _socket(self, ctx: zmq.Context, url: str) -> tuple[zmq.Socket, str]:
         sock = ctx.socket(zmq.ROUTER)
         self.sockets.append(sock)               # closed by close() whatever fails below
+        self._url_of[sock] = url
         sock.setsockopt(zmq.LINGER, 1000)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)   # a vanished client must not raise
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
+        # A reply to a connection that is gone, or whose queue is full (it
+        # does not read), raises at once instead of waiting or vanishing:
+        # send() drops it and marks the connection.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, max(0, self.max_unread_replies))
+        # Requests a connection sent that the broker has not read yet. More
+        # than its in-flight limit could not be accepted anyway, so beyond
+        # that ZeroMQ stops reading its stream: a flooding client is slowed
+        # down by its own socket (TCP / unix backpressure) and fair queueing
+        # keeps serving the others, instead of the broker buffering without
+        # bound. 0 (no limit) when the in-flight limit is off.
+        sock.setsockopt(zmq.RCVHWM, max(0, self.in_flight.limit))
         try:
             # an empty message tells us a client went away: its session is released
             # at once. It is a draft option in libzmq builds without drafts; the
-            # client lease covers those.
+            # client lease and failed sends (EHOSTUNREACH) cover those.
             sock.setsockopt(zmq.ROUTER_NOTIFY, zmq.NOTIFY_DISCONNECT)
             self.notifies_disconnect = True
         except (zmq.ZMQError, AttributeError):
             pass
+        if is_tcp(url):
+            self._remote.add(sock)
+            if self._auth is not None:
+                self._auth.secure(ctx, sock, url)
+        elif ipc_path(url) is None:
+            raise SecurityError(f"cannot listen on {url}: only ipc:// and tcp:// addresses are served")
+        return sock, url
+
+    def _bind(self, sock: zmq.Socket, url: str) -> None:
+        path = ipc_path(url)
+        if path:
+            _claim_ipc_path(path)
         try:
             sock.bind(url)
         except zmq.ZMQError as exc:
@@ -92,13 +206,91 @@ class Frontend:
             os.chmod(path, 0o660)
             self._ipc_files.append(path)
 
-    def send(self, sock: zmq.Socket, identity: bytes, header: dict, frames: Sequence[Any] = ()) -> None:
-        sock.send_multipart([identity, messages.pack(header), *frames], copy=True)
+    def _say_how_secure(self, url: str, insecure_tcp: bool) -> None:
+        if not is_tcp(url) or self._auth is not None:
+            return
+        if is_loopback(url):
+            log.info("%s is unauthenticated and unencrypted (loopback: reachable from this host "
+                     "only; --curve-secret-key secures it)", url)
+        else:
+            log.warning("%s is unauthenticated and unencrypted (--insecure-tcp): anyone who can "
+                        "reach it can run and load models", url)
+
+    # -- connections
+
+    def is_remote(self, sock: zmq.Socket) -> bool:
+        """True for a tcp:// socket (not a local ipc:// one)."""
+        return sock in self._remote
+
+    def stalled(self, sock: zmq.Socket, identity: bytes) -> bool:
+        """True while the connection counts as not reading its replies."""
+        return bool(self._stalled) and (sock, identity) in self._stalled
+
+    def forget(self, sock: zmq.Socket, identity: bytes) -> None:
+        """The connection closed (ROUTER_NOTIFY): nothing to remember of it."""
+        self._stalled.pop((sock, identity), None)
+
+    def send(self, sock: zmq.Socket, identity: bytes, header: dict, frames: Sequence[Any] = ()) -> bool:
+        """Send one reply; False when it was dropped: the connection does not
+        read (its queue holds max_unread_replies) or is gone. Never blocks,
+        never raises for a client's sake."""
+        try:
+            sock.send_multipart([identity, messages.pack(header), *frames], flags=zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            self._not_reading(sock, identity)
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            self._is_gone(sock, identity)
+            return False
+        if self._gone:
+            self._gone.pop((sock, identity), None)   # a peer that chose its own routing id came back
+        if self._stalled and (sock, identity) in self._stalled:
+            dropped = self._stalled.pop((sock, identity))
+            log.info("connection %s on %s reads its replies again (%d were dropped meanwhile)",
+                     identity.hex(), self._url_of.get(sock), dropped)
+        return True
+
+    def _not_reading(self, sock: zmq.Socket, identity: bytes) -> None:
+        key = (sock, identity)
+        if key in self._stalled:
+            self._stalled[key] += 1
+            return
+        if len(self._stalled) >= _MAX_MARKS:
+            self._stalled.pop(next(iter(self._stalled)))
+        self._stalled[key] = 1
+        log.warning("connection %s on %s does not read its replies: %d are queued for it "
+                    "(--max-unread-replies); dropping its replies and refusing its requests until "
+                    "it reads", identity.hex(), self._url_of.get(sock), self.max_unread_replies)
+        self._report(identity)
+
+    def _is_gone(self, sock: zmq.Socket, identity: bytes) -> None:
+        key = (sock, identity)
+        self._stalled.pop(key, None)
+        if key in self._gone:
+            return
+        if len(self._gone) >= _MAX_MARKS:
+            self._gone.pop(next(iter(self._gone)))
+        self._gone[key] = None
+        log.debug("connection %s on %s is gone: its replies are dropped", identity.hex(),
+                  self._url_of.get(sock))
+        self._report(identity)
+
+    def _report(self, identity: bytes) -> None:
+        if self.on_stalled is not None:
+            try:
+                self.on_stalled(identity)
+            except Exception:   # the reply path must not fail for it
+                log.exception("releasing the sessions of connection %s failed", identity.hex())
 
     def close(self) -> None:
         for sock in self.sockets:
             sock.close(linger=1000)
         self.sockets.clear()
+        self._remote.clear()
+        if self._auth is not None:
+            self._auth.stop()                  # after the CURVE sockets: ZAP is never missing
         for path in self._ipc_files:
             try:
                 os.unlink(path)

@@ -119,7 +119,7 @@ class Server:
         self.arena = Arena(lambda i: f"{self.prefix}in{i}", o.shm_chunk, o.shm_limit)
         self.arena.free(self.arena.alloc(1))   # first segment created and pre-faulted now
         self.ctx = zmq.Context()
-        self.frontend = Frontend(self.ctx, o.listen)
+        self.frontend = Frontend.from_options(self.ctx, o)
         self.answers = Answers(self.frontend, self.arena, self.transfer)
         self.sessions = SessionManager(f"{self.prefix}", o.client_shm_size, o.client_shm_limit,
                                        o.client_lease, self.answers.end_loans, self._forget)

@@ -12,8 +12,8 @@ import zmq.asyncio
 from ..protocol import errors, messages
 from ..protocol.errors import InferenceError
 from .arena import DEFAULT_ARENA_CAP
-from .common import (DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, encode_control, error_of,
-                     send_goodbye_and_close, timeout_error)
+from .common import (DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control,
+                     error_of, send_goodbye_and_close)
 from .flows import SessionLost, run_async, sequence_field
 from .regions import needs_session
 from .types import Call
@@ -22,11 +22,13 @@ from .types import InferResult
 
 class AsyncClient(ClientBase):
     """An asyncio client: many concurrent calls over one socket. The same
-    features as `Client`; `empty()` and the region calls are coroutines."""
+    features as `Client`; `empty()` and the region calls are coroutines.
+    `server_key` / `client_key`: CURVE over tcp://, as for `Client`."""
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, local: Optional[bool] = None,
-                 arena_cap: int = DEFAULT_ARENA_CAP) -> None:
-        self._open(url, timeout, local, arena_cap, zmq.asyncio.Context.instance())
+                 arena_cap: int = DEFAULT_ARENA_CAP, server_key: Optional[ServerKey] = None,
+                 client_key: Optional[ClientKey] = None) -> None:
+        self._open(url, timeout, local, arena_cap, zmq.asyncio.Context.instance(), server_key, client_key)
         self._pending: dict[int, asyncio.Future] = {}
         self._reader: Optional[asyncio.Task] = None
         self._hello_lock: Optional[asyncio.Lock] = None
@@ -52,7 +54,7 @@ class AsyncClient(ClientBase):
             await self._sock.send_multipart(frames, copy=len(frames) == 1)
             header, payload = await asyncio.wait_for(fut, limit)
         except asyncio.TimeoutError:
-            raise timeout_error(self.url, limit) from None
+            raise self._no_answer(limit) from None
         finally:
             self._pending.pop(request_id, None)
         if not header.get("ok"):
@@ -174,7 +176,7 @@ class AsyncClient(ClientBase):
         if not self._closer.detach():
             return                        # closed already
         self._stop()
-        send_goodbye_and_close(self._sock, self._state)
+        send_goodbye_and_close(self._sock, self._state, self._monitor)
 
     async def __aenter__(self) -> "AsyncClient":
         return self

@@ -10,7 +10,7 @@ import zmq
 
 from ..protocol import messages
 from .arena import DEFAULT_ARENA_CAP
-from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, encode_control, error_of, timeout_error
+from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control, error_of
 from .flows import SessionLost, run_sync, sequence_field
 from .regions import needs_session
 from .types import Call
@@ -23,11 +23,20 @@ class Client(ClientBase):
     `local`: None (default) uses the shared-memory path when the daemon is on
     this host (unless TORCHPOOL_LOCAL=0); False never does. `arena_cap`: the
     most arena memory this client asks the daemon for.
+
+    For a daemon whose tcp:// address uses CURVE (`torchpool keygen`):
+    `server_key` is the daemon's public key (40 Z85 characters, or the path
+    of its NAME.key file) and `client_key` this client's key pair (the path
+    of its NAME.key_secret file, or a (public, secret) pair), whose public
+    key must be in the daemon's --curve-authorized-keys directory. A refused
+    client gets no answer: its calls fail after `timeout` saying why.
+    ipc:// connections are plain whatever the keys.
     """
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, local: Optional[bool] = None,
-                 arena_cap: int = DEFAULT_ARENA_CAP) -> None:
-        self._open(url, timeout, local, arena_cap, zmq.Context.instance())
+                 arena_cap: int = DEFAULT_ARENA_CAP, server_key: Optional[ServerKey] = None,
+                 client_key: Optional[ClientKey] = None) -> None:
+        self._open(url, timeout, local, arena_cap, zmq.Context.instance(), server_key, client_key)
 
     # -- transport
     def _call(self, frames: list, request_id: int, timeout: Optional[float]) -> tuple[dict, list]:
@@ -38,7 +47,7 @@ class Client(ClientBase):
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
-                raise timeout_error(self.url, limit)
+                raise self._no_answer(limit)
             reply = self._sock.recv_multipart(copy=False)
             header = messages.unpack(reply[0].buffer)
             if not isinstance(header, dict) or header.get("id") != request_id:
@@ -178,6 +187,8 @@ class Client(ClientBase):
             except zmq.ZMQError:
                 pass
         self._sock.close(linger=linger)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
 
     def __enter__(self) -> "Client":
         return self
