@@ -32,8 +32,10 @@ log = logging.getLogger("torchpool.broker")
 class Intake:
     def __init__(self, frontend: Frontend, registry: Registry, sessions: SessionManager,
                  control: ModelControl, answers: Answers, transfer: Counter,
-                 dispatch: Callable[[ModelVersion], None], stopping: Callable[[], bool]) -> None:
+                 dispatch: Callable[[ModelVersion], None], stopping: Callable[[], bool],
+                 remote_model_control: bool = False) -> None:
         self.frontend = frontend
+        self.remote_model_control = remote_model_control   # load/unload over tcp:// too
         self.registry = registry
         self.sessions = sessions
         self.control = control
@@ -65,6 +67,7 @@ class Intake:
         request_id = op = None
         if len(frames) == 2 and len(frames[1]) == 0 and self.frontend.notifies_disconnect:
             # ROUTER_NOTIFY: the peer disconnected (closed, crashed, killed)
+            self.frontend.forget(sock, identity)
             self.sessions.disconnected(identity)
             return
         try:
@@ -76,6 +79,14 @@ class Intake:
                 request_id = exc.request_id          # a readable header's id is echoed
                 raise
             request_id = header.get("id")
+            if self.frontend.stalled(sock, identity):
+                # its replies are being dropped: refuse at once, do nothing for it (the
+                # refusal is delivered, and the mark cleared, once it reads again)
+                raise TorchpoolError(errors.RESOURCE_EXHAUSTED,
+                                     "this connection did not read its replies (more than "
+                                     f"{self.frontend.max_unread_replies} were queued: "
+                                     "--max-unread-replies); they were dropped and its requests "
+                                     "refused until it reads")
             op = header.get("op")
             session = self._session_of(header, identity)
             if op == messages.OP_INFER:
@@ -86,6 +97,10 @@ class Intake:
                 raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
             if op in (messages.OP_LOAD, messages.OP_UNLOAD):
                 self.control.check_explicit(op)
+                if not self.remote_model_control and self.frontend.is_remote(sock):
+                    raise TorchpoolError(errors.UNSUPPORTED,
+                                         "model control (load/unload) is accepted only over ipc:// on "
+                                         "this server (--remote-model-control allows tcp)")
                 waiter = self._deferred_reply(sock, identity, request_id)
                 if op == messages.OP_LOAD:
                     self.control.load(header.get("model"), header.get("config"), waiter)
@@ -177,6 +192,8 @@ class Intake:
                       frames: list, session: Any) -> None:
         if self.stopping():
             raise TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
+        in_flight = self.frontend.in_flight
+        in_flight.check(sock, identity)         # refused before any work is done for it
         mv = self.registry.resolve(header.get("model"), header.get("version"))
         scheduler = mv.scheduler
         staged, outputs, batch_size, regions, region_outputs = validate_infer(
@@ -194,9 +211,16 @@ class Intake:
             req.hidden_outputs = frozenset(hidden)
         batch_layout(req, staged, mv.config)
         req.staged = staged
-        scheduler.admit(req, header)
-        self.answers.collect_finished_sends()   # input blocks answers were sent from come back
-        scheduler.push(req, time.monotonic())
+        # counted from here until its one final answer goes out (Answers.release);
+        # counted before push, which may answer it at once
+        in_flight.add(req)
+        try:
+            scheduler.admit(req, header)
+            self.answers.collect_finished_sends()   # input blocks answers were sent from come back
+            scheduler.push(req, time.monotonic())
+        except BaseException:
+            in_flight.done(req)                  # refused: _handle_request answers it
+            raise
         # held until the request is answered: regions cannot go, the session cannot expire
         for region in regions:
             region.in_use += 1

@@ -124,6 +124,7 @@ class Server:
         self.sessions = SessionManager(f"{self.prefix}", o.client_shm_size, o.client_shm_limit,
                                        o.client_lease, self.answers.end_loans, self._forget)
         self.answers.sessions = self.sessions
+        self.frontend.on_stalled = self.sessions.disconnected   # a connection that stopped reading
         self.loop.call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
         entries = scan_repository(o.model_repository)
         if o.model_control_mode == EXPLICIT and "*" not in o.load_models:
@@ -137,7 +138,8 @@ class Server:
         self.control = ModelControl(self.registry, o.model_repository, o.model_control_mode,
                                     self.start_version, self.instances.version_gone)
         self.intake = Intake(self.frontend, self.registry, self.sessions, self.control, self.answers,
-                             self.transfer, self._dispatch, lambda: self.should_exit)
+                             self.transfer, self._dispatch, lambda: self.should_exit,
+                             remote_model_control=o.remote_model_control)
         for sock in self.frontend.sockets:
             self.loop.watch(sock, lambda sock=sock: self.intake.on_readable(sock))
         for model in self.registry.models.values():

@@ -165,6 +165,7 @@ class Answers:
 
     def release(self, req: InferRequest) -> None:
         """Free what the request held, once: arena blocks, regions, its session."""
+        self.frontend.in_flight.done(req)   # its final answer goes out now: no longer in flight
         for block in req.blocks:
             self.arena.free(block)
         req.blocks = []
