@@ -25,6 +25,7 @@ the client (ZAP status 500) rather than ending the thread.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import os
 import socket
@@ -47,6 +48,7 @@ ZAP_DOMAIN = b"torchpool"
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 _LOG_EVERY = 60.0          # seconds: one line per refused peer (or failure kind) in this time
+_inproc_ids = itertools.count()     # inproc names are never reused within the process
 _HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
@@ -228,7 +230,7 @@ class CurveAuth:
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.zap_domain = ZAP_DOMAIN
-        endpoint = f"inproc://torchpool.monitor.{id(self)}.{len(self._monitors)}"
+        endpoint = f"inproc://torchpool.monitor.{next(_inproc_ids)}"
         sock.monitor(endpoint, _HANDSHAKE_EVENTS)
         monitor = ctx.socket(zmq.PAIR)
         monitor.linger = 0
@@ -240,7 +242,7 @@ class CurveAuth:
         self._zap = ctx.socket(zmq.REP)
         self._zap.linger = 0
         self._zap.bind(ZAP_ENDPOINT)
-        pipe = f"inproc://torchpool.auth.{id(self)}"
+        pipe = f"inproc://torchpool.auth.{next(_inproc_ids)}"
         self._wake = ctx.socket(zmq.PAIR)
         self._wake.linger = 0
         self._wake.bind(pipe)

@@ -2,6 +2,7 @@
 how an error answer becomes an exception, and the inline request helpers."""
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -55,6 +56,7 @@ def decode_infer(header: dict, frames: Sequence[Any]) -> dict[str, Any]:
 ServerKey = Union[str, bytes, "os.PathLike[str]"]
 ClientKey = Union[str, "os.PathLike[str]", tuple, list]
 
+_monitor_ids = itertools.count()     # inproc names are never reused, even after a client is gone
 _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
@@ -200,7 +202,7 @@ class ClientBase:
                 self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = keys
             # a refused handshake is silent at the socket level: its monitor tells why a
             # call got no answer
-            endpoint = f"inproc://torchpool.client.monitor.{id(self)}"
+            endpoint = f"inproc://torchpool.client.monitor.{next(_monitor_ids)}"
             self._sock.monitor(endpoint, _HANDSHAKE_EVENTS)
             self._monitor = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
             self._monitor.connect(endpoint)
