@@ -26,17 +26,18 @@ CONFIG = ('name: "m"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
 def arena():
     a = Arena(lambda i: f"torchpool.unit{os.getpid()}.{uuid.uuid4().hex[:6]}direct{i}", 1 << 20, 4 << 20)
     yield a
-    a.close(unlink=True)
+    a.close()
 
 
 def config(text: str = CONFIG) -> ModelConfig:
     return ModelConfig.from_json({**parse_pbtxt(text), "name": "m"})
 
 
-def request(cfg: ModelConfig, value: float, timeout_us: int = 0, location=None) -> InferRequest:
+def request(cfg: ModelConfig, value: float, timeout_us: int = 0, location=None,
+            identity: bytes = b"") -> InferRequest:
     x = np.full(2, value, np.float32)
     staged = [(cfg.inputs[0], [2], [2], memoryview(x.tobytes()), location)]
-    req = InferRequest(None, b"", value, SimpleNamespace(name="m"), [], ["OUTPUT__0"], [], None,
+    req = InferRequest(None, identity, value, SimpleNamespace(name="m"), [], ["OUTPUT__0"], [], None,
                        timeout_us=timeout_us)
     batch_layout(req, staged, cfg)
     req.staged = staged
@@ -108,3 +109,20 @@ def test_drain_hands_back_everything_queued(arena: Arena) -> None:
     for r in reqs:
         for block in r.blocks:
             arena.free(block)
+
+
+def test_connections_are_served_in_turn_so_a_flood_delays_only_its_sender(arena: Arena) -> None:
+    s = DirectScheduler(config(), arena, Counter())
+    flood = [request(s.config, float(i), identity=b"flood") for i in range(5)]
+    honest = [request(s.config, 100.0 + i, identity=b"honest") for i in range(2)]
+    for r in flood + honest:            # the flood arrived first
+        s.admit(r, {})
+        s.push(r, 0.0)
+    assert len(s) == 7
+    taken = []
+    while len(s):
+        batch = s.take(None, 0.0)
+        taken.append(batch.requests[0].request_id)
+    # round robin between connections, each in its own arrival order
+    assert taken == [0.0, 100.0, 1.0, 101.0, 2.0, 3.0, 4.0]
+    assert s.take(None, 0.0) is None and s.queues == {}

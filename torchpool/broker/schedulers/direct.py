@@ -2,9 +2,12 @@
 
 A request is staged as it is accepted: inline inputs copied once into the
 broker's arena, inputs already in shared memory passed by descriptor, its
-`batch_input` tensors computed. The first idle instance takes the oldest
-request. A request with a timeout that has not started by then is answered
-"Request timeout expired".
+`batch_input` tensors computed. An idle instance takes the oldest request
+of the next connection in turn: connections are served round robin, each
+in its own arrival order, so a client that floods the queue (up to its
+--max-in-flight-per-client) delays its own requests, not everyone's. A
+request with a timeout that has not started by then is answered "Request
+timeout expired".
 """
 from __future__ import annotations
 
@@ -27,12 +30,15 @@ class DirectScheduler(Scheduler):
         self.config = config
         self.arena = arena
         self.transfer = transfer
-        self.queue: deque[InferRequest] = deque()
+        # one queue per connection, in turn order: a dict keeps insertion order,
+        # and a connection served goes to the back by being deleted and re-added
+        self.queues: dict[bytes, deque[InferRequest]] = {}
+        self._count = 0
         self._deadlines: list[tuple[float, int, InferRequest]] = []
         self._order = itertools.count()
 
     def __len__(self) -> int:
-        return len(self.queue)
+        return self._count
 
     def admit(self, req: InferRequest, header: dict) -> None:
         pass
@@ -43,7 +49,11 @@ class DirectScheduler(Scheduler):
             req.deadline = now + req.timeout_us / 1e6
             heapq.heappush(self._deadlines, (req.deadline, next(self._order), req))
         req.queued = True
-        self.queue.append(req)
+        queue = self.queues.get(req.identity)
+        if queue is None:
+            queue = self.queues[req.identity] = deque()
+        queue.append(req)
+        self._count += 1
 
     def _stage(self, req: InferRequest) -> None:
         cfg = self.config
@@ -64,8 +74,14 @@ class DirectScheduler(Scheduler):
         req.staged = []
 
     def take(self, instance: Any, now: float) -> Optional[Batch]:
-        while self.queue:
-            req = self.queue.popleft()
+        queues = self.queues
+        while queues:
+            identity = next(iter(queues))
+            queue = queues.pop(identity)
+            req = queue.popleft()
+            if queue:
+                queues[identity] = queue          # its next request waits for the others' turn
+            self._count -= 1
             req.queued = False
             if req.deadline is not None and now > req.deadline:
                 return Batch([req], req.batch_size, req.rows, [], [], error=TorchpoolError(
@@ -88,13 +104,20 @@ class DirectScheduler(Scheduler):
                 late.append(req)
         if late:
             gone = set(map(id, late))
-            self.queue = deque(r for r in self.queue if id(r) not in gone)
+            for identity, queue in list(self.queues.items()):
+                kept = deque(r for r in queue if id(r) not in gone)
+                if kept:
+                    self.queues[identity] = kept
+                else:
+                    del self.queues[identity]
+            self._count -= len(late)
         return [(req, TorchpoolError(errors.UNAVAILABLE, TIMEOUT)) for req in late]
 
     def drain(self) -> list[InferRequest]:
-        out = list(self.queue)
+        out = [req for queue in self.queues.values() for req in queue]
         for req in out:
             req.queued = False
-        self.queue.clear()
+        self.queues.clear()
+        self._count = 0
         self._deadlines.clear()
         return out
