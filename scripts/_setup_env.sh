@@ -10,8 +10,8 @@ if [ ! -x "$PY" ]; then
   python3 -m venv "$VENV"
 fi
 stamp="$VENV/.torchpool-installed"
-# setup.py and the C source are in the stamp: a change rebuilds the extension
-want="$(cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/constraints.txt" "$ROOT/torchpool/shm/_streamcopy.c" | sha1sum | cut -c1-40)"
+# setup.py and the C sources are in the stamp: a change rebuilds the extensions
+want="$(cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/constraints.txt" "$ROOT"/torchpool/*/_*.c | sha1sum | cut -c1-40)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c "import torchpool, torch, zmq, msgpack, posix_ipc, pytest" 2>/dev/null; then
   echo "torchpool: installing into $VENV (torch pinned by constraints.txt)" >&2
   "$PY" -m pip install --quiet --disable-pip-version-check -c "$ROOT/constraints.txt" "torch==2.13.0"

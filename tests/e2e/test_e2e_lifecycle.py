@@ -19,8 +19,8 @@ from torchpool.client import Client
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
-from ..support.daemon import (ROOT, Daemon, alive, cpu_ticks, daemon_segments, descendants, torchpool_processes,
-                     wait_for, worker_pids)
+from ..support.daemon import (ROOT, Daemon, alive, cpu_ticks, daemon_segments, descendants, memfds,
+                              torchpool_processes, wait_for, worker_pids)
 from ..support.model_repository import slow_iterations
 
 ADDSUB_IN = {"INPUT0": np.arange(16, dtype=np.float32).reshape(1, 16),
@@ -72,9 +72,10 @@ def test_signal_stops_cleanly(small_repository: Path, tmp_path: Path, sig: int) 
     try:
         assert "torchpool ready" in d.log()
         assert d.socket_path.exists()
-        segments = daemon_segments(d.urls)
-        assert segments    # the broker's input arena and one output arena per worker
-        assert all(os.stat(f"/dev/shm/{n}").st_mode & 0o777 == 0o600 for n in segments)
+        # the broker's input arena and one output arena per worker: sealed memfds, no names
+        held = memfds(d.pid())
+        assert any(n.endswith(".in0") for n in held) and any(".w" in n for n in held), held
+        assert not daemon_segments(d.urls)
         pids = [d.pid()] + descendants(d.pid())
         # fork server, resource tracker and one worker per model
         assert len(pids) >= 1 + 1 + 6, pids
@@ -137,15 +138,14 @@ def test_worker_killed_mid_request(small_repository: Path, tmp_path: Path) -> No
 def test_daemon_killed_then_restarted_cleans_up(small_repository: Path, tmp_path: Path) -> None:
     first = start(small_repository, tmp_path)
     pids = [first.pid()] + descendants(first.pid())
-    old_prefix_pid = f".{first.pid()}."
     with Client(first.url, timeout=30) as c:
         check_addsub(c)
     first.proc.send_signal(signal.SIGKILL)
     assert first.stop() == -signal.SIGKILL
     # the fork server and the workers follow the daemon (no orphans)
     wait_for(lambda: not any(alive(p) for p in pids), 30, "orphaned processes to exit")
-    leftovers = daemon_segments(first.urls)
-    assert leftovers and all(old_prefix_pid in n for n in leftovers), leftovers
+    # its memory had no names: a daemon killed outright leaves none behind in /dev/shm
+    assert not daemon_segments(first.urls)
     assert first.socket_path.exists()          # nobody removed it
 
     second = start(small_repository, tmp_path)
@@ -153,8 +153,8 @@ def test_daemon_killed_then_restarted_cleans_up(small_repository: Path, tmp_path
         log = second.log()
         assert "stale socket file" in log
         assert "left by a dead daemon" in log
-        assert not [n for n in daemon_segments(second.urls) if old_prefix_pid in n]
-        assert all(f".{second.pid()}." in n for n in daemon_segments(second.urls))
+        assert not daemon_segments(second.urls)
+        assert all(f".{second.pid()}." in n for n in memfds(second.pid()))
         with Client(second.url, timeout=30) as c:
             check_addsub(c)
         pids = [second.pid()] + descendants(second.pid())

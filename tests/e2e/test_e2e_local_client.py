@@ -27,7 +27,7 @@ from torchpool import AsyncClient, Client, InferenceError, OutputRef, RegionOutp
 from torchpool.protocol import errors
 
 from ..support.daemon import free_tcp_port
-from ..support.daemon import ROOT, Daemon, cpu_ticks, daemon_segments, wait_for, worker_pids
+from ..support.daemon import ROOT, Daemon, cpu_ticks, daemon_segments, memfds, wait_for, worker_pids
 from ..support.model_repository import slow_iterations
 
 MiB = 1 << 20
@@ -62,24 +62,18 @@ def short_lease_daemon(small_repository: Path, tmp_path_factory: pytest.TempPath
 # --- helpers -----------------------------------------------------------------------------
 
 def client_arenas(d: Daemon) -> set[str]:
-    """The daemon's client arena segments (`torchpool.<id>.<pid>.c<n>`)."""
-    return {n for n in daemon_segments(d.urls) if re.search(r"\.c\d+$", n)}
-
-
-def shm_size(name: str) -> int:
-    try:
-        return os.stat(f"/dev/shm/{name}").st_size
-    except FileNotFoundError:
-        return 0
+    """The daemon's client arena segments (memfds `torchpool.<id>.<pid>.c<n>` the broker holds)."""
+    return {n for n in memfds(d.proc.pid) if re.search(r"\.c\d+$", n)}
 
 
 def worker_output_bytes(d: Daemon) -> int:
     """Bytes of all the workers' output segments (`torchpool.<id>.<pid>.w<serial>.<i>`)."""
-    return sum(shm_size(n) for n in daemon_segments(d.urls) if re.search(r"\.w\d+\.\d+$", n))
+    return sum(size for n, size in memfds(d.proc.pid).items() if re.search(r"\.w\d+\.\d+$", n))
 
 
-def gone(names) -> bool:
-    return not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+def released_by(d: Daemon):
+    """A predicate: the daemon no longer holds any of these segments."""
+    return lambda names: not set(names) & set(memfds(d.proc.pid))
 
 
 def mapped_file(arr: np.ndarray) -> str:
@@ -148,7 +142,9 @@ def test_local_round_trip_copies_in_once_and_lends_the_output(local_daemon: Daem
         with pytest.raises(ValueError):
             y[0] = 1.0
         assert isinstance(backing(y), mmap.mmap)
-        assert re.fullmatch(r"/dev/shm/torchpool\.[0-9a-f]{8}\.\d+\.w\d+\.\d+", mapped_file(y)), mapped_file(y)
+        # a worker's memory (a sealed memfd handed to us read-only), not a file in /dev/shm
+        assert re.fullmatch(r"/memfd:torchpool\.[0-9a-f]{8}\.\d+\.w\d+\.\d+ \(deleted\)", mapped_file(y)), \
+            mapped_file(y)
         assert lent_total(c) - lent0 == x.nbytes
         # copy=True: an ordinary writable array, nothing of the daemon's kept
         z = c.infer("clone", {"INPUT__0": x}, copy=True)["OUTPUT__0"]
@@ -239,7 +235,7 @@ def test_outputs_that_are_views_of_the_input_come_back_in_its_block(daemon: Daem
     ipc = next(u for u in daemon.urls if u.startswith("ipc"))
     with Client(ipc, timeout=30) as c:
         c.infer("input_views", {"INPUT__0": x})                     # session and arena exist
-        before_arena = sum(shm_size(s) for s in client_arenas(daemon))
+        before_arena = sum(size for n, size in memfds(daemon.proc.pid).items() if n in client_arenas(daemon))
         t0 = c.server_metadata()["transfer"]
         out = c.infer("input_views", {"INPUT__0": x})
         whole, tail, strided = out["OUTPUT__0"], out["OUTPUT__1"], out["OUTPUT__2"]
@@ -248,11 +244,11 @@ def test_outputs_that_are_views_of_the_input_come_back_in_its_block(daemon: Daem
         np.testing.assert_array_equal(strided, x[::2])
         t1 = c.server_metadata()["transfer"]
         # the input itself and the slice of it: the client's own arena block, no output copy
-        assert re.fullmatch(r"/dev/shm/torchpool\.[0-9a-f]{8}\.\d+\.c\d+", mapped_file(whole))
+        assert re.fullmatch(r"/memfd:torchpool\.[0-9a-f]{8}\.\d+\.c\d+ \(deleted\)", mapped_file(whole))
         assert tail.__array_interface__["data"][0] == whole.__array_interface__["data"][0] + 32
         assert t1.get("output_bytes_reused", 0) - t0.get("output_bytes_reused", 0) == x.nbytes + tail.nbytes
         # the strided view is not contiguous memory: written out by the worker and lent
-        assert re.search(r"\.w\d+\.\d+$", mapped_file(strided))
+        assert re.search(r"\.w\d+\.\d+ \(deleted\)$", mapped_file(strided))
         assert t1.get("output_bytes_lent", 0) - t0.get("output_bytes_lent", 0) == strided.nbytes
         assert not whole.flags.writeable and not tail.flags.writeable
         with pytest.raises(ValueError):
@@ -273,7 +269,7 @@ def test_outputs_that_are_views_of_the_input_come_back_in_its_block(daemon: Daem
         for i in range(100):
             with c.infer("input_views", {"INPUT__0": x}) as res:
                 assert res["OUTPUT__1"][0] == 8
-        assert sum(shm_size(s) for s in client_arenas(daemon)) == before_arena
+        assert sum(size for n, size in memfds(daemon.proc.pid).items() if n in client_arenas(daemon)) == before_arena
 
 
 # --- 2. allocate in place ------------------------------------------------------------------
@@ -284,7 +280,7 @@ def test_empty_buffers_are_sent_without_a_copy(local_daemon: Daemon) -> None:
         assert c.is_local
         assert buf.shape == (4, 1024, 1024) and buf.dtype == np.float32
         assert buf.flags.writeable and buf.flags.c_contiguous
-        assert re.fullmatch(r"/dev/shm/torchpool\.[0-9a-f]{8}\.\d+\.c\d+", mapped_file(buf)), mapped_file(buf)
+        assert re.fullmatch(r"/memfd:torchpool\.[0-9a-f]{8}\.\d+\.c\d+ \(deleted\)", mapped_file(buf)), mapped_file(buf)
         buf[:] = np.random.default_rng(2).standard_normal(buf.shape, dtype=np.float32)
         flat = buf.reshape(-1)
         assert flat.__array_interface__["data"][0] == buf.__array_interface__["data"][0]
@@ -409,7 +405,7 @@ def test_regions_as_inputs_and_outputs(local_daemon: Daemon, region_segment) -> 
     finally:
         c.close()
         region.release()
-    wait_for(lambda: gone(mine), CLOSED, "the closed client's arena to be unlinked")
+    wait_for(lambda: released_by(local_daemon)(mine), CLOSED, "the closed client's arena to be unlinked")
     assert os.path.exists(f"/dev/shm/{key}")           # the daemon never unlinks a client's segment
     np.testing.assert_array_equal(np.frombuffer(mm, np.float32, x.size, base + 128 * 1024), x)
 
@@ -485,11 +481,11 @@ def test_closing_a_client_unlinks_its_arena(local_daemon: Daemon) -> None:
 
     c, mine = opened(sync_client)
     c.close()
-    wait_for(lambda: gone(mine), CLOSED, "close() to unlink the arena")
+    wait_for(lambda: released_by(local_daemon)(mine), CLOSED, "close() to unlink the arena")
     c, mine = opened(sync_client)
     del c                                   # forgotten, never closed
     gc.collect()
-    wait_for(lambda: gone(mine), CLOSED, "a forgotten client's arena to be unlinked")
+    wait_for(lambda: released_by(local_daemon)(mine), CLOSED, "a forgotten client's arena to be unlinked")
 
     async def main() -> None:
         async def async_client() -> AsyncClient:
@@ -507,7 +503,7 @@ def test_closing_a_client_unlinks_its_arena(local_daemon: Daemon) -> None:
                 await ac.aclose()
             else:
                 ac.close()
-            wait_for(lambda: gone(mine), CLOSED, f"AsyncClient.{how}() to unlink the arena")
+            wait_for(lambda: released_by(local_daemon)(mine), CLOSED, f"AsyncClient.{how}() to unlink the arena")
 
     asyncio.run(main())
 
@@ -555,7 +551,7 @@ def test_killed_client_has_its_arena_released(short_lease_daemon: Daemon) -> Non
     with Client(d.url, timeout=30) as c:
         # its request finishes for nobody; it held a lent output, so the session lasts ten
         # leases (1 s here), then the daemon unlinks the arena; others are served meanwhile
-        wait_for(lambda: serve_once() and gone(mine), 40, "the killed client's arena to be released",
+        wait_for(lambda: serve_once() and released_by(short_lease_daemon)(mine), 40, "the killed client's arena to be released",
                  interval=0.1)
         assert len(served) > 5 and c.is_local
         np.testing.assert_array_equal(c.infer("addsub", ADDSUB)["OUTPUT0"], A + B)
@@ -575,7 +571,7 @@ def test_an_expired_session_is_renewed_transparently(short_lease_daemon: Daemon,
         buf[:] = np.arange(buf.size, dtype=np.float32)
         c.register_system_shared_memory("r", key, 4096)
         # idle past the lease: the daemon closes the session and unlinks its arena
-        wait_for(lambda: gone(mine), 15, "the idle session to expire")
+        wait_for(lambda: released_by(short_lease_daemon)(mine), 15, "the idle session to expire")
         out = c.infer("identity", {"INPUT__0": buf})
         np.testing.assert_array_equal(out["OUTPUT__0"], np.arange(buf.size, dtype=np.float32))
         assert c.session not in (None, first) and c.is_local
@@ -620,7 +616,7 @@ def test_async_client_concurrent_local_infers(local_daemon: Daemon) -> None:
                              "output_bytes_sent": stats["bytes_inline"]}
             mine = client_arenas(local_daemon) - before
             # the arena (8 MiB at first) grows for what is in flight, not once per waiting request
-            assert sum(shm_size(s) for s in mine) <= 8 * MiB + 32 * MiB
+            assert sum(size for n, size in memfds(local_daemon.proc.pid).items() if n in mine) <= 8 * MiB + 32 * MiB
             # empty() as a coroutine: sent with no copy
             buf = await c.empty((n,), "FP32")
             buf[:] = -1
@@ -635,4 +631,4 @@ def test_async_client_concurrent_local_infers(local_daemon: Daemon) -> None:
 
     mine = asyncio.run(main())
     assert mine
-    wait_for(lambda: gone(mine), CLOSED, "`async with` to unlink the arena")
+    wait_for(lambda: released_by(local_daemon)(mine), CLOSED, "`async with` to unlink the arena")

@@ -150,6 +150,25 @@ def daemon_segments(urls: list[str]) -> list[str]:
     return [n for n in torchpool_segments() if n.startswith(prefix)]
 
 
+def memfds(pid: int) -> dict[str, int]:
+    """The daemon memory (sealed memfds) process `pid` holds open: name -> size.
+    The daemon's segments have no name in /dev/shm; this is how a test sees them."""
+    found = {}
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        entries = os.listdir(fd_dir)
+    except FileNotFoundError:
+        return found
+    for fd in entries:
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+            if target.startswith("/memfd:torchpool."):
+                found[target[len("/memfd:"):].removesuffix(" (deleted)")] = os.stat(f"{fd_dir}/{fd}").st_size
+        except OSError:
+            pass
+    return found
+
+
 def worker_pids(log: str, model: str) -> list[int]:
     """Pids of the workers spawned for `model`, in order, from a --log-level debug log."""
     import re

@@ -223,7 +223,7 @@ Sequence and ragged batching
 Models that must FAIL to load (the server keeps serving all the others)
 -----------------------------------------------------------------------
   broken_missing_file   valid config, empty 1/: "unable to find
-                        '<root>/broken_missing_file/1/model.pt' for model
+                        'broken_missing_file/1/model.pt' for model
                         instance 'broken_missing_file'" (Triton puts the model
                         name where the message says instance).
   broken_arg_count      config inputs INPUT__0, INPUT__1; forward(x):
@@ -891,7 +891,9 @@ def expected_load_errors(root: Path) -> dict[str, Optional[str]]:
     root = Path(root)
     return {
         "broken_missing_file":
-            f"unable to find '{root / 'broken_missing_file' / '1' / 'model.pt'}' "
+            # Triton names the full path; torchpool shows it relative to the repository
+            # (server paths never reach a client: docs/security.md)
+            f"unable to find '{Path('broken_missing_file') / '1' / 'model.pt'}' "
             "for model instance 'broken_missing_file'",
         "broken_arg_count":
             "unable to load model 'broken_arg_count', configuration expects 2 inputs, "
@@ -1136,7 +1138,7 @@ def self_check(root: Path) -> None:
 
     # Broken models: what can be seen without the server.
     assert not any((root / "broken_missing_file" / "1").iterdir())
-    assert str(root / "broken_missing_file" / "1" / "model.pt") in errors["broken_missing_file"]
+    assert str(Path("broken_missing_file") / "1" / "model.pt") in errors["broken_missing_file"]
     for name, n_inputs in [("broken_arg_count", 2), ("broken_arg_type", 2),
                            ("broken_two_dicts", 1)]:
         assert _triton_input_check(load(name), name, n_inputs) == errors[name], name

@@ -3,6 +3,7 @@ output arena, and a client socket that reads what the answers say."""
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections import Counter
 
@@ -13,6 +14,7 @@ import zmq
 from torchpool.broker.answers import Answers, Executed
 from torchpool.broker.batch import Batch
 from torchpool.broker.frontend import Frontend
+from torchpool.broker.options import ServerOptions
 from torchpool.broker.registry import ModelVersion
 from torchpool.broker.requests import InferRequest
 from torchpool.broker.sessions import SessionManager
@@ -47,8 +49,11 @@ class Rig:
         assert self.frontend.sockets[0].poll(5000)
         assert self.frontend.sockets[0].recv_multipart() == [b"client-1", b"hello"]
         self.broker_arena = Arena(lambda i: f"{tag}in{i}", 1 << 20, 4 << 20)
-        self.worker_arena = Arena(lambda i: f"{tag}w0.{i}", 1 << 20, 4 << 20)
         self.answers = Answers(self.frontend, self.broker_arena, Counter())
+        # a worker hands its output segments' fds to the broker; here the arena does it directly
+        self.worker_arena = Arena(lambda i: f"{tag}w0.{i}", 1 << 20, 4 << 20, announce=lambda seg:
+                                  self.answers.worker_segments.add(seg.name, os.dup(seg.fd), writable=False,
+                                                                   keep_fd=True))
         self.worker = WorkerHandle(0, None, None, None, None)
 
     def request(self, mv: ModelVersion, rid: int, rows: int = 1) -> InferRequest:
@@ -71,8 +76,8 @@ class Rig:
         self.client.close(linger=0)
         self.frontend.close()
         self.ctx.term()
-        self.broker_arena.close(unlink=True)
-        self.worker_arena.close(unlink=True)
+        self.broker_arena.close()
+        self.worker_arena.close()
 
 
 @pytest.fixture
@@ -152,11 +157,14 @@ def test_held_answers_of_a_dead_worker_keep_their_bytes(rig: Rig) -> None:
 def test_a_client_cannot_release_what_was_lent_to_another_session(rig: Rig) -> None:
     """One map holds every lent output: a release names the range and its
     generation, and only the session it was lent to can give it back."""
-    sessions = SessionManager(f"torchpool.unit{os.getpid()}.{uuid.uuid4().hex[:6]}", 1 << 20, 4 << 20, 60.0,
+    options = ServerOptions("repo", [], client_shm_size=1 << 20, client_shm_limit=4 << 20)
+    sessions = SessionManager(f"torchpool.unit{os.getpid()}.{uuid.uuid4().hex[:6]}", options,
                               rig.answers.end_loans, lambda refs: None)
     rig.answers.sessions = sessions
     victim = sessions.sessions[sessions.hello({})["session"]]
     attacker = sessions.sessions[sessions.hello({})["session"]]
+    # the victim is local: attached over a side channel (here a socket pair)
+    victim.channel, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     mv = version()
     req = rig.request(mv, 1)
     req.session, req.output_shm = victim, True
@@ -178,4 +186,11 @@ def test_a_client_cannot_release_what_was_lent_to_another_session(rig: Rig) -> N
     assert view[:3].tolist() == [0, 1, 2]
     assert rig.answers.release_lent(victim, [[segment, offset, generation]]) == 0
     assert rig.worker.releases == [list(outputs[0][3:6])] and victim.loans == 0
+    # the victim's client got the (read-only) fd of that segment before the answer
+    data, fds, _, _ = socket.recv_fds(client_end, 4096, 4)
+    assert messages.unpack(data)["segments"][0]["segment"] == segment and len(fds) == 1
+    assert os.fstat(fds[0]).st_size == rig.worker_arena.segments[segment].size
+    for fd in fds:
+        os.close(fd)
     sessions.close_all()
+    client_end.close()

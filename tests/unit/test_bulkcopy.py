@@ -35,7 +35,6 @@ def test_copy_into_shared_memory_is_exact_at_every_size_and_alignment(nbytes: in
         del dst, guard
     finally:
         seg.close()
-        seg.unlink()
 
 
 def test_copy_into_takes_bytes_and_shaped_arrays() -> None:

@@ -35,7 +35,7 @@ def make_config(extra: str, mbs: int = 8, inputs: str = "") -> ModelConfig:
 def arena():
     a = Arena(lambda i: f"torchpool.unit{os.getpid()}.batcher{i}", 1 << 20, 64 << 20)
     yield a
-    a.close(unlink=True)
+    a.close()
 
 
 def request(cfg: ModelConfig, rows: int = 1, width: int = 2, value: float = 0.0, level: int = 1,

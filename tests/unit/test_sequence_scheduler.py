@@ -65,7 +65,7 @@ sequence_batching {{
 def arena(prefix):
     a = Arena(lambda i: f"{prefix}{i}", 256 * KiB, 4096 * KiB)
     yield a
-    a.close(unlink=True)
+    a.close()
 
 
 class Harness:

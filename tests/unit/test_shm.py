@@ -1,7 +1,10 @@
 """Shared memory: segments, arenas, naming and stale-segment cleanup (no daemon)."""
 from __future__ import annotations
 
+import fcntl
+import mmap
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -10,9 +13,10 @@ import uuid
 import numpy as np
 import pytest
 
-from torchpool.shm import (Arena, ArenaFull, Block, Segment, SegmentCache, daemon_id,
+from torchpool.shm import (Arena, ArenaFull, Block, MappedSegments, NamedSegment, Segment, daemon_id,
                            remove_segments_with_prefix, remove_stale_segments, segment_prefix,
                            unlink_segment)
+from torchpool.shm.fdpass import recv_with_fds, send_with_fds
 from torchpool.shm.arena import ALIGN
 
 KiB = 1024
@@ -22,7 +26,7 @@ KiB = 1024
 def arena(prefix):
     a = Arena(lambda i: f"{prefix}{i}", 64 * KiB, 256 * KiB)
     yield a
-    a.close(unlink=True)
+    a.close()
 
 
 def shm_names(prefix: str) -> list[str]:
@@ -31,70 +35,118 @@ def shm_names(prefix: str) -> list[str]:
 
 # ----------------------------------------------------------------- segments
 
-def test_segment_mode_is_0600(prefix) -> None:
-    seg = Segment.create(prefix + "a", 4096)
+def test_daemon_memory_has_no_name_and_cannot_be_resized(prefix) -> None:
+    seg = Segment.create(prefix + "a", 8192)
     try:
-        mode = os.stat(f"/dev/shm/{seg.name}").st_mode
-        assert stat.S_ISREG(mode)
-        assert stat.S_IMODE(mode) == 0o600
-        assert os.stat(f"/dev/shm/{seg.name}").st_uid == os.getuid()
+        assert shm_names(prefix) == []                       # nothing in /dev/shm to guess or open
+        seals = fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS)
+        assert seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) == \
+            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        # what a client holding the fd would try: shrink, grow, lift the seals
+        with pytest.raises(PermissionError):
+            os.ftruncate(seg.fd, 4096)
+        with pytest.raises(PermissionError):
+            os.ftruncate(seg.fd, 16384)
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(seg.fd, fcntl.F_ADD_SEALS, 0)
+        assert os.fstat(seg.fd).st_size == 8192
     finally:
-        seg.unlink()
-        seg.close()
-
-
-def test_segment_create_is_exclusive(prefix) -> None:
-    seg = Segment.create(prefix + "x", 4096)
-    try:
-        with pytest.raises(Exception):
-            Segment.create(prefix + "x", 4096)
-    finally:
-        seg.unlink()
         seg.close()
     with pytest.raises(ValueError):
         Segment.create(prefix + "zero", 0)
 
 
-def test_attach_sees_the_real_size_and_the_same_bytes(prefix) -> None:
+def test_a_handed_fd_maps_the_same_bytes(prefix) -> None:
     seg = Segment.create(prefix + "b", 10_000, prefault=False)
+    mapped = MappedSegments()
     try:
-        other = Segment.attach(seg.name)
-        try:
-            assert other.size == 10_000 and not other.owner and seg.owner
-            seg.buf[0:5] = b"hello"
-            assert bytes(other.buf[0:5]) == b"hello"        # one memory, two mappings
-            other.buf[9_995:10_000] = b"world"
-            assert bytes(seg.buf[9_995:10_000]) == b"world"
-        finally:
-            other.close()
+        other = mapped.add(seg.name, os.dup(seg.fd))
+        assert other.size == 10_000 and other.fd == -1 and mapped.get(seg.name) is other
+        seg.buf[0:5] = b"hello"
+        assert bytes(other.buf[0:5]) == b"hello"             # one memory, two mappings
+        other.buf[9_995:10_000] = b"world"
+        assert bytes(seg.buf[9_995:10_000]) == b"world"
+        mapped.drop(lambda name: name == seg.name)
+        assert mapped.find(seg.name) is None and seg.name not in mapped
+    finally:
+        mapped.close()
+        seg.close()
+
+
+def test_read_only_fd_can_neither_write_nor_resize(prefix) -> None:
+    seg = Segment.create(prefix + "r", 4096)
+    fd = seg.readonly_fd()
+    try:
+        seg.buf[0:3] = b"abc"
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(OSError):
+            os.ftruncate(fd, 0)
+        with pytest.raises(OSError):
+            os.pwrite(fd, b"x", 0)
+        view = mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        assert view[0:3] == b"abc"
+        view.close()
+    finally:
+        os.close(fd)
+        seg.close()
+
+
+def test_unsealed_memory_is_refused() -> None:
+    fd = os.memfd_create("torchpool.unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 4096)
+    with pytest.raises(ValueError, match="not sealed"):
+        Segment.from_fd("unsealed", fd)                     # takes (closes) the fd
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_segments_travel_as_fds_over_a_unix_socket(prefix) -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    segs = [Segment.create(f"{prefix}{i}", 4096 * (i + 1), prefault=False) for i in range(3)]
+    try:
+        for i, seg in enumerate(segs):
+            seg.buf[0] = i + 1
+        send_with_fds(a, b"three", [s.fd for s in segs])
+        data, fds = recv_with_fds(b, 1024)
+        assert data == b"three" and len(fds) == 3
+        got = [Segment.from_fd(s.name, fd) for s, fd in zip(segs, fds)]
+        assert [(g.size, g.buf[0]) for g in got] == [(4096, 1), (8192, 2), (12288, 3)]
+        for g in got:
+            g.close()
+        send_with_fds(a, b"none", [])
+        assert recv_with_fds(b, 1024) == (b"none", [])
+    finally:
+        for s in segs:
+            s.close()
+        a.close()
+        b.close()
+
+
+def test_named_segment_mode_is_0600_and_create_is_exclusive(prefix) -> None:
+    seg = NamedSegment.create(prefix + "n", 4096)
+    try:
+        mode = os.stat(f"/dev/shm/{seg.name}").st_mode
+        assert stat.S_ISREG(mode) and stat.S_IMODE(mode) == 0o600
+        assert os.stat(f"/dev/shm/{seg.name}").st_uid == os.getuid()
+        with pytest.raises(Exception):
+            NamedSegment.create(prefix + "n", 4096)
+        other = NamedSegment.attach(seg.name)
+        seg.buf[0:5] = b"hello"
+        assert bytes(other.buf[0:5]) == b"hello" and not other.owner and seg.owner
+        other.close()
     finally:
         seg.unlink()
         seg.close()
-    assert not shm_names(prefix + "b")
+    assert not shm_names(prefix + "n")
     assert unlink_segment(seg.name) is False              # already gone
-
-
-def test_segment_cache_attaches_once(prefix) -> None:
-    seg = Segment.create(prefix + "c", 8192)
-    cache = SegmentCache()
-    try:
-        first = cache.get(seg.name)
-        assert cache.get(seg.name) is first and first.size == 8192
-        cache.drop(lambda name: name == seg.name)
-        assert cache.get(seg.name) is not first
-    finally:
-        cache.close()
-        seg.unlink()
-        seg.close()
 
 
 def test_close_with_a_live_view_does_not_raise(prefix) -> None:
     seg = Segment.create(prefix + "v", 4096)
     view = np.frombuffer(seg.buf, np.uint8)
-    seg.unlink()
     seg.close()                      # a view still points into it: left to the GC
     assert view.shape == (4096,)
-    assert not shm_names(prefix)
 
 
 # ------------------------------------------------------------------- arenas
@@ -144,7 +196,7 @@ def test_grow_and_limit(arena: Arena, prefix: str) -> None:
     second = arena.alloc(48 * KiB)          # does not fit beside the first: a new segment
     assert first.segment != second.segment
     assert len(arena.segments) == 2 and arena.mapped_bytes == 128 * KiB
-    assert shm_names(prefix) == sorted(arena.segments)
+    assert shm_names(prefix) == []          # the daemon's memory has no names
     big = arena.alloc(100 * KiB)            # larger than a chunk: a segment of its own size
     assert arena.segments[big.segment].size >= 100 * KiB
     assert arena.mapped_bytes <= arena.limit
@@ -168,13 +220,18 @@ def test_reset_frees_everything(arena: Arena) -> None:
     assert arena.alloc(64 * KiB).offset == 0
 
 
-def test_close_unlinks_every_segment(prefix: str) -> None:
-    a = Arena(lambda i: f"{prefix}{i}", 64 * KiB, 1024 * KiB)
+def test_growing_announces_each_new_segment_and_close_releases_them(prefix: str) -> None:
+    announced = []
+    a = Arena(lambda i: f"{prefix}{i}", 64 * KiB, 1024 * KiB, announce=announced.append)
     a.alloc(60 * KiB)
     a.alloc(60 * KiB)
-    assert len(shm_names(prefix)) == 2
-    a.close(unlink=True)
-    assert shm_names(prefix) == []
+    assert [s.name for s in announced] == [f"{prefix}0", f"{prefix}1"] and shm_names(prefix) == []
+    fds = [s.fd for s in announced]
+    a.close()
+    assert a.segments == {} and all(s.fd == -1 for s in announced)
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)
 
 
 def test_block_is_a_value() -> None:
@@ -210,7 +267,7 @@ def test_remove_stale_segments_only_of_dead_daemons() -> None:
         "mine": segment_prefix(daemon) + "in0",
         "other_daemon": segment_prefix(other_daemon, dead) + "in0",
     }
-    segments = [Segment.create(n, 4096, prefault=False) for n in names.values()]
+    segments = [NamedSegment.create(n, 4096, prefault=False) for n in names.values()]
     try:
         removed = remove_stale_segments(daemon)
         assert sorted(removed) == sorted([names["dead"], names["dead_worker"]])
@@ -225,8 +282,8 @@ def test_remove_stale_segments_only_of_dead_daemons() -> None:
 
 
 def test_remove_segments_with_prefix(prefix: str) -> None:
-    segs = [Segment.create(f"{prefix}{i}", 4096, prefault=False) for i in range(3)]
-    keep = Segment.create(prefix[:-1] + "X.keep", 4096, prefault=False)
+    segs = [NamedSegment.create(f"{prefix}{i}", 4096, prefault=False) for i in range(3)]
+    keep = NamedSegment.create(prefix[:-1] + "X.keep", 4096, prefault=False)
     try:
         assert sorted(remove_segments_with_prefix(prefix)) == sorted(s.name for s in segs)
         assert shm_names(prefix) == []

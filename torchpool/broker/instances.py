@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 from ..config.parameters import model_parameters
 from ..protocol import errors, internal
 from ..protocol.errors import TorchpoolError
-from ..shm.segment import unlink_segment
+from ..shm.fdpass import close_all
+from ..shm.segment import Segment, unlink_segment
 from .answers import Answers, Executed
 from .batch import Batch
 from .loop import Loop
@@ -103,9 +104,25 @@ class Instances:
         self.answers.collect_finished_sends()
         releases, worker.releases = worker.releases, []
         try:
+            known = worker.known
+            missing = [d.segment for d in batch.inputs if d.segment.__class__ is str and d.segment not in known]
+            if missing:
+                self._hand_over(worker, missing)
             worker.send(internal.Run(worker.batch_id, batch.inputs, batch.outputs, releases))
         except OSError:
             pass  # the worker is dying; its sentinel will answer this batch
+
+    def _hand_over(self, worker: WorkerHandle, names: list[str]) -> None:
+        """The daemon's memory has no names: a worker gets each segment's fd
+        once, before the first RUN that reads from it."""
+        segments = [seg for seg in map(self.segment_of, dict.fromkeys(names)) if seg is not None]
+        worker.hand_over(segments)   # one it cannot find fails that batch in the worker, clearly
+
+    def segment_of(self, name: str) -> Optional[Segment]:
+        """A daemon segment by name: the broker's input arena, a client's
+        arena, or a worker's outputs."""
+        return (self.answers.arena.segments.get(name) or self.sessions.segment(name)
+                or self.answers.worker_segments.find(name))
 
     def _execution_timeout(self, mv: ModelVersion) -> float:
         """Seconds a batch may run: the model's TORCHPOOL_EXECUTION_TIMEOUT_S, else the daemon's."""
@@ -122,16 +139,20 @@ class Instances:
 
     def _on_message(self, h: WorkerHandle) -> None:
         try:
-            msg = h.recv()
+            msg, fds = h.recv()
         except internal.ProtocolViolation as exc:
             log.error("%s sent a message that is not of the worker protocol (%s); killing it", h.label, exc)
             h.process.kill()     # its sentinel fails its batch and restarts it
             return
+        kind = type(msg)
+        if kind is internal.Segments:
+            self.answers.map_worker_segments(h, msg.segments, fds)
+            return
+        close_all(fds)
         if msg is None:          # EOF: the sentinel tells how it died
             self.loop.unwatch(h.sock.fileno())
             return
         mv = h.mv
-        kind = type(msg)
         if kind is internal.Ready:
             self._on_ready(h, mv, msg)
         elif kind is internal.LoadFailed:

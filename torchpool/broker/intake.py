@@ -23,7 +23,7 @@ from .answers import Answers
 from .frontend import Frontend
 from .model_control import ModelControl
 from .registry import ModelVersion, Registry
-from .requests import InferRequest, batch_layout, validate_infer
+from .requests import DEFAULT_LIMITS, InferRequest, TensorLimits, batch_layout, validate_infer
 from .sessions import SessionManager
 
 log = logging.getLogger("torchpool.broker")
@@ -33,8 +33,9 @@ class Intake:
     def __init__(self, frontend: Frontend, registry: Registry, sessions: SessionManager,
                  control: ModelControl, answers: Answers, transfer: Counter,
                  dispatch: Callable[[ModelVersion], None], stopping: Callable[[], bool],
-                 remote_model_control: bool = False) -> None:
+                 remote_model_control: bool = False, limits: TensorLimits = DEFAULT_LIMITS) -> None:
         self.frontend = frontend
+        self.limits = limits                                # what one BYTES tensor may hold
         self.remote_model_control = remote_model_control   # load/unload over tcp:// too
         self.registry = registry
         self.sessions = sessions
@@ -197,7 +198,7 @@ class Intake:
         mv = self.registry.resolve(header.get("model"), header.get("version"))
         scheduler = mv.scheduler
         staged, outputs, batch_size, regions, region_outputs = validate_infer(
-            header, frames, mv, session, self.sessions)
+            header, frames, mv, session, self.sessions, limits=self.limits)
         timeout_us = header.get("timeout_us") or 0
         if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or timeout_us < 0:
             timeout_us = 0

@@ -58,6 +58,8 @@ from .answers import Answers
 from .frontend import Frontend
 from .instances import InstanceEvents, Instances
 from .intake import Intake
+from .local_channel import LocalChannel, resolve_path
+from .requests import TensorLimits
 from .loop import Loop
 from .metrics import MetricsServer
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
@@ -85,6 +87,7 @@ class Server:
         self.instances: Optional[Instances] = None
         self.intake: Optional[Intake] = None
         self.sessions: Optional[SessionManager] = None
+        self.local_channel: Optional[LocalChannel] = None
         # bytes the broker copied vs. passed by descriptor, for benchmarks and tests
         self.transfer: Counter = Counter()
         self.answers: Optional[Answers] = None
@@ -121,8 +124,12 @@ class Server:
         self.ctx = zmq.Context()
         self.frontend = Frontend.from_options(self.ctx, o)
         self.answers = Answers(self.frontend, self.arena, self.transfer)
-        self.sessions = SessionManager(f"{self.prefix}", o.client_shm_size, o.client_shm_limit,
-                                       o.client_lease, self.answers.end_loans, self._forget)
+        local_path = resolve_path(o.local_socket, o.listen, self.daemon)
+        self.sessions = SessionManager(self.prefix, o, self.answers.end_loans, self._forget, local_path,
+                                       close_channel=lambda conn: self.local_channel.close_channel(conn))
+        if local_path is not None:
+            self.local_channel = LocalChannel(local_path, self.loop, self.sessions, o.local_allow_users,
+                                              o.local_allow_groups, o.max_sessions)
         self.answers.sessions = self.sessions
         self.frontend.on_stalled = self.sessions.disconnected   # a connection that stopped reading
         self.loop.call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
@@ -139,7 +146,7 @@ class Server:
                                     self.start_version, self.instances.version_gone)
         self.intake = Intake(self.frontend, self.registry, self.sessions, self.control, self.answers,
                              self.transfer, self._dispatch, lambda: self.should_exit,
-                             remote_model_control=o.remote_model_control)
+                             remote_model_control=o.remote_model_control, limits=TensorLimits.of(o))
         for sock in self.frontend.sockets:
             self.loop.watch(sock, lambda sock=sock: self.intake.on_readable(sock))
         for model in self.registry.models.values():
@@ -207,6 +214,8 @@ class Server:
                                                                f"did not finish in the grace period"))
         if self.sessions is not None:
             self.sessions.close_all()
+        if self.local_channel is not None:
+            self.local_channel.close()
         if self.instances is not None:
             self.instances.stop()
         if self.frontend is not None:
@@ -217,8 +226,8 @@ class Server:
         if self.answers is not None:
             self.answers.close()
         if self.arena is not None:
-            self.arena.close(unlink=True)
-        remove_segments_with_prefix(self.prefix)
+            self.arena.close()
+        remove_segments_with_prefix(self.prefix)     # shared weights, the only named segments
         if self.metrics is not None:
             self.metrics.close()
         self._restore_signal_handlers()
@@ -355,7 +364,9 @@ class Server:
 
     def _forget(self, refs: list) -> None:
         """Every live worker unmaps segments of a closed session or region."""
+        names = [r for r in refs if isinstance(r, str)]
         for h in self.supervisor.workers.values():
+            h.known.difference_update(names)
             try:
                 h.send(internal.Forget(refs))
             except OSError:

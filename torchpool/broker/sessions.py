@@ -1,18 +1,26 @@
 """Client sessions: per-client arenas, outputs lent in place, registered regions.
 
-A local client says `hello` and gets a session: an unguessable token, and
-arena segments the daemon creates for that client alone. The client writes
-inputs there and sends descriptors; workers read them in place. Outputs are
-lent to the client in the worker's shared memory until it releases them.
-Triton-style registered regions belong to the session that registered them,
-after the client proved it can read the segment.
+A client says `hello` (over any frontend) and gets a session: an unguessable
+token. A client on this host then attaches to it over the daemon's unix
+side channel (local_channel.py), which tells the daemon who it is (uid, gid,
+pid: SO_PEERCRED) and hands it, with SCM_RIGHTS, the fds of arena segments
+the daemon made for it alone: sealed memfds it can write but not resize
+(shm/segment.py). The client writes inputs there and sends descriptors;
+workers read them in place. Outputs are lent to it in the workers' memory,
+whose fds it gets read-only over the same channel. Triton-style registered
+regions belong to the session that registered them, after a challenge: the
+daemon picks a nonce, the client writes it at the region's offset, the
+daemon reads it back (and the segment's owner and mode must let the peer
+write it).
 
-Safety rules (docs/protocol.md): every offset/size is checked for range and
-overflow against the segment's real size (fstat) at registration and on every
-request; the daemon's own names cannot be registered; messages never echo a
-key; a region in use is unregistered only when its requests finish; an idle
-session's lease expires and the daemon releases what it held — unlinking only
-the arena segments it created itself, never a client's region.
+Safety rules (docs/security.md): local sessions are made only over the side
+channel, never over tcp; every offset/size is checked for range and overflow
+against the memory's real size; the daemon's own memory cannot be resized by
+anyone, and client regions are read under a SIGBUS guard (shm/guard.py);
+messages never echo a key; a region in use is unregistered only when its
+requests finish; an idle session's lease expires and the daemon releases
+what it held; each peer has limits (sessions, arena bytes, regions), and going
+over one is RESOURCE_EXHAUSTED for that peer alone.
 """
 from __future__ import annotations
 
@@ -21,26 +29,36 @@ import logging
 import mmap
 import os
 import secrets
+import socket
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import posix_ipc
 
-from ..protocol import errors
+from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
 from ..protocol.messages import REGION_TOKEN_BYTES
-from ..shm.naming import PREFIX, boot_id
 from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_header
+from ..shm import guard
+from ..shm.fdpass import send_with_fds
+from ..shm.naming import PREFIX
 from ..shm.segment import Segment
+from .options import ServerOptions
 
 log = logging.getLogger("torchpool.broker")
 
 MAX_INT = (1 << 63) - 1
+CHALLENGE_TTL_S = 30.0        # a registration must answer its challenge within this
 
 
 def _bad(message: str) -> TorchpoolError:
     return TorchpoolError(errors.INVALID_ARG, message)
+
+
+def _exhausted(message: str) -> TorchpoolError:
+    return TorchpoolError(errors.RESOURCE_EXHAUSTED, message)
 
 
 def _check_range(what: str, offset: Any, nbytes: Any, size: int) -> None:
@@ -51,6 +69,44 @@ def _check_range(what: str, offset: Any, nbytes: Any, size: int) -> None:
     if offset + nbytes > size:
         raise _bad(f"{what}: offset {offset} + byte size {nbytes} = {offset + nbytes} exceeds "
                    f"the {size} bytes available")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is at the other end of a side-channel connection (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: frozenset = frozenset()
+
+    @classmethod
+    def of(cls, conn: socket.socket) -> "Peer":
+        import struct
+        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+        return cls(pid, uid, gid, frozenset({gid}) | _supplementary_groups(pid))
+
+    def may_write(self, st: os.stat_result) -> bool:
+        """Could this peer open a file with this owner and mode for writing?"""
+        if self.uid == 0:
+            return True
+        if st.st_uid == self.uid:
+            return bool(st.st_mode & stat.S_IWUSR)
+        if st.st_gid in self.groups:
+            return bool(st.st_mode & stat.S_IWGRP)
+        return bool(st.st_mode & stat.S_IWOTH)
+
+
+def _supplementary_groups(pid: int) -> frozenset:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return frozenset(int(g) for g in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return frozenset()
 
 
 @dataclass(eq=False)
@@ -64,17 +120,21 @@ class Region:
     fd: int
     ino: int
     buf: mmap.mmap
+    guarded: Any = None           # guard.GuardedRange over buf: a shrink is a flag, not a SIGBUS
     in_use: int = 0
     unregistering: bool = False
 
-    def real_size(self) -> int:
-        return os.fstat(self.fd).st_size
+    @property
+    def broken(self) -> bool:
+        """The client shrank the segment under a read of ours: what we read
+        since is zeros, and the region is unusable until registered again."""
+        return self.guarded is not None and self.guarded.faulted
 
     def check(self, what: str, offset: Any, nbytes: Any) -> None:
         """A request's (offset, nbytes) within the region and the segment now."""
         _check_range(what, offset, nbytes, self.byte_size)
         end = self.offset + offset + nbytes
-        if end > self.real_size() or end > len(self.buf):
+        if self.broken or end > os.fstat(self.fd).st_size or end > len(self.buf):
             raise _bad(f"{what}: region '{self.name}' is smaller than registered "
                        f"(the segment shrank); unregister and register it again")
 
@@ -88,6 +148,8 @@ class Region:
         return [self.key, self.ino]
 
     def close(self) -> None:
+        if self.guarded is not None:
+            self.guarded.release()
         try:
             self.buf.close()
         except BufferError:
@@ -96,15 +158,36 @@ class Region:
 
 
 @dataclass(eq=False)
+class _Challenge:
+    """A registration waiting for the client to write `nonce` at `offset`."""
+
+    key: str
+    offset: int
+    byte_size: int
+    nonce: bytes
+    fd: int
+    ino: int
+    expires: float
+
+
+@dataclass(eq=False)
 class Session:
     token: str
-    local: bool
     last_seen: float
     identity: bytes = b""         # the client's ZeroMQ routing id (its connection)
+    peer: Optional[Peer] = None   # set once it attached over the side channel
+    channel: Optional[socket.socket] = None   # that side channel
     arena: dict[str, Segment] = field(default_factory=dict)
+    handed: set = field(default_factory=set)  # segments whose fds it was given
     loans: int = 0                # outputs lent to it now (the answer path owns the map of them)
     regions: dict[str, Region] = field(default_factory=dict)
+    challenges: dict[str, _Challenge] = field(default_factory=dict)
     in_flight: int = 0
+
+    @property
+    def local(self) -> bool:
+        """Attached over the side channel: it shares memory with the daemon."""
+        return self.channel is not None
 
     @property
     def arena_bytes(self) -> int:
@@ -112,48 +195,123 @@ class Session:
 
 
 class SessionManager:
-    def __init__(self, segment_prefix: str, arena_size: int, arena_limit: int, lease_s: float,
-                 end_loans: Callable[["Session"], None], forget: Callable[[list], None]) -> None:
+    def __init__(self, segment_prefix: str, options: ServerOptions,
+                 end_loans: Callable[["Session"], None], forget: Callable[[list], None],
+                 local_socket: Optional[str] = None,
+                 close_channel: Callable[[socket.socket], None] = lambda conn: conn.close()) -> None:
         self.prefix = segment_prefix
-        self.arena_size = arena_size
-        self.arena_limit = arena_limit
-        self.lease_s = lease_s
+        self.options = options
+        self.arena_size = options.client_shm_size
+        self.arena_limit = options.client_shm_limit
+        self.lease_s = options.client_lease
+        self.local_socket = local_socket  # where clients attach (None: no local path)
         self.end_loans = end_loans        # (session) -> every output lent to it goes back
         self.forget = forget              # ([segment refs]) -> workers drop their mappings
+        self.close_channel = close_channel
         self.sessions: dict[str, Session] = {}
+        self.segments: dict[str, Segment] = {}    # every client arena segment, by name
         self._counter = itertools.count()
-        self._generations = itertools.count(1)
-        self.boot_id = boot_id()
 
     # --- lifecycle -------------------------------------------------------
 
     def hello(self, header: dict, identity: bytes = b"") -> dict:
-        local = bool(header.get("local")) and header.get("boot_id") == self.boot_id and bool(self.boot_id)
-        session = Session(secrets.token_hex(16), local, time.monotonic(), identity)
-        if local:
-            self._add_segment(session, self.arena_size)
+        o = self.options
+        if len(self.sessions) >= o.max_sessions:
+            raise _exhausted(f"this server already holds {len(self.sessions)} client sessions, its "
+                             f"limit (--max-sessions); close unused clients")
+        if identity:
+            mine = sum(1 for s in self.sessions.values() if s.identity == identity)
+            if mine >= o.max_sessions_per_peer:
+                raise _exhausted(f"this connection already holds {mine} sessions, the limit per "
+                                 f"connection (--max-sessions-per-peer)")
+        session = Session(secrets.token_hex(16), time.monotonic(), identity)
         self.sessions[session.token] = session
-        return {"session": session.token, "local": local, "boot_id": self.boot_id,
-                "arena": [{"segment": s.name, "size": s.size} for s in session.arena.values()],
-                "lease_s": self.lease_s, "block_header": BLOCK_HEADER_BYTES}
+        return {"session": session.token, "local": False, "lease_s": self.lease_s,
+                "local_socket": self.local_socket, "block_header": BLOCK_HEADER_BYTES}
 
-    def _add_segment(self, session: Session, size: int) -> Segment:
+    def attach(self, token: Any, peer: Peer, channel: socket.socket, arena: bool = True
+               ) -> tuple[dict, list[int]]:
+        """A client on this host attaches to its session over the side channel:
+        the session becomes local (and gets its first arena segment, unless
+        the client only wants to register regions). Returns the answer and
+        the fds to send with it."""
+        session = self.sessions.get(token) if isinstance(token, str) else None
+        if session is None:
+            raise TorchpoolError(errors.SESSION_LOST, "unknown session (its lease expired or the daemon "
+                                                      "restarted); say hello again")
+        if session.channel is not None:
+            raise _bad("this session is already attached")
+        mine = sum(1 for s in self.sessions.values() if s.peer is not None and s.peer.uid == peer.uid)
+        if mine >= self.options.max_sessions_per_peer:
+            raise _exhausted(f"user {peer.uid} already holds {mine} local sessions, the limit per "
+                             f"user (--max-sessions-per-peer)")
+        segments = [self._new_arena_segment(session, self.arena_size)] if arena else []
+        session.peer, session.channel = peer, channel
+        session.last_seen = time.monotonic()
+        session.handed.update(s.name for s in segments)
+        return ({"ok": True, "arena": [{"segment": s.name, "size": s.size} for s in segments],
+                 "block_header": BLOCK_HEADER_BYTES}, [s.fd for s in segments])
+
+    def _new_arena_segment(self, session: Session, size: int) -> Segment:
         if session.arena_bytes + size > self.arena_limit:
-            raise TorchpoolError(errors.UNAVAILABLE,
-                                 f"client arena limit reached: {session.arena_bytes} + {size} bytes "
-                                 f"exceeds {self.arena_limit}")
+            raise _exhausted(f"client arena limit reached: {session.arena_bytes} + {size} bytes "
+                             f"exceeds {self.arena_limit} (--client-shm-limit)")
+        total = sum(s.size for s in self.segments.values())
+        if total + size > self.options.client_shm_total:
+            raise _exhausted(f"the clients' arenas together would exceed {self.options.client_shm_total} "
+                             f"bytes (--client-shm-total)")
         seg = Segment.create(f"{self.prefix}c{next(self._counter)}", size, prefault=False)
         session.arena[seg.name] = seg
+        self.segments[seg.name] = seg
         return seg
 
     def grow(self, session: Session, header: dict) -> dict:
         if not session.local:
-            raise _bad("arena_grow needs a local session")
+            raise _bad("arena_grow needs a local session (attach over the side channel first)")
         size = header.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= self.arena_limit:
             raise _bad(f"arena_grow: size must be an integer in (0, {self.arena_limit}]")
-        seg = self._add_segment(session, max(size, self.arena_size))
+        seg = self._new_arena_segment(session, max(size, self.arena_size))
+        try:
+            self.hand_over(session, [seg], writable=True)
+        except TorchpoolError:
+            self._drop_arena_segment(session, seg)
+            raise
         return {"segment": seg.name, "size": seg.size}
+
+    def hand_over(self, session: Session, segments: list[Segment], writable: bool) -> None:
+        """Send the session's client these segments' fds over its side channel
+        (before any answer names them). Read-only fds for outputs lent to it.
+        Raises RESOURCE_EXHAUSTED when the client does not read its channel."""
+        fds = [s.fd if writable else s.readonly_fd() for s in segments]
+        try:
+            body = messages.pack({"segments": [{"segment": s.name, "size": s.size} for s in segments]})
+            send_with_fds(session.channel, body, fds, socket.MSG_DONTWAIT)
+        except OSError:
+            raise _exhausted("the client does not read its local side channel; the daemon cannot "
+                             "hand it shared memory") from None
+        finally:
+            if not writable:
+                for fd in fds:
+                    os.close(fd)
+        session.handed.update(s.name for s in segments)
+
+    def offer(self, session: Session, segment: Segment) -> bool:
+        """Can an output in `segment` be lent to this session? (its fd is
+        handed over first; False when the client cannot take it now)."""
+        if segment.name in session.handed:
+            return True
+        if session.channel is None or segment.fd < 0:
+            return False
+        try:
+            self.hand_over(session, [segment], writable=False)
+        except TorchpoolError:
+            return False
+        return True
+
+    def segment(self, name: str) -> Optional[Segment]:
+        """A client arena segment by name (workers are handed its fd)."""
+        return self.segments.get(name)
 
     def get(self, token: Any, identity: bytes = b"") -> Optional[Session]:
         """The request's session (renewing its lease); None when it names none."""
@@ -171,11 +329,19 @@ class SessionManager:
     def disconnected(self, identity: bytes) -> None:
         """The client's connection closed: nobody can read its outputs any more."""
         for s in [s for s in self.sessions.values() if s.identity == identity]:
-            if s.in_flight:
-                s.last_seen = 0.0           # closed by the lease sweep once its requests finish
-            else:
-                log.debug("client session %s… disconnected: releasing its shared memory", s.token[:8])
-                self.close(s)
+            self._gone(s)
+
+    def channel_closed(self, session: Session) -> None:
+        """The client's side channel closed: it exited (or gave up the local path)."""
+        if session.token in self.sessions:
+            self._gone(session)
+
+    def _gone(self, s: Session) -> None:
+        if s.in_flight:
+            s.last_seen = 0.0           # closed by the lease sweep once its requests finish
+        else:
+            log.debug("client session %s… went away: releasing its shared memory", s.token[:8])
+            self.close(s)
 
     def close(self, session: Session) -> None:
         """Give back everything the session held."""
@@ -183,19 +349,33 @@ class SessionManager:
         self.end_loans(session)
         for name in list(session.regions):
             self._unregister(session, name)
+        for challenge in session.challenges.values():
+            os.close(challenge.fd)
+        session.challenges.clear()
         forgotten = list(session.arena)
-        for seg in session.arena.values():
-            seg.unlink()       # the daemon created these: it unlinks them
-            seg.close()
-        session.arena.clear()
+        for seg in list(session.arena.values()):
+            self._drop_arena_segment(session, seg, tell_workers=False)
         if forgotten:
             self.forget(forgotten)
+        if session.channel is not None:
+            channel, session.channel = session.channel, None
+            self.close_channel(channel)
+
+    def _drop_arena_segment(self, session: Session, seg: Segment, tell_workers: bool = True) -> None:
+        session.arena.pop(seg.name, None)
+        self.segments.pop(seg.name, None)
+        seg.close()              # the memory goes when the client and the workers unmap it too
+        if tell_workers:
+            self.forget([seg.name])
 
     def expire(self) -> int:
         """Close sessions idle past their lease with nothing in flight. A
         session still holding lent outputs gets ten leases: its client may be
         reading them (a disconnect, where libzmq reports it, ends it at once)."""
         now = time.monotonic()
+        for s in self.sessions.values():
+            for name in [n for n, c in s.challenges.items() if c.expires < now]:
+                os.close(s.challenges.pop(name).fd)
         idle = [s for s in self.sessions.values()
                 if s.in_flight == 0
                 and now - s.last_seen > self.lease_s * (10 if s.loans and s.last_seen else 1)]
@@ -232,21 +412,41 @@ class SessionManager:
 
     # --- regions -----------------------------------------------------------------
 
-    def register(self, session: Session, header: dict) -> bool:
-        name, key = header.get("name"), header.get("key")
+    def register(self, session: Session, header: dict) -> Any:
+        """Triton's register, as a challenge: the first call opens the segment
+        and answers {"challenge": nonce}; the client writes the nonce at the
+        region's offset and calls again with "challenge": nonce; the daemon
+        reads it back and maps the region (true)."""
+        name = header.get("name")
         if not isinstance(name, str) or not name:
             raise _bad("register_system_shared_memory: 'name' must be a non-empty string")
+        if not session.local:
+            raise _bad(f"region '{name}': registered regions need a local session (a client on "
+                       f"this host attached over the daemon's side channel)")
+        if name in session.regions:
+            raise TorchpoolError(errors.ALREADY_EXISTS, f"region '{name}' is already registered")
+        if "challenge" in header:
+            return self._answer_challenge(session, name, header.get("challenge"))
+        return self._challenge(session, name, header)
+
+    def _challenge(self, session: Session, name: str, header: dict) -> dict:
+        key = header.get("key")
         if not isinstance(key, str) or not key.strip("/"):
             raise _bad(f"region '{name}': 'key' must be a shared-memory name")
         key = key.lstrip("/")
-        if key.startswith(PREFIX) or "/" in key:
+        if "/" in key:
+            raise _bad(f"region '{name}': a shared-memory name holds no '/' after the leading one")
+        if key.startswith(PREFIX):
             raise _bad(f"region '{name}': that key is reserved for the daemon's own segments "
                        f"(names starting with '{PREFIX}')")
-        if name in session.regions:
-            raise TorchpoolError(errors.ALREADY_EXISTS, f"region '{name}' is already registered")
-        offset, byte_size, token = header.get("offset", 0), header.get("byte_size"), header.get("token")
-        if not isinstance(token, bytes) or len(token) != REGION_TOKEN_BYTES:
-            raise _bad(f"region '{name}': 'token' must be {REGION_TOKEN_BYTES} bytes")
+        limit = self.options.max_regions_per_session
+        if len(session.regions) + len(session.challenges) >= limit:
+            raise _exhausted(f"region '{name}': this session already has {limit} regions, the "
+                             f"limit (--max-regions-per-session)")
+        if not guard.AVAILABLE:
+            raise TorchpoolError(errors.UNSUPPORTED, "registered regions need torchpool's compiled "
+                                                     "SIGBUS guard, which this installation lacks")
+        offset, byte_size = header.get("offset", 0), header.get("byte_size")
         try:
             shm = posix_ipc.SharedMemory("/" + key)
         except (posix_ipc.Error, ValueError, OSError):
@@ -255,19 +455,43 @@ class SessionManager:
         fd = shm.fd
         try:
             st = os.fstat(fd)
+            if not session.peer.may_write(st):
+                raise _bad(f"region '{name}': the daemon cannot open that segment")
             _check_range(f"region '{name}'", offset, byte_size, st.st_size)
             if byte_size < REGION_TOKEN_BYTES:
                 raise _bad(f"region '{name}': byte size must be at least {REGION_TOKEN_BYTES}")
-            if os.pread(fd, REGION_TOKEN_BYTES, offset) != token:
-                raise TorchpoolError(errors.INVALID_ARG,
-                                     f"region '{name}': ownership proof failed (the token is not at "
-                                     f"the region's offset); the daemon maps only segments the "
-                                     f"client shows it can write")
-            buf = mmap.mmap(fd, st.st_size)
         except BaseException:
             os.close(fd)
             raise
-        session.regions[name] = Region(name, key, offset, byte_size, fd, st.st_ino, buf)
+        old = session.challenges.pop(name, None)
+        if old is not None:
+            os.close(old.fd)
+        nonce = secrets.token_bytes(REGION_TOKEN_BYTES)
+        session.challenges[name] = _Challenge(key, offset, byte_size, nonce, fd, st.st_ino,
+                                              time.monotonic() + CHALLENGE_TTL_S)
+        return {"challenge": nonce}
+
+    def _answer_challenge(self, session: Session, name: str, answer: Any) -> bool:
+        c = session.challenges.pop(name, None)
+        if c is None:
+            raise _bad(f"region '{name}': no challenge is pending (ask for one first)")
+        try:
+            st = os.fstat(c.fd)
+            if (answer != c.nonce or st.st_ino != c.ino or c.offset + c.byte_size > st.st_size
+                    or os.pread(c.fd, REGION_TOKEN_BYTES, c.offset) != c.nonce):
+                raise _bad(f"region '{name}': ownership proof failed (the challenge is not at the "
+                           f"region's offset); the daemon maps only segments the client shows "
+                           f"it can write")
+            buf = mmap.mmap(c.fd, st.st_size)
+            try:
+                guarded = guard.protect(buf)
+            except BaseException:
+                buf.close()
+                raise
+        except BaseException:
+            os.close(c.fd)
+            raise
+        session.regions[name] = Region(name, c.key, c.offset, c.byte_size, c.fd, c.ino, buf, guarded)
         return True
 
     def region(self, session: Optional[Session], ref: Any, what: str) -> tuple[Region, int, int]:

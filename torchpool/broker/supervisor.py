@@ -23,7 +23,8 @@ from typing import Any, Optional
 from ..config import InstanceGroup
 from ..config.parameters import model_parameters
 from ..protocol import internal
-from ..shm import remove_segments_with_prefix
+from ..shm.fdpass import recv_with_fds, send_with_fds
+from ..shm.segment import Segment
 from ..worker.entry import run_worker
 from ..worker.spec import WorkerSpec
 from .registry import ModelVersion
@@ -87,6 +88,7 @@ class WorkerHandle:
     load_timed_out: float = 0.0       # set when killed for not loading within the load timeout
     stopping: bool = False            # asked to stop (its version was retired)
     started: float = field(default_factory=time.monotonic)
+    known: set = field(default_factory=set)   # segments whose fds it has been handed
 
     @property
     def label(self) -> str:
@@ -99,13 +101,29 @@ class WorkerHandle:
     def send(self, msg: internal.Message) -> None:
         self.sock.send(internal.encode(msg))
 
-    def recv(self) -> Optional[internal.Message]:
-        """The worker's next message; None at EOF. Raises ProtocolViolation."""
+    def hand_over(self, segments: list[Segment]) -> None:
+        """Give the worker these segments' fds (before a RUN names them)."""
+        for i in range(0, len(segments), 32):
+            part = segments[i:i + 32]
+            send_with_fds(self.sock, internal.encode(internal.Segments([[s.name, s.size] for s in part])),
+                          [s.fd for s in part])
+            self.known.update(s.name for s in part)
+
+    def recv(self) -> tuple[Optional[internal.Message], list[int]]:
+        """The worker's next message and the fds that came with it (the caller
+        owns them); (None, []) at EOF. Raises ProtocolViolation (fds closed)."""
         try:
-            raw = self.sock.recv(internal.MAX_MESSAGE)
+            raw, fds = recv_with_fds(self.sock, internal.MAX_MESSAGE)
         except (ConnectionError, OSError):
-            return None
-        return internal.decode(raw) if raw else None
+            return None, []
+        if not raw:
+            return None, fds
+        try:
+            return internal.decode(raw), fds
+        except internal.ProtocolViolation:
+            for fd in fds:
+                os.close(fd)
+            raise
 
 
 def shares_weights(mv: ModelVersion) -> bool:
@@ -200,7 +218,6 @@ class Supervisor:
             pass
         handle.sock.close()
         handle.process.close()
-        remove_segments_with_prefix(handle.spec.segment_prefix)
         return how
 
     def stop_all(self, timeout: float) -> None:

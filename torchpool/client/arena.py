@@ -1,12 +1,14 @@
 """The client arena and the mappings of outputs lent in place.
 
-- `ClientArena`: the session's arena segments (created by the daemon, mapped
-  read-write and pre-faulted here), carved into blocks: a block header
+- `ClientArena`: the session's arena segments (created by the daemon, handed
+  to us as fds over the side channel, local.py; mapped read-write and
+  pre-faulted here), carved into blocks: a block header
   (protocol/tensors.py) in front of the data. Inputs are copied once into a
   block and travel as descriptors; `empty()` hands out blocks as numpy arrays
   that travel with no copy at all.
-- `OutputMaps`: read-only mappings of the workers' segments, where outputs
-  lent to a local client are viewed in place.
+- `OutputMaps`: read-only mappings of the workers' segments (read-only fds
+  from the side channel), where outputs lent to a local client are viewed
+  in place.
 
 Nothing here talks to the daemon: the flows (flows.py) decide when to ask
 for another segment.
@@ -28,8 +30,7 @@ from ..protocol.errors import InferenceError
 from ..protocol.tensors import BLOCK_HEADER_BYTES, ShmRef, clear_block_header, write_block_header
 from ..shm.arena import _FreeList
 from ..shm.bulkcopy import copy_into
-from ..shm.naming import boot_id
-from ..shm.segment import SHM_DIR, Segment
+from ..shm.segment import Segment
 
 ALIGN = 64                             # blocks start (and so data starts) 64-byte aligned
 DEFAULT_ARENA_CAP = 1 << 30            # the most arena this client asks the daemon for
@@ -43,11 +44,11 @@ def block_size(nbytes: int) -> int:
 
 def local_wanted(local: Optional[bool]) -> bool:
     """Should this client ask for the local path? `local=None` follows the
-    environment (TORCHPOOL_LOCAL=0 turns it off); never without a writable
-    /dev/shm or a boot id to prove we share the host."""
+    environment (TORCHPOOL_LOCAL=0 turns it off). Whether it gets it is for
+    the side channel to say: only a client on the daemon's host reaches it."""
     if local is None:
         local = os.environ.get(ENV_LOCAL, "1").strip().lower() not in ("0", "false", "no", "off")
-    return bool(local) and os.access(SHM_DIR, os.W_OK) and bool(boot_id())
+    return bool(local)
 
 
 class ArenaBlock:
@@ -100,8 +101,9 @@ class ClientArena:
         self.growing = False            # an arena_grow is in flight (asyncio: one at a time)
 
     # segments
-    def map_segment(self, name: str, prefault: bool = True) -> Segment:
-        seg = Segment.attach(name)                 # read-write, size from fstat
+    def map_segment(self, name: str, fd: int, prefault: bool = True) -> Segment:
+        """Map an arena segment the daemon handed us (taking its fd)."""
+        seg = Segment.from_fd(name, fd)            # read-write, size from fstat
         try:
             if prefault:
                 seg.prefault()                     # MADV_POPULATE_WRITE, else touch each page
@@ -227,42 +229,38 @@ class ClientArena:
 # --- outputs lent in place -------------------------------------------------------------
 
 class OutputMaps:
-    """Read-only mappings of worker segments, by name, made on first use.
+    """Read-only mappings of worker segments, by name, made on first use from
+    the fd the daemon handed us (`link`: the session's side channel).
 
-    Worker segment names are never reused by a daemon (they carry the daemon
-    pid and a worker serial); the cache is dropped whenever the session
-    changes, so a restarted daemon's segments are mapped afresh. A dropped
-    mapping stays alive as long as arrays view it.
+    The daemon's memory cannot be resized, so a mapping is never stale; the
+    cache is dropped whenever the session changes, so a restarted daemon's
+    segments are mapped afresh. A dropped mapping stays alive as long as
+    arrays view it.
     """
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
+        self.link: Any = None            # local.LocalLink of the session, when local
 
     def get(self, name: str, end: int) -> mmap.mmap:
         mm = self._maps.get(name)
-        if mm is None or end > len(mm):
+        if mm is None:
             mm = self._maps[name] = self._attach(name)
         if end > len(mm):
             raise InferenceError(errors.INTERNAL, f"output block [{end} bytes] lies beyond its "
                                                   f"shared-memory segment ({len(mm)} bytes)")
         return mm
 
-    @staticmethod
-    def _attach(name: str) -> mmap.mmap:
-        import posix_ipc
-
-        if not isinstance(name, str) or "/" in name:
-            raise InferenceError(errors.INTERNAL, f"malformed output segment name {name!r}")
+    def _attach(self, name: str) -> mmap.mmap:
+        if self.link is None or not isinstance(name, str):
+            raise InferenceError(errors.INTERNAL, f"an output lent in shared memory {name!r} "
+                                                  f"without a local session")
+        fd = self.link.take(name)
         try:
-            shm = posix_ipc.SharedMemory("/" + name, read_only=True)
-        except (posix_ipc.Error, OSError) as exc:
-            raise InferenceError(errors.UNAVAILABLE, f"cannot map the daemon's output segment "
-                                                     f"'{name}': {exc}") from None
-        try:
-            size = os.fstat(shm.fd).st_size
-            return mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
-            shm.close_fd()
+            os.close(fd)
 
     def clear(self) -> None:
         self._maps.clear()       # live arrays keep their mmap objects alive
+        self.link = None

@@ -27,8 +27,8 @@ import numpy as np
 from ..protocol import datatypes, errors, messages, tensors
 from ..protocol.errors import InferenceError
 from ..protocol.messages import OP_ARENA_GROW, OP_GOODBYE, OP_HELLO
-from ..shm.naming import boot_id
 from .arena import DEFAULT_ARENA_CAP, ClientArena, OutputMaps, block_size, local_wanted
+from .local import LocalLink
 from .outputs import OutputDecoding, _Encoded
 from .regions import RegionFlows
 from .types import Call, Flow, NoAnswer, OutputRef, SharedMemoryRef
@@ -74,6 +74,8 @@ class ClientState(OutputDecoding, RegionFlows):
         self.hello_error: Optional[InferenceError] = None
         self.used_session = False               # a session existed once: re-hello when lost
         self.arena: Optional[ClientArena] = None
+        self.link: Optional[LocalLink] = None    # the side channel of a local session
+        self.local_socket: Optional[str] = None  # where it is (regions attach without an arena)
         self.outputs = OutputMaps()
         self.releases: collections.deque = collections.deque()   # (session, [seg, off, gen])
         self.regions: dict[str, tuple[str, int, int]] = {}      # name -> (key, byte_size, offset)
@@ -134,13 +136,16 @@ class ClientState(OutputDecoding, RegionFlows):
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+        if self.link is not None:
+            self.link.close()           # the daemon ends the session when it sees this
+            self.link = None
 
     # -- hello / goodbye
     def hello_flow(self, timeout: Optional[float]) -> Flow:
         local = self.want_local
         for attempt in range(2):
             try:
-                header, _ = yield self.call(OP_HELLO, timeout, boot_id=boot_id(), local=local)
+                header, _ = yield self.call(OP_HELLO, timeout, local=local)
             except NoAnswer:
                 raise
             except InferenceError as exc:
@@ -159,23 +164,31 @@ class ClientState(OutputDecoding, RegionFlows):
             self.session, self.used_session, self.hello_error = token, True, None
             self.lease_s = res.get("lease_s")
             self.outputs.clear()
-            if not (local and res.get("local")):
+            path = res.get("local_socket")
+            self.local_socket = path if isinstance(path, str) else None
+            if not (local and isinstance(path, str)):
                 self.local = False
                 break
-            arena = ClientArena(self.arena_cap)
+            arena, link = ClientArena(self.arena_cap), None
             try:
                 if res.get("block_header", tensors.BLOCK_HEADER_BYTES) != tensors.BLOCK_HEADER_BYTES:
                     raise ValueError(f"block header of {res.get('block_header')} bytes")
-                for seg in res.get("arena") or []:
-                    arena.map_segment(seg["segment"])
+                # the side channel: only a client on the daemon's host reaches it
+                link = LocalLink.attach(path, token, timeout)
+                while link.arena:
+                    name, fd = link.arena.pop(0)
+                    arena.map_segment(name, fd)     # takes the fd
             except Exception:
-                # Same boot id but not the same /dev/shm (e.g. another container):
+                # Not on the daemon's host (or in another container), or refused:
                 # give the session back and say hello as a remote client.
                 arena.close()
+                if link is not None:
+                    link.close()
                 yield from self._quiet(self.call(OP_GOODBYE, timeout, session=token))
                 self.session, local = None, False
                 continue
-            self.arena, self.local = arena, True
+            self.arena, self.link, self.local = arena, link, True
+            self.outputs.link = link
             break
         # a session that replaced a lost one gets the caller's regions back
         for name, (key, byte_size, offset) in list(self.regions.items()):
@@ -309,7 +322,8 @@ class ClientState(OutputDecoding, RegionFlows):
         arena.growing = True
         try:
             header, _ = yield from self.exchange(OP_ARENA_GROW, timeout, {"size": need})
-            arena.map_segment((header.get("result") or {})["segment"])
+            name = (header.get("result") or {})["segment"]
+            arena.map_segment(name, self.link.take(name))
         except (NoAnswer, SessionLost):
             raise
         except (InferenceError, KeyError, TypeError, OSError, ValueError):

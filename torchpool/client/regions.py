@@ -1,18 +1,19 @@
 """Triton-style registered regions, for `ClientState` (flows.py).
 
-Registering proves access: the client writes a fresh token into the segment
-at the region's offset, the daemon reads it back, and the saved bytes are
-restored afterwards.
+Registering proves access with a challenge: the daemon opens the segment and
+answers a fresh nonce; the client writes it at the region's offset and asks
+again; the daemon reads it back. The bytes the nonce covered are restored
+afterwards. Regions need a local session (the daemon must know who we are).
 """
 from __future__ import annotations
 
 import os
-import secrets
 from typing import Any, Iterable, Mapping, Optional
 
 from ..protocol import errors
 from ..protocol.errors import InferenceError
 from ..protocol.messages import OP_REGISTER, OP_SHM_STATUS, OP_UNREGISTER, REGION_TOKEN_BYTES
+from .local import LocalLink
 from .types import Flow, OutputRef, SharedMemoryRef
 
 
@@ -32,7 +33,7 @@ class RegionFlows:
 
     def register_flow(self, name: str, key: str, byte_size: int, offset: int,
                       timeout: Optional[float]) -> Flow:
-        """Register a region after proving we can write it (a token at `offset`)."""
+        """Register a region after proving we can write it (the daemon's nonce at `offset`)."""
         import posix_ipc
 
         if not isinstance(key, str) or not key.strip("/"):
@@ -52,13 +53,25 @@ class RegionFlows:
                 raise InferenceError(errors.INVALID_ARG,
                                      f"region '{name}': offset {offset} + byte size {byte_size} does "
                                      f"not fit the segment's {size} bytes")
+            if self.link is None and self.local_socket is not None and self.session is not None:
+                # the daemon must know who we are: attach without an arena
+                try:
+                    self.link = LocalLink.attach(self.local_socket, self.session, timeout, arena=False)
+                except OSError as exc:
+                    raise InferenceError(errors.UNAVAILABLE, f"region '{name}': registered regions need "
+                                                             f"a client on the daemon's host (its side "
+                                                             f"channel cannot be reached: {exc.strerror})"
+                                         ) from None
+            fields = {"name": name, "key": key, "byte_size": byte_size, "offset": offset}
+            header, _ = yield from self.exchange(OP_REGISTER, timeout, fields)
+            result = header.get("result")
+            nonce = result.get("challenge") if isinstance(result, dict) else None
+            if not isinstance(nonce, bytes) or len(nonce) != REGION_TOKEN_BYTES:
+                raise InferenceError(errors.INTERNAL, f"region '{name}': the daemon sent no challenge")
             saved = os.pread(fd, REGION_TOKEN_BYTES, offset)
-            token = secrets.token_bytes(REGION_TOKEN_BYTES)
-            os.pwrite(fd, token, offset)
+            os.pwrite(fd, nonce, offset)
             try:
-                yield from self.exchange(OP_REGISTER, timeout,
-                                         {"name": name, "key": key, "byte_size": byte_size,
-                                          "offset": offset, "token": token})
+                yield from self.exchange(OP_REGISTER, timeout, {**fields, "challenge": nonce})
             finally:
                 os.pwrite(fd, saved, offset)
         finally:

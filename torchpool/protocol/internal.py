@@ -5,7 +5,7 @@ Python each message is a NamedTuple (a tuple, so building and packing one
 costs next to nothing, and indexing still works):
 
     raw = internal.encode(internal.Run(batch_id, inputs, outputs, releases))
-    msg = internal.decode(raw)          # -> Run | Release | Forget | Stop |
+    msg = internal.decode(raw)          # -> Run | Release | Forget | Stop | Segments |
                                         #    Ready | LoadFailed | Done | Failed
     if type(msg) is internal.Done: ... msg.outputs[0].segment ...
     match msg:
@@ -38,6 +38,10 @@ inline input, which the broker keeps until the answer is sent
 or 8 elements). A requested output is a name, or
 `[name, [key, inode], offset, capacity]` to be written into a region.
 
+either way
+    [SEGMENTS, [[name, size], ...]]   with one fd per segment attached (SCM_RIGHTS):
+                                      the daemon's memory has no names, so a segment
+                                      is handed over before any descriptor names it
 broker -> worker
     [RUN, batch_id, [descriptor, ...], [requested output, ...], [released block, ...]]
     [RELEASE, [released block, ...]]
@@ -66,6 +70,7 @@ RUN = 1
 STOP = 2
 RELEASE = 3
 FORGET = 4
+SEGMENTS = 5
 READY = 10
 LOAD_FAILED = 11
 DONE = 12
@@ -147,6 +152,12 @@ class Stop(NamedTuple):
     KIND = STOP
 
 
+class Segments(NamedTuple):
+    """Segments handed over: their fds travel with the message, in this order."""
+    segments: list              # [[name, size], ...]
+    KIND = SEGMENTS
+
+
 class Ready(NamedTuple):
     pid: int
     device: str
@@ -174,7 +185,7 @@ class Failed(NamedTuple):
     KIND = FAILED
 
 
-Message = Union[Run, Release, Forget, Stop, Ready, LoadFailed, Done, Failed]
+Message = Union[Run, Release, Forget, Stop, Segments, Ready, LoadFailed, Done, Failed]
 
 
 def encode(msg: Message) -> bytes:
@@ -231,6 +242,7 @@ _DECODERS = {
     RELEASE: lambda m: _new(Release, (m[1],)),
     FORGET: lambda m: _new(Forget, (m[1],)),
     STOP: lambda m: _STOP,
+    SEGMENTS: lambda m: _new(Segments, (m[1],)),
     READY: lambda m: _new(Ready, (m[1], m[2])),
     LOAD_FAILED: lambda m: _new(LoadFailed, (m[1], m[2])),
     DONE: _done,
@@ -253,6 +265,7 @@ def decode(raw: bytes) -> Message:
 __all__ = [
     "Block", "DONE", "Done", "FAILED", "FORGET", "Failed", "Forget", "InputDescriptor",
     "LOAD_FAILED", "LoadFailed", "MAX_MESSAGE", "Message", "OutputDescriptor", "OutputTarget",
-    "ProtocolViolation", "READY", "RELEASE", "RUN", "Ready", "Release", "Run", "STOP", "Stop",
+    "ProtocolViolation", "READY", "RELEASE", "RUN", "Ready", "Release", "Run", "SEGMENTS",
+    "STOP", "Segments", "Stop",
     "Timings", "decode", "encode",
 ]

@@ -2,7 +2,9 @@
 
 Segments are created once and reused; allocating and freeing a block is a
 local operation (no round trip to another process). The arena grows by one
-segment when nothing fits, up to `limit` bytes in all.
+segment when nothing fits, up to `limit` bytes in all; `announce(segment)` is
+called for each new one, so its owner can hand the fd to whoever reads it
+before any descriptor names it.
 """
 from __future__ import annotations
 
@@ -76,8 +78,10 @@ class Arena:
     """Blocks in shared memory, owned by this process."""
 
     def __init__(self, name_for: Callable[[int], str], chunk_size: int,
-                 limit: int, prefault: bool = True) -> None:
+                 limit: int, prefault: bool = True,
+                 announce: Optional[Callable[[Segment], None]] = None) -> None:
         self._name_for = name_for          # segment number -> segment name
+        self._announce = announce
         self.chunk_size = chunk_size
         self.limit = limit
         self._prefault = prefault
@@ -124,28 +128,40 @@ class Arena:
         seg = Segment.create(self._name_for(next(self._counter)), size, prefault=self._prefault)
         self.segments[seg.name] = seg
         self._free[seg.name] = _FreeList(size)
+        if self._announce is not None:
+            self._announce(seg)
         return seg.name
 
-    def close(self, unlink: bool = True) -> None:
+    def close(self) -> None:
         for seg in self.segments.values():
-            if unlink:
-                seg.unlink()
             seg.close()
         self.segments.clear()
         self._free.clear()
 
 
-class SegmentCache:
-    """Segments of other processes, attached on first use by name."""
+class MappedSegments:
+    """Segments of other processes, by name, mapped when their fd arrives."""
 
     def __init__(self) -> None:
         self._segments: dict[str, Segment] = {}
 
-    def get(self, name: str) -> Segment:
-        seg = self._segments.get(name)
-        if seg is None:
-            seg = self._segments[name] = Segment.attach(name)
+    def add(self, name: str, fd: int, writable: bool = True, keep_fd: bool = False) -> Segment:
+        """Map a segment we were handed (taking its fd); replaces one of the same name."""
+        old = self._segments.pop(name, None)
+        if old is not None:
+            old.close()
+        seg = self._segments[name] = Segment.from_fd(name, fd, writable=writable, keep_fd=keep_fd)
         return seg
+
+    def get(self, name: str) -> Segment:
+        """The segment; KeyError when its fd never came."""
+        return self._segments[name]
+
+    def find(self, name: str) -> Optional[Segment]:
+        return self._segments.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._segments
 
     def drop(self, predicate: Callable[[str], bool]) -> None:
         for name in [n for n in self._segments if predicate(n)]:

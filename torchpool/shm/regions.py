@@ -91,7 +91,8 @@ class RegionMaps:
                               f"unregister and register it again")
         size = os.fstat(entry.fd).st_size
         if end > size:
-            raise RegionError(f"{what}: the region's segment is smaller than registered")
+            raise RegionError(f"{what}: the region's segment shrank below its registered size; "
+                              f"unregister and register it again")
         if end > len(entry.buf):       # it grew since we mapped it
             return entry.map(size, what)
         return entry.buf
@@ -116,9 +117,13 @@ class RegionMaps:
             raise RegionError(f"{what}: the region's segment cannot be opened") from None
         entry = _Mapped(shm.fd)
         st = os.fstat(entry.fd)
-        if st.st_ino != ino or st.st_size == 0:
+        if st.st_ino != ino:
             os.close(entry.fd)
             raise RegionError(f"{what}: the region's segment was replaced after registration")
+        if st.st_size == 0:
+            os.close(entry.fd)
+            raise RegionError(f"{what}: the region's segment shrank after registration; unregister "
+                              f"and register it again")
         try:
             entry.map(st.st_size, what)
         except RegionError:

@@ -1,12 +1,21 @@
-"""One POSIX shared-memory segment, mapped into this process.
+"""Shared-memory segments mapped into this process.
 
-Ownership follows CPython's `multiprocessing.shared_memory`: exactly one owner
-creates a segment (O_CREAT | O_EXCL, mode 0600) and unlinks it exactly once;
-everyone else only attaches and closes. A segment whose creation fails half way
-is unlinked at once.
+`Segment` is the daemon's own memory: an unnamed `memfd` sealed against
+shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL). It has no
+name in /dev/shm to guess or open; a process gets it only by being handed its
+file descriptor (inheritance, or SCM_RIGHTS over a unix socket: fdpass.py),
+and nobody who holds it, a client included, can change its size. So every
+access to it is safe from SIGBUS without checking sizes, and nothing is left
+behind when the processes holding it are gone.
+
+`NamedSegment` is a POSIX segment with a name (mode 0600): what workers of
+one model version share their weights through (weights.py). Ownership
+follows CPython's `multiprocessing.shared_memory`: exactly one owner creates
+it (O_CREAT | O_EXCL) and unlinks it exactly once; others attach and close.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 from typing import Optional
@@ -19,9 +28,103 @@ SHM_DIR = "/dev/shm"
 # refuse it and we touch the pages one by one instead.
 _MADV_POPULATE_WRITE: Optional[int] = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
+# What a client holding the fd must not be able to do: shrink the memory
+# under the daemon (SIGBUS), grow it, or lift the seals.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def _prefault(buf: mmap.mmap, size: int) -> None:
+    """Touch every page now, so the first request does not pay page faults."""
+    if _MADV_POPULATE_WRITE is not None:
+        try:
+            buf.madvise(_MADV_POPULATE_WRITE)
+            return
+        except OSError:
+            pass
+    for off in range(0, size, mmap.PAGESIZE):
+        buf[off] = buf[off]
+
 
 class Segment:
-    """A mapped segment. `buf` is the mmap (a writable buffer)."""
+    """A sealed memfd, mapped. `buf` is the mmap; `fd` is kept open only by
+    processes that hand the segment on (-1 otherwise)."""
+
+    __slots__ = ("name", "size", "buf", "fd", "_closed")
+
+    def __init__(self, name: str, buf: mmap.mmap, size: int, fd: int = -1) -> None:
+        self.name = name          # the daemon's id for it (descriptors carry it); not a path
+        self.buf = buf
+        self.size = size
+        self.fd = fd
+        self._closed = False
+
+    @classmethod
+    def create(cls, name: str, size: int, prefault: bool = True) -> "Segment":
+        """New zeroed memory of `size` bytes, sealed; keeps its fd to hand on."""
+        if size <= 0:
+            raise ValueError("segment size must be positive")
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            buf = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        seg = cls(name, buf, size, fd)
+        if prefault:
+            seg.prefault()
+        return seg
+
+    @classmethod
+    def from_fd(cls, name: str, fd: int, writable: bool = True, keep_fd: bool = False) -> "Segment":
+        """Map a segment whose fd we were handed (and take the fd: it is kept
+        with `keep_fd`, closed otherwise). Refuses memory that is not sealed
+        against shrinking: only then is mapping it safe."""
+        try:
+            size = os.fstat(fd).st_size
+            if size <= 0:
+                raise ValueError(f"shared-memory segment '{name}' is empty")
+            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK == 0:
+                raise ValueError(f"shared-memory segment '{name}' is not sealed against shrinking")
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not keep_fd:
+            os.close(fd)
+            fd = -1
+        return cls(name, buf, size, fd)
+
+    def readonly_fd(self) -> int:
+        """A new fd of this memory that can only be read (and not resized):
+        what a client gets for outputs lent to it. The caller closes it."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def prefault(self) -> None:
+        _prefault(self.buf, self.size)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self.buf.close()
+            except BufferError:
+                # A view still points into the mapping (e.g. a tensor a caller
+                # kept). Leave the mapping to the garbage collector: the memory
+                # goes when the last mapping does.
+                pass
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+    def __repr__(self) -> str:
+        return f"Segment({self.name!r}, {self.size})"
+
+
+class NamedSegment:
+    """A POSIX shared-memory segment with a name, mapped. `buf` is the mmap."""
 
     __slots__ = ("name", "size", "buf", "owner", "_closed")
 
@@ -33,7 +136,7 @@ class Segment:
         self._closed = False
 
     @classmethod
-    def create(cls, name: str, size: int, prefault: bool = True, mode: int = 0o600) -> "Segment":
+    def create(cls, name: str, size: int, prefault: bool = True, mode: int = 0o600) -> "NamedSegment":
         """Create a new segment (fails if the name exists) and map it."""
         if size <= 0:
             raise ValueError("segment size must be positive")
@@ -47,11 +150,11 @@ class Segment:
             shm.close_fd()
         seg = cls(name, buf, size, owner=True)
         if prefault:
-            seg.prefault()
+            _prefault(buf, size)
         return seg
 
     @classmethod
-    def attach(cls, name: str) -> "Segment":
+    def attach(cls, name: str) -> "NamedSegment":
         """Map an existing segment; its size is what the kernel says (fstat)."""
         shm = posix_ipc.SharedMemory("/" + name)
         try:
@@ -63,27 +166,12 @@ class Segment:
             shm.close_fd()
         return cls(name, buf, size, owner=False)
 
-    def prefault(self) -> None:
-        """Touch every page now, so the first request does not pay page faults."""
-        if _MADV_POPULATE_WRITE is not None:
-            try:
-                self.buf.madvise(_MADV_POPULATE_WRITE)
-                return
-            except OSError:
-                pass
-        page = mmap.PAGESIZE
-        for off in range(0, self.size, page):
-            self.buf[off] = 0
-
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             try:
                 self.buf.close()
             except BufferError:
-                # A view still points into the mapping (e.g. a tensor a caller
-                # kept). Leave the mapping to the garbage collector; the name
-                # is still unlinked by the owner, so nothing leaks.
                 pass
 
     def unlink(self) -> None:
@@ -91,11 +179,11 @@ class Segment:
         unlink_segment(self.name)
 
     def __repr__(self) -> str:
-        return f"Segment({self.name!r}, {self.size})"
+        return f"NamedSegment({self.name!r}, {self.size})"
 
 
 def unlink_segment(name: str) -> bool:
-    """Unlink a segment by name; False if it was already gone."""
+    """Unlink a named segment; False if it was already gone."""
     try:
         posix_ipc.unlink_shared_memory("/" + name)
         return True

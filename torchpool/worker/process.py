@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
+import math
 import os
 import signal
 import socket
@@ -32,8 +33,10 @@ from ..config.parameters import ModelParameters
 from ..logs import setup_logging
 from ..protocol import datatypes, errors, internal
 from ..protocol.errors import TorchpoolError
-from ..shm.arena import Arena, Block, SegmentCache
+from ..shm.arena import Arena, Block, MappedSegments
 from ..shm.bulkcopy import copy_into
+from ..shm.fdpass import close_all, recv_with_fds, send_with_fds
+from ..shm.segment import Segment
 from .binding import ExecutionError, ModelLoadError, load_model
 from .settings import after_execution, apply_process_settings, grad_context, model_settings
 from .spec import WorkerSpec
@@ -157,10 +160,10 @@ class Worker:
     def __init__(self, spec: WorkerSpec, sock: socket.socket) -> None:
         self.spec = spec
         self.sock = sock
-        self.inputs_shm = SegmentCache()
+        self.inputs_shm = MappedSegments()     # the broker hands us each segment's fd
         self.regions = RegionMaps()
         self.outputs = Arena(lambda i: f"{spec.segment_prefix}{i}", spec.arena_chunk,
-                             spec.arena_limit, prefault=True)
+                             spec.arena_limit, prefault=True, announce=self.announce)
         self.device = None
         self.module: Any = None
         self.binding: Any = None
@@ -171,6 +174,10 @@ class Worker:
 
     def send(self, msg: internal.Message) -> None:
         self.sock.send(internal.encode(msg))
+
+    def announce(self, seg: Segment) -> None:
+        """A new output segment: the broker gets its fd before any DONE names it."""
+        send_with_fds(self.sock, internal.encode(internal.Segments([[seg.name, seg.size]])), [seg.fd])
 
     def serve(self) -> None:
         try:
@@ -191,7 +198,7 @@ class Worker:
             with grad_context(self.settings):
                 self.loop()
         finally:
-            self.outputs.close(unlink=True)
+            self.outputs.close()
             self.inputs_shm.close()
 
     def load(self) -> None:
@@ -218,7 +225,7 @@ class Worker:
         # paid now, not on the first answer.
         self.outputs.free(self.outputs.alloc(1))
 
-    def receive(self) -> bytes:
+    def receive(self) -> tuple[bytes, list[int]]:
         """The next message; after work, poll a while before sleeping.
 
         Waking a sleeping process on another CPU costs tens of microseconds
@@ -230,22 +237,26 @@ class Worker:
             end = time.perf_counter_ns() + self.busy_poll_ns
             while time.perf_counter_ns() < end:
                 try:
-                    return self.sock.recv(internal.MAX_MESSAGE, socket.MSG_DONTWAIT)
+                    return recv_with_fds(self.sock, internal.MAX_MESSAGE, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     os.sched_yield()
-        return self.sock.recv(internal.MAX_MESSAGE)
+        return recv_with_fds(self.sock, internal.MAX_MESSAGE)
 
     def loop(self) -> None:
         while True:
-            raw = self.receive()
+            raw, fds = self.receive()
             if not raw:
                 return  # the broker went away
             try:
                 msg = internal.decode(raw)
             except internal.ProtocolViolation as exc:
+                close_all(fds)
                 log.error("%s: ignoring a message from the broker: %s", self.label, exc)
                 continue
             kind = msg.__class__
+            if fds and kind is not internal.Segments:
+                close_all(fds)
+                fds = []
             if kind is internal.Run:
                 self.release(msg.releases)
                 self.run(msg)
@@ -255,6 +266,20 @@ class Worker:
                 self.release(msg.blocks)
             elif kind is internal.Forget:
                 self.forget(msg.refs)
+            elif kind is internal.Segments:
+                self.map_segments(msg.segments, fds)
+
+    def map_segments(self, segments: list, fds: list[int]) -> None:
+        """Input segments the broker handed over (its arena, client arenas)."""
+        if len(segments) != len(fds):
+            close_all(fds)
+            log.error("%s: %d segments came with %d fds; ignored", self.label, len(segments), len(fds))
+            return
+        for (name, _size), fd in zip(segments, fds):
+            try:
+                self.inputs_shm.add(name, fd)
+            except (OSError, ValueError) as exc:
+                log.error("%s: cannot map segment %s: %s", self.label, name, exc)
 
     def forget(self, refs: list) -> None:
         """Unmap segments of closed client sessions and unregistered regions."""
@@ -295,11 +320,25 @@ class Worker:
                     reused.append(name)
                 else:
                     out.append(self.write_output(name, value, target))
+            self.check_regions(msg)
         except Exception as exc:  # never let one batch take the worker down
             self.send(self.failed(msg.batch_id, exc))
             return
         t3 = time.perf_counter_ns()
         self.send(internal.Done(msg.batch_id, out, (t1 - t0, t2 - t1, t3 - t2), reused))
+
+    def check_regions(self, msg: internal.Run) -> None:
+        """A client that shrank its region while the model read it (or while
+        its output was written) made the guard put zeros in its place
+        (shm/guard.py): that batch's answer would be wrong, so it fails. It
+        is the client's error, never a crash of this worker."""
+        refs = [d.segment for d in msg.inputs if d.segment.__class__ is list]
+        refs += [r.region for r in msg.outputs if r.__class__ is not str]
+        for ref in refs:
+            if self.regions.broken(ref):
+                raise ExecutionError(f"model '{self.spec.model}': a client's registered region "
+                                     f"shrank while the model used it; unregister and register "
+                                     f"it again", errors.INVALID_ARG)
 
     def failed(self, batch_id: int, exc: Exception) -> internal.Failed:
         """Log a failed batch for the operator (with its traceback when the
@@ -326,7 +365,11 @@ class Worker:
         (named) or a client's registered region ([key, inode])."""
         if isinstance(ref, list):
             return self.regions.get(ref, offset + nbytes, what)
-        buf = self.inputs_shm.get(ref).buf
+        seg = self.inputs_shm.find(ref)
+        if seg is None:
+            raise ExecutionError(f"{what}: segment {ref!r} was never handed to this worker",
+                                 errors.INTERNAL)
+        buf = seg.buf
         if generation:
             # the client may have reused the block since the broker checked it
             magic, gen, size = read_block_header(buf, offset - BLOCK_HEADER_BYTES)
@@ -340,7 +383,12 @@ class Worker:
         buf = self._buffer(segment, offset, nbytes, generation,
                            f"input '{name}' for model '{self.spec.model}'")
         if datatype == "BYTES":
-            items = datatypes.decode_bytes(memoryview(buf)[offset:offset + nbytes])
+            try:
+                # the broker checked these bytes, but a client may rewrite its memory since
+                items = datatypes.decode_bytes(memoryview(buf)[offset:offset + nbytes], math.prod(shape))
+            except ValueError as exc:
+                raise ExecutionError(f"input '{name}' for model '{self.spec.model}': {exc} (the "
+                                     f"client changed its memory after sending)", errors.INVALID_ARG) from None
             try:
                 return [item.decode("utf-8") for item in items]
             except UnicodeDecodeError as exc:

@@ -21,7 +21,7 @@ import posix_ipc
 import torch
 
 from ..shm.arena import ALIGN
-from ..shm.segment import Segment
+from ..shm.segment import NamedSegment
 from .settings import ModelLoadError
 
 log = logging.getLogger("torchpool.worker")
@@ -42,7 +42,7 @@ def _shareable_tensors(module: Any) -> list[torch.Tensor]:
     return tensors
 
 
-def share_weights(module: Any, segment_name: str, model: str) -> Segment | None:
+def share_weights(module: Any, segment_name: str, model: str) -> NamedSegment | None:
     """Back the module's CPU weights by the named segment; returns it (kept mapped)."""
     tensors = _shareable_tensors(module)
     layout, total = [], 0
@@ -52,10 +52,10 @@ def share_weights(module: Any, segment_name: str, model: str) -> Segment | None:
     if total == 0:
         return None
     try:
-        seg = Segment.create(segment_name, total, prefault=False)
+        seg = NamedSegment.create(segment_name, total, prefault=False)
         created = True
     except posix_ipc.ExistentialError:
-        seg = Segment.attach(segment_name)
+        seg = NamedSegment.attach(segment_name)
         created = False
         if seg.size != total:
             seg.close()

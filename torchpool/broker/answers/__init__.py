@@ -28,7 +28,8 @@ import zmq
 from ...protocol import errors, messages, tensors
 from ...protocol.errors import TorchpoolError
 from ...protocol.internal import OutputDescriptor
-from ...shm import Arena, SegmentCache
+from ...shm import Arena, MappedSegments
+from ...shm.fdpass import close_all
 from ...shm.arena import Block
 from ..batch import Batch
 from ..frontend import Frontend
@@ -102,7 +103,7 @@ class Answers:
         self.transfer = transfer              # bytes copied / lent / sent, for benchmarks and tests
         self.sessions: Any = None             # the SessionManager, set once it exists
         self._orders: dict[ModelVersion, _Order] = {}
-        self.worker_segments = SegmentCache()
+        self.worker_segments = MappedSegments()   # each worker's output segments (fds kept)
         # zero-copy sends of worker output blocks still being written by ZeroMQ
         self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list[_OutBlock]]] = []
         # the one map of output sub-ranges lent to local clients: (segment, offset) -> loan
@@ -122,6 +123,17 @@ class Answers:
         if order is not None:
             self._rescue_held(order, h)
         self.worker_segments.drop(lambda name: name.startswith(h.spec.segment_prefix))
+
+    def map_worker_segments(self, h: WorkerHandle, segments: list, fds: list[int]) -> None:
+        """A worker's new output segments: mapped to read answers from, their
+        fds kept to lend outputs to local clients."""
+        if len(segments) != len(fds) or not all(
+                isinstance(name, str) and name.startswith(h.spec.segment_prefix) for name, _ in segments):
+            close_all(fds)
+            log.error("%s handed over segments the broker cannot take: %r", h.label, segments)
+            return
+        for (name, _size), fd in zip(segments, fds):
+            self.worker_segments.add(name, fd, writable=False, keep_fd=True)
 
     def close(self) -> None:
         self.worker_segments.close()
@@ -245,6 +257,14 @@ class Answers:
             owner_of = {d.name: blocks.get((d.segment, d.offset)) if isinstance(d.segment, str) else None
                         for d in descriptors}
             for req, pieces in zip(batch.requests, parts):
+                broken = [r.name for r in req.regions if r.broken]
+                if broken:
+                    # the client shrank its region while we or the model read it: what was
+                    # read is zeros (shm/guard.py), so the answer would be wrong
+                    self.fail(req, TorchpoolError(errors.INVALID_ARG, f"{mv.label}: region "
+                                                  f"'{broken[0]}' shrank while the request used "
+                                                  f"it; unregister and register it again"))
+                    continue
                 try:
                     self._answer(req, pieces, owner_of, reused)
                 except Exception as exc:  # never lose the request
@@ -328,7 +348,8 @@ class Answers:
         (`lend_to`: its session, else None); small ones inline; large ones as
         zero-copy frames of the worker's shared memory (`owner`: its block;
         None for bytes copied out of a worker that died)."""
-        if lend_to is not None and owner is not None and tensors.worth_descriptor(nbytes):
+        if lend_to is not None and owner is not None and tensors.worth_descriptor(nbytes) \
+                and self.sessions.offer(lend_to, self.worker_segments.get(segment)):
             tensors.put_shm(entry, segment, offset, nbytes, self._lend(lend_to, owner, segment, offset))
             self.transfer["output_bytes_lent"] += nbytes
             return

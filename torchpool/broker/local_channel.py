@@ -1,0 +1,207 @@
+"""The side channel of local clients: a unix socket next to the frontend.
+
+A client on this host that wants the shared-memory path (or to register
+regions) connects here after `hello` and sends `{"op": "attach", "session":
+token}` (`"arena": false` when it wants no arena, only regions). The kernel tells the
+daemon who connected (SO_PEERCRED: pid, uid, gid), the daemon checks the
+allow-lists, makes the session local and answers with the fds of its arena
+(SCM_RIGHTS). The connection stays open for the session's life: later
+segments (a grown arena, worker memory holding outputs lent to it) come the
+same way, always before the answer that names them; its closing ends the
+session. A tcp peer can never get a local session: it cannot reach this
+socket. Messages are msgpack maps, one per SOCK_SEQPACKET datagram.
+"""
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import pwd
+import socket
+import time
+from typing import Optional
+
+from ..protocol import errors, messages
+from ..protocol.errors import TorchpoolError
+from ..shm.fdpass import close_all, recv_with_fds, send_with_fds
+from .frontend import AddressInUse
+from .loop import Loop
+from .sessions import Peer, Session, SessionManager
+
+log = logging.getLogger("torchpool.broker")
+
+ATTACH_TIMEOUT_S = 10.0       # a connection that does not attach by then is closed
+MAX_MESSAGE = 4096
+
+
+def _uids(users: list[str]) -> set[int]:
+    out = set()
+    for u in users:
+        out.add(int(u) if u.isdigit() else pwd.getpwnam(u).pw_uid)
+    return out
+
+
+def _gids(groups: list[str]) -> set[int]:
+    out = set()
+    for g in groups:
+        out.add(int(g) if g.isdigit() else grp.getgrnam(g).gr_gid)
+    return out
+
+
+class LocalChannel:
+    def __init__(self, path: str, loop: Loop, sessions: SessionManager, allow_users: list[str],
+                 allow_groups: list[str], max_pending: int) -> None:
+        self.path = path
+        self.loop = loop
+        self.sessions = sessions
+        self.allow_uids = _uids(allow_users)       # KeyError for an unknown name: a startup error
+        self.allow_gids = _gids(allow_groups)
+        self.max_pending = max_pending
+        self._pending: dict[int, tuple[socket.socket, float]] = {}   # not attached yet
+        self._attached: dict[int, tuple[socket.socket, Session]] = {}
+        _claim(path)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            self.listener.bind(path)
+            os.chmod(path, 0o660)          # the owner and the group, as the ipc:// socket
+            self.listener.listen(128)
+            self.listener.setblocking(False)
+        except BaseException:
+            self.listener.close()
+            raise
+        loop.watch(self.listener.fileno(), self._accept)
+
+    def _allowed(self, peer: Peer) -> bool:
+        if not self.allow_uids and not self.allow_gids:
+            return True                    # the socket file's permissions decide
+        return peer.uid == os.getuid() or peer.uid in self.allow_uids or bool(peer.groups & self.allow_gids)
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        conn.setblocking(False)
+        if len(self._pending) >= self.max_pending:
+            self._refuse(conn, TorchpoolError(errors.RESOURCE_EXHAUSTED,
+                                              "too many local connections waiting to attach"))
+            return
+        self._pending[conn.fileno()] = (conn, time.monotonic() + ATTACH_TIMEOUT_S)
+        self.loop.watch(conn.fileno(), lambda c=conn: self._on_readable(c))
+        self.loop.call_later(ATTACH_TIMEOUT_S, lambda c=conn: self._attach_deadline(c))
+
+    def _attach_deadline(self, conn: socket.socket) -> None:
+        entry = self._pending.get(conn.fileno())
+        if entry is not None and entry[0] is conn:
+            self._drop(conn)
+
+    def _refuse(self, conn: socket.socket, err: TorchpoolError) -> None:
+        try:
+            conn.send(messages.pack({"ok": False, "error": err.to_wire()}), socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        conn.close()
+
+    def _on_readable(self, conn: socket.socket) -> None:
+        fd = conn.fileno()
+        try:
+            data, fds = recv_with_fds(conn, MAX_MESSAGE, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            data, fds = b"", []
+        close_all(fds)                     # a client has no fds to give us
+        attached = self._attached.get(fd)
+        if not data:                       # the client closed it: its session ends
+            if attached is not None:
+                self.sessions.channel_closed(attached[1])
+            self._drop(conn)
+            return
+        if attached is not None:
+            return                         # nothing more is expected from an attached client
+        self._pending.pop(fd, None)
+        try:
+            peer = Peer.of(conn)
+            if not self._allowed(peer):
+                log.warning("refused a local session to uid %d (pid %d): not in --local-allow-user/"
+                            "--local-allow-group", peer.uid, peer.pid)
+                raise TorchpoolError(errors.UNAVAILABLE, "this user may not use the daemon's local "
+                                                         "shared-memory path")
+            try:
+                request = messages.unpack(data)
+            except Exception:
+                request = None
+            if not isinstance(request, dict) or request.get("op") != "attach":
+                raise TorchpoolError(errors.INVALID_ARG, "expected {'op': 'attach', 'session': token}")
+            answer, fds = self.sessions.attach(request.get("session"), peer, conn,
+                                               arena=request.get("arena", True) is not False)
+        except TorchpoolError as exc:
+            self.loop.unwatch(fd)
+            self._refuse(conn, exc)
+            return
+        session = self.sessions.sessions[request["session"]]
+        self._attached[fd] = (conn, session)
+        try:
+            send_with_fds(conn, messages.pack(answer), fds, socket.MSG_DONTWAIT)
+        except OSError:
+            self.sessions.channel_closed(session)
+
+    def close_channel(self, conn: socket.socket) -> None:
+        """The session ended (SessionManager): its channel goes too."""
+        self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        fd = conn.fileno()
+        if fd < 0:
+            return
+        self._pending.pop(fd, None)
+        self._attached.pop(fd, None)
+        self.loop.unwatch(fd)
+        conn.close()
+
+    def close(self) -> None:
+        for conn, _ in list(self._pending.values()) + list(self._attached.values()):
+            self._drop(conn)
+        self.loop.unwatch(self.listener.fileno())
+        self.listener.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _claim(path: str) -> None:
+    """Refuse a socket file a live daemon listens on; remove a dead one's."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.connect(path)
+    except OSError:
+        log.warning("removing stale socket file %s left by a dead daemon", path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
+    else:
+        raise AddressInUse(f"{path} is in use by a running process (is another torchpool serving it?)")
+    finally:
+        probe.close()
+
+
+def default_path(listen: list[str], daemon: str) -> str:
+    """Beside the first ipc:// socket, else in the runtime directory."""
+    for url in listen:
+        if url.startswith("ipc://"):
+            return url[len("ipc://"):] + ".local"
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return os.path.join(runtime, f"torchpool-{daemon}.local")
+
+
+def resolve_path(option: Optional[str], listen: list[str], daemon: str) -> Optional[str]:
+    """--local-socket: None = the default place, "" = no local path."""
+    if option == "":
+        return None
+    return option or default_path(listen, daemon)
