@@ -1,0 +1,194 @@
+"""One misbehaving client beside four honest ones (bounded, loopback).
+
+The honest clients run the same fixed work twice: alone, then while an
+offender (its own process, so it shares no interpreter lock with them)
+cycles through the attacks of issue 10: a hello flood on one connection,
+a BYTES tensor over the element limit, a region shrunk under its requests,
+requests it never reads the answers of, and garbage. The honest clients must
+lose nothing and get correct answers, and their p99 latency with the
+offender must stay within 3x of the run without it. The daemon must be up
+afterwards with nothing restarted.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import secrets
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+from torch import Tensor, nn
+
+from torchpool.client import Client
+from torchpool.protocol.errors import InferenceError
+
+from ..support.daemon import Daemon, wait_for, worker_pids
+from ..support.model_repository import config, instances, serialize, tensor
+
+HONEST = 4
+REQUESTS = 300                   # per honest client and phase
+ELEMENTS = 64
+
+
+class PlusOne(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x + 1
+
+
+@pytest.fixture(scope="module")
+def stress_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("stress_repo")
+    (root / "plus_one" / "1").mkdir(parents=True)
+    (root / "plus_one" / "config.pbtxt").write_text(
+        config("plus_one", inputs=[tensor("INPUT__0", "FP32", [-1])],
+               outputs=[tensor("OUTPUT__0", "FP32", [-1])], max_batch_size=0) + instances(2, "KIND_CPU"))
+    (root / "plus_one" / "1" / "model.pt").write_bytes(serialize(PlusOne()))
+    d = Daemon(root, tmp_path_factory.mktemp("stress"), "--log-level", "info",
+               "--max-sessions-per-peer", "8", "--max-bytes-elements", "100000",
+               "--max-in-flight-per-client", "64", "--max-unread-replies", "64").start()
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def honest_run(url: str) -> tuple[list[float], int]:
+    """Every honest client's latencies (seconds) and the number of wrong or lost answers."""
+    latencies: list[list[float]] = [[] for _ in range(HONEST)]
+    wrong = [0] * HONEST
+
+    def client(i: int) -> None:
+        x = np.full(ELEMENTS, float(i), np.float32)
+        with Client(url, timeout=30) as c:
+            for _ in range(REQUESTS):
+                start = time.perf_counter()
+                try:
+                    y = c.infer("plus_one", {"INPUT__0": x})["OUTPUT__0"]
+                    ok = y.shape == x.shape and bool(np.all(y == x + 1))
+                except InferenceError:
+                    ok = False
+                latencies[i].append(time.perf_counter() - start)
+                wrong[i] += not ok
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(HONEST)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [v for per in latencies for v in per], sum(wrong)
+
+
+def offend(url: str, stop_file: str, counts: dict) -> None:
+    """The offender: cycles through its attacks until `stop_file` exists."""
+    import mmap
+
+    import posix_ipc
+    import zmq
+
+    from torchpool.client import SharedMemoryRef
+    from torchpool.protocol import messages
+
+    ctx = zmq.Context()
+    key = f"tp-test-stress-{os.getpid()}-{secrets.token_hex(4)}"
+    shm = posix_ipc.SharedMemory("/" + key, posix_ipc.O_CREX, mode=0o600, size=1 << 20)
+    rounds = 0
+    try:
+        while not os.path.exists(stop_file):
+            rounds += 1
+            # 1. hello flood on one connection, past the per-connection session limit
+            s = ctx.socket(zmq.DEALER)
+            s.connect(url)
+            for i in range(12):
+                s.send(messages.pack({"v": 1, "op": "hello", "id": i, "local": True}))
+            for _ in range(12):
+                if s.poll(10000):
+                    s.recv()
+            s.close(0)
+            # 2. requests it never reads (and more than it may have in flight), then gone
+            s = ctx.socket(zmq.DEALER)
+            s.connect(url)
+            x = struct.pack("<64f", *range(64))
+            for i in range(300):
+                s.send(messages.pack({"v": 1, "op": "infer", "id": i, "model": "plus_one", "version": "",
+                                      "inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [64],
+                                                  "data": x}], "outputs": None}))
+            s.close(0)
+            # 3. garbage and a BYTES tensor over the element limit
+            s = ctx.socket(zmq.DEALER)
+            s.connect(url)
+            s.send(b"\xc1garbage")
+            s.send(messages.pack({"v": 1, "op": "infer", "id": 1, "model": "plus_one", "version": "",
+                                  "inputs": [{"name": "INPUT__0", "datatype": "BYTES", "shape": [5_000_000],
+                                              "data": b"\0\0\0\0" * 1000}], "outputs": None}))
+            for _ in range(2):
+                if s.poll(10000):
+                    s.recv()
+            s.close(0)
+            # 4. a region shrunk under its requests
+            os.ftruncate(shm.fd, 1 << 20)
+            mm = mmap.mmap(shm.fd, 1 << 20)
+            mm.close()
+            with Client(url, timeout=30) as c:
+                c.register_system_shared_memory("r", key, 1 << 16)
+                ref = SharedMemoryRef("r", 4 * ELEMENTS, 0, "FP32", (ELEMENTS,))
+                c.infer("plus_one", {"INPUT__0": ref})
+                os.ftruncate(shm.fd, 0)
+                try:
+                    c.infer("plus_one", {"INPUT__0": ref})
+                except InferenceError:
+                    counts["refused"] = counts.get("refused", 0) + 1
+    finally:
+        counts["rounds"] = rounds
+        shm.close_fd()
+        posix_ipc.unlink_shared_memory("/" + key)
+        ctx.term()
+
+
+def p99(values: list[float]) -> float:
+    return float(np.percentile(values, 99))
+
+
+def measure(url: str, stop_file: str) -> tuple[list[float], list[float], int, dict]:
+    """Honest latencies alone, then beside the offender; (alone, beside, lost, offender counts)."""
+    alone, lost_alone = honest_run(url)
+    ctx = multiprocessing.get_context("spawn")
+    manager = ctx.Manager()
+    counts = manager.dict()
+    offender = ctx.Process(target=offend, args=(url, stop_file, counts))
+    offender.start()
+    try:
+        wait_for(lambda: "refused" in counts or not offender.is_alive(), 60, "the offender's first round")
+        assert offender.is_alive(), "the offender died"
+        beside, lost_beside = honest_run(url)
+    finally:
+        Path(stop_file).touch()
+        offender.join(60)
+    seen = dict(counts)
+    manager.shutdown()
+    assert offender.exitcode == 0 and seen.get("rounds", 0) >= 1
+    os.unlink(stop_file)
+    return alone, beside, lost_alone + lost_beside, seen
+
+
+def test_honest_clients_keep_their_latency_beside_an_offender(stress_daemon: Daemon, tmp_path: Path) -> None:
+    url = stress_daemon.url
+    pids = worker_pids(stress_daemon.log(), "plus_one")
+    honest_run(url)                                     # warm-up: sessions, arenas, caches
+    ratios = []
+    # This 2-core machine is noisy: a run whose ratio is over the bound is measured
+    # once more (both phases afresh); losing an answer is never forgiven.
+    for _ in range(2):
+        alone, beside, lost, seen = measure(url, str(tmp_path / "stop"))
+        assert lost == 0
+        assert len(alone) == len(beside) == HONEST * REQUESTS
+        # 1 ms floor: on an idle loopback the p99 of a tiny request is a fraction of that
+        ratios.append(p99(beside) / max(p99(alone), 1e-3))
+        print(f"p99 alone {p99(alone) * 1e3:.2f} ms, beside the offender {p99(beside) * 1e3:.2f} ms "
+              f"({ratios[-1]:.2f}x); offender rounds {seen.get('rounds')}, refused {seen.get('refused')}")
+        if ratios[-1] <= 3.0:
+            break
+    assert min(ratios) <= 3.0, f"honest p99 grew {ratios} x beside the offender"
+    assert stress_daemon.proc.poll() is None
+    assert worker_pids(stress_daemon.log(), "plus_one") == pids, "a worker was restarted"
