@@ -20,10 +20,11 @@ import os
 import re
 import secrets
 import socket
+import struct
 import threading
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, List
 
 import numpy as np
 import posix_ipc
@@ -69,6 +70,11 @@ class PlusOne(nn.Module):
         return x + 1
 
 
+class Count(nn.Module):
+    def forward(self, text: List[str]) -> Tensor:
+        return torch.tensor([len(text)], dtype=torch.int64)
+
+
 def _write(root: Path, name: str, text: str, module: nn.Module) -> None:
     (root / name / "1").mkdir(parents=True)
     (root / name / "config.pbtxt").write_text(text)
@@ -85,6 +91,8 @@ def build_repository(root: Path) -> None:
                      extra="dynamic_batching {\n  preferred_batch_size: [ 2 ]\n"
                            "  max_queue_delay_microseconds: 20000000\n}\n")
     _write(root, "batched", batched, PlusOne())
+    _write(root, "count", config("count", inputs=[tensor("TEXT", "STRING", [-1])],
+                                 outputs=[tensor("N", "INT64", [1])], max_batch_size=0), Count())
     _write(root, "plus_one", config("plus_one", inputs=[tensor("INPUT__0", "FP32", [-1])],
                                     outputs=[tensor("OUTPUT__0", "FP32", [-1])], max_batch_size=0),
            PlusOne())
@@ -99,6 +107,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     d = Daemon(root, work, "--log-level", "debug", "--metrics-port", str(metrics),
                "--max-sessions-per-peer", "6", "--max-regions-per-session", "2",
                "--client-shm-size", "4M", "--client-shm-total", "16M",
+               "--max-bytes-elements", "1000", "--max-bytes-tensor-bytes", "64K",
                tcp_port=free_tcp_port()).start()
     d.metrics = metrics
     yield d
@@ -384,3 +393,34 @@ def test_arena_bytes_in_all_are_limited(hostile: Daemon) -> None:
     finally:
         for c in clients:
             c.close()
+
+
+def test_bytes_tensors_are_limited_and_checked_without_stalling_others(hostile: Daemon) -> None:
+    ctx, sock, _ = raw_session(hostile.url)
+
+    def infer(shape: list, data: bytes) -> dict:
+        sock.send_multipart([messages.pack({"v": 1, "op": "infer", "id": 7, "model": "count", "version": "",
+                                            "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": shape,
+                                                        "data": 1}], "outputs": None}), data])
+        assert sock.poll(10000)
+        return messages.unpack(sock.recv_multipart()[0])
+    try:
+        ok = infer([3], b"".join(struct.pack("<I", len(w)) + w for w in (b"a", b"bc", b"")))
+        assert ok["ok"], ok
+        # elements over the limit: refused before the payload is looked at
+        many = infer([5_000_000], b"\0" * 16)
+        assert many["id"] == 7 and many["error"]["code"] == errors.RESOURCE_EXHAUSTED
+        assert many["error"]["message"] == ("input 'TEXT' for model 'count' has 5000000 BYTES elements; this "
+                                            "server accepts at most 1000 per tensor (--max-bytes-elements)")
+        big = infer([1], struct.pack("<I", 100_000) + b"x" * 100_000)
+        assert big["error"]["code"] == errors.RESOURCE_EXHAUSTED
+        assert "--max-bytes-tensor-bytes" in big["error"]["message"] and "'TEXT'" in big["error"]["message"]
+        lying = infer([2], struct.pack("<I", 5) + b"abc")          # claims more than it sends
+        assert lying["error"]["code"] == errors.INVALID_ARG and "'TEXT'" in lying["error"]["message"]
+        # 1000 empty strings at the limit: a C walk, no Python loop per element
+        at_limit = infer([1000], b"\0\0\0\0" * 1000)
+        assert at_limit["ok"], at_limit
+    finally:
+        sock.close(0)
+        ctx.term()
+    assert_unharmed(hostile, "count", worker_pids(hostile.log(), "count"))
