@@ -44,16 +44,18 @@ def ipc_path(url: str) -> str | None:
     return url[len("ipc://"):] if url.startswith("ipc://") else None
 
 
-def _claim_ipc_path(path: str) -> None:
+def claim_socket_path(path: str, kind: int = socket.SOCK_STREAM) -> None:
     """Refuse a socket file a live daemon listens on; remove a dead one's.
 
     libzmq would silently replace the file and steal the address from a
-    running daemon, so we ask the kernel first.
+    running daemon (and so would a bind after an unlink), so we ask the
+    kernel first, with a socket of the listener's `kind` (the ipc://
+    frontends are streams, the local side channel is SOCK_SEQPACKET).
     """
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe = socket.socket(socket.AF_UNIX, kind)
     try:
         probe.connect(path)
     except OSError as exc:
@@ -197,7 +199,7 @@ class Frontend:
     def _bind(self, sock: zmq.Socket, url: str) -> None:
         path = ipc_path(url)
         if path:
-            _claim_ipc_path(path)
+            claim_socket_path(path)
         try:
             sock.bind(url)
         except zmq.ZMQError as exc:

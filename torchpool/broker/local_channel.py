@@ -24,7 +24,7 @@ from typing import Optional
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
 from ..shm.fdpass import close_all, recv_with_fds, send_with_fds
-from .frontend import AddressInUse
+from .frontend import claim_socket_path
 from .loop import Loop
 from .sessions import Peer, Session, SessionManager
 
@@ -59,7 +59,7 @@ class LocalChannel:
         self.max_pending = max_pending
         self._pending: dict[int, tuple[socket.socket, float]] = {}   # not attached yet
         self._attached: dict[int, tuple[socket.socket, Session]] = {}
-        _claim(path)
+        claim_socket_path(path, socket.SOCK_SEQPACKET)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             self.listener.bind(path)
@@ -168,27 +168,6 @@ class LocalChannel:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
-
-
-def _claim(path: str) -> None:
-    """Refuse a socket file a live daemon listens on; remove a dead one's."""
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        probe.connect(path)
-    except OSError:
-        log.warning("removing stale socket file %s left by a dead daemon", path)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        return
-    else:
-        raise AddressInUse(f"{path} is in use by a running process (is another torchpool serving it?)")
-    finally:
-        probe.close()
 
 
 def default_path(listen: list[str], daemon: str) -> str:

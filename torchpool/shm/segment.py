@@ -45,6 +45,16 @@ def _prefault(buf: mmap.mmap, size: int) -> None:
         buf[off] = buf[off]
 
 
+def _unmap(buf: mmap.mmap) -> None:
+    try:
+        buf.close()
+    except BufferError:
+        # A view still points into the mapping (e.g. a tensor a caller kept).
+        # Leave the mapping to the garbage collector: the memory goes when the
+        # last mapping does.
+        pass
+
+
 class Segment:
     """A sealed memfd, mapped. `buf` is the mmap; `fd` is kept open only by
     processes that hand the segment on (-1 otherwise)."""
@@ -108,13 +118,7 @@ class Segment:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            try:
-                self.buf.close()
-            except BufferError:
-                # A view still points into the mapping (e.g. a tensor a caller
-                # kept). Leave the mapping to the garbage collector: the memory
-                # goes when the last mapping does.
-                pass
+            _unmap(self.buf)
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
@@ -169,10 +173,7 @@ class NamedSegment:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            try:
-                self.buf.close()
-            except BufferError:
-                pass
+            _unmap(self.buf)
 
     def unlink(self) -> None:
         """Remove the name (owner only). The memory goes when the last map does."""
