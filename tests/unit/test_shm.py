@@ -293,3 +293,33 @@ def test_remove_segments_with_prefix(prefix: str) -> None:
             s.close()
         keep.unlink()
         keep.close()
+
+
+def test_the_fd_receiver_reuses_one_buffer_and_takes_the_fds(prefix) -> None:
+    from torchpool.shm.fdpass import FdReceiver
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    seg = Segment.create(prefix + "f", 4096, prefault=False)
+    receiver = FdReceiver(1 << 16)
+    try:
+        seg.buf[0] = 42
+        send_with_fds(a, b"first", [seg.fd])
+        data, fds = receiver.recv(b)
+        assert bytes(data) == b"first" and len(fds) == 1
+        got = Segment.from_fd("f", fds[0])
+        assert got.buf[0] == 42
+        got.close()
+        send_with_fds(a, b"2nd", [])
+        data, fds = receiver.recv(b)
+        assert bytes(data) == b"2nd" and fds == []
+        with pytest.raises(BlockingIOError):
+            receiver.recv(b, socket.MSG_DONTWAIT)
+        with pytest.raises(OSError, match="cut short"):      # larger than the buffer: never half a message
+            a.send(b"x" * (1 << 17))
+            receiver.recv(b)
+        a.close()
+        data, fds = receiver.recv(b)
+        assert len(data) == 0 and fds == []                  # the peer closed
+    finally:
+        seg.close()
+        b.close()

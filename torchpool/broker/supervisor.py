@@ -23,7 +23,7 @@ from typing import Any, Optional
 from ..config import InstanceGroup
 from ..config.parameters import model_parameters
 from ..protocol import internal
-from ..shm.fdpass import recv_with_fds, send_with_fds
+from ..shm.fdpass import FdReceiver, send_with_fds
 from ..shm.segment import Segment
 from ..worker.entry import run_worker
 from ..worker.spec import WorkerSpec
@@ -113,7 +113,7 @@ class WorkerHandle:
         """The worker's next message and the fds that came with it (the caller
         owns them); (None, []) at EOF. Raises ProtocolViolation (fds closed)."""
         try:
-            raw, fds = recv_with_fds(self.sock, internal.MAX_MESSAGE)
+            raw, fds = _receiver.recv(self.sock)
         except (ConnectionError, OSError):
             return None, []
         if not raw:
@@ -124,6 +124,10 @@ class WorkerHandle:
             for fd in fds:
                 os.close(fd)
             raise
+
+
+# The broker's one thread decodes each message before reading the next: one buffer serves all.
+_receiver = FdReceiver(internal.MAX_MESSAGE)
 
 
 def shares_weights(mv: ModelVersion) -> bool:

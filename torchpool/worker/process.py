@@ -35,7 +35,7 @@ from ..protocol import datatypes, errors, internal
 from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, Block, MappedSegments
 from ..shm.bulkcopy import copy_into
-from ..shm.fdpass import close_all, recv_with_fds, send_with_fds
+from ..shm.fdpass import FdReceiver, close_all, send_with_fds
 from ..shm.segment import Segment
 from .binding import ExecutionError, ModelLoadError, load_model
 from .settings import after_execution, apply_process_settings, grad_context, model_settings
@@ -161,6 +161,7 @@ class Worker:
         self.spec = spec
         self.sock = sock
         self.inputs_shm = MappedSegments()     # the broker hands us each segment's fd
+        self.receiver = FdReceiver(internal.MAX_MESSAGE)
         self.regions = RegionMaps()
         self.outputs = Arena(lambda i: f"{spec.segment_prefix}{i}", spec.arena_chunk,
                              spec.arena_limit, prefault=True, announce=self.announce)
@@ -225,7 +226,7 @@ class Worker:
         # paid now, not on the first answer.
         self.outputs.free(self.outputs.alloc(1))
 
-    def receive(self) -> tuple[bytes, list[int]]:
+    def receive(self) -> tuple[memoryview, list[int]]:
         """The next message; after work, poll a while before sleeping.
 
         Waking a sleeping process on another CPU costs tens of microseconds
@@ -237,10 +238,10 @@ class Worker:
             end = time.perf_counter_ns() + self.busy_poll_ns
             while time.perf_counter_ns() < end:
                 try:
-                    return recv_with_fds(self.sock, internal.MAX_MESSAGE, socket.MSG_DONTWAIT)
+                    return self.receiver.recv(self.sock, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     os.sched_yield()
-        return recv_with_fds(self.sock, internal.MAX_MESSAGE)
+        return self.receiver.recv(self.sock)
 
     def loop(self) -> None:
         while True:
