@@ -26,7 +26,8 @@ from ..protocol.errors import TorchpoolError
 from ..shm.fdpass import close_all, recv_with_fds, send_with_fds
 from .frontend import claim_socket_path
 from .loop import Loop
-from .sessions import Peer, Session, SessionManager
+from .regions import Peer
+from .sessions import Session, SessionManager
 
 log = logging.getLogger("torchpool.broker")
 

@@ -26,32 +26,22 @@ from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import os
 import secrets
 import socket
-import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import posix_ipc
-
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
-from ..protocol.messages import REGION_TOKEN_BYTES
 from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_header
-from ..shm import guard
 from ..shm.fdpass import send_with_fds
-from ..shm.naming import PREFIX
 from ..shm.segment import Segment
 from .options import ServerOptions
+from .regions import Challenge, Peer, Region, answer_challenge, check_range, open_challenge, region_key
 
 log = logging.getLogger("torchpool.broker")
-
-MAX_INT = (1 << 63) - 1
-CHALLENGE_TTL_S = 30.0        # a registration must answer its challenge within this
-
 
 def _bad(message: str) -> TorchpoolError:
     return TorchpoolError(errors.INVALID_ARG, message)
@@ -59,115 +49,6 @@ def _bad(message: str) -> TorchpoolError:
 
 def _exhausted(message: str) -> TorchpoolError:
     return TorchpoolError(errors.RESOURCE_EXHAUSTED, message)
-
-
-def _check_range(what: str, offset: Any, nbytes: Any, size: int) -> None:
-    """offset and nbytes are ints, >= 0, and offset + nbytes fits in size."""
-    for label, v in (("offset", offset), ("byte size", nbytes)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > MAX_INT:
-            raise _bad(f"{what}: {label} {v!r} is not an integer in [0, 2^63)")
-    if offset + nbytes > size:
-        raise _bad(f"{what}: offset {offset} + byte size {nbytes} = {offset + nbytes} exceeds "
-                   f"the {size} bytes available")
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Who is at the other end of a side-channel connection (SO_PEERCRED)."""
-
-    pid: int
-    uid: int
-    gid: int
-    groups: frozenset = frozenset()
-
-    @classmethod
-    def of(cls, conn: socket.socket) -> "Peer":
-        import struct
-        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                            struct.calcsize("3i")))
-        return cls(pid, uid, gid, frozenset({gid}) | _supplementary_groups(pid))
-
-    def may_write(self, st: os.stat_result) -> bool:
-        """Could this peer open a file with this owner and mode for writing?"""
-        if self.uid == 0:
-            return True
-        if st.st_uid == self.uid:
-            return bool(st.st_mode & stat.S_IWUSR)
-        if st.st_gid in self.groups:
-            return bool(st.st_mode & stat.S_IWGRP)
-        return bool(st.st_mode & stat.S_IWOTH)
-
-
-def _supplementary_groups(pid: int) -> frozenset:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return frozenset(int(g) for g in line.split()[1:])
-    except (OSError, ValueError):
-        pass
-    return frozenset()
-
-
-@dataclass(eq=False)
-class Region:
-    """A client-owned segment registered under a name (Triton's system shm)."""
-
-    name: str
-    key: str                      # shm_open name without the leading '/'
-    offset: int
-    byte_size: int
-    fd: int
-    ino: int
-    buf: mmap.mmap
-    guarded: Any = None           # guard.GuardedRange over buf: a shrink is a flag, not a SIGBUS
-    in_use: int = 0
-    unregistering: bool = False
-
-    @property
-    def broken(self) -> bool:
-        """The client shrank the segment under a read of ours: what we read
-        since is zeros, and the region is unusable until registered again."""
-        return self.guarded is not None and self.guarded.faulted
-
-    def check(self, what: str, offset: Any, nbytes: Any) -> None:
-        """A request's (offset, nbytes) within the region and the segment now."""
-        _check_range(what, offset, nbytes, self.byte_size)
-        end = self.offset + offset + nbytes
-        if self.broken or end > os.fstat(self.fd).st_size or end > len(self.buf):
-            raise _bad(f"{what}: region '{self.name}' is smaller than registered "
-                       f"(the segment shrank); unregister and register it again")
-
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        start = self.offset + offset
-        return memoryview(self.buf)[start:start + nbytes]
-
-    def worker_ref(self) -> list:
-        """How a worker names it: the key plus the inode, so a re-created
-        segment under the same name is never mistaken for this one."""
-        return [self.key, self.ino]
-
-    def close(self) -> None:
-        if self.guarded is not None:
-            self.guarded.release()
-        try:
-            self.buf.close()
-        except BufferError:
-            pass
-        os.close(self.fd)
-
-
-@dataclass(eq=False)
-class _Challenge:
-    """A registration waiting for the client to write `nonce` at `offset`."""
-
-    key: str
-    offset: int
-    byte_size: int
-    nonce: bytes
-    fd: int
-    ino: int
-    expires: float
 
 
 @dataclass(eq=False)
@@ -181,7 +62,7 @@ class Session:
     handed: set = field(default_factory=set)  # segments whose fds it was given
     loans: int = 0                # outputs lent to it now (the answer path owns the map of them)
     regions: dict[str, Region] = field(default_factory=dict)
-    challenges: dict[str, _Challenge] = field(default_factory=dict)
+    challenges: dict[str, Challenge] = field(default_factory=dict)
     in_flight: int = 0
 
     @property
@@ -401,7 +282,7 @@ class SessionManager:
         seg = session.arena.get(segment)
         if seg is None:
             raise _bad(f"{what}: the segment is not part of this session's arena")
-        _check_range(what, offset, nbytes, seg.size)
+        check_range(what, offset, nbytes, seg.size)
         if offset < BLOCK_HEADER_BYTES:
             raise _bad(f"{what}: offset {offset} leaves no room for the block header")
         magic, gen, size = read_block_header(seg.buf, offset - BLOCK_HEADER_BYTES)
@@ -430,68 +311,23 @@ class SessionManager:
         return self._challenge(session, name, header)
 
     def _challenge(self, session: Session, name: str, header: dict) -> dict:
-        key = header.get("key")
-        if not isinstance(key, str) or not key.strip("/"):
-            raise _bad(f"region '{name}': 'key' must be a shared-memory name")
-        key = key.lstrip("/")
-        if "/" in key:
-            raise _bad(f"region '{name}': a shared-memory name holds no '/' after the leading one")
-        if key.startswith(PREFIX):
-            raise _bad(f"region '{name}': that key is reserved for the daemon's own segments "
-                       f"(names starting with '{PREFIX}')")
+        key = region_key(name, header.get("key"))
         limit = self.options.max_regions_per_session
         if len(session.regions) + len(session.challenges) >= limit:
             raise _exhausted(f"region '{name}': this session already has {limit} regions, the "
                              f"limit (--max-regions-per-session)")
-        if not guard.AVAILABLE:
-            raise TorchpoolError(errors.UNSUPPORTED, "registered regions need torchpool's compiled "
-                                                     "SIGBUS guard, which this installation lacks")
-        offset, byte_size = header.get("offset", 0), header.get("byte_size")
-        try:
-            shm = posix_ipc.SharedMemory("/" + key)
-        except (posix_ipc.Error, ValueError, OSError):
-            # the same answer whether it is missing or forbidden: no probing of names
-            raise _bad(f"region '{name}': the daemon cannot open that segment") from None
-        fd = shm.fd
-        try:
-            st = os.fstat(fd)
-            if not session.peer.may_write(st):
-                raise _bad(f"region '{name}': the daemon cannot open that segment")
-            _check_range(f"region '{name}'", offset, byte_size, st.st_size)
-            if byte_size < REGION_TOKEN_BYTES:
-                raise _bad(f"region '{name}': byte size must be at least {REGION_TOKEN_BYTES}")
-        except BaseException:
-            os.close(fd)
-            raise
+        challenge = open_challenge(session.peer, name, key, header.get("offset", 0), header.get("byte_size"))
         old = session.challenges.pop(name, None)
         if old is not None:
             os.close(old.fd)
-        nonce = secrets.token_bytes(REGION_TOKEN_BYTES)
-        session.challenges[name] = _Challenge(key, offset, byte_size, nonce, fd, st.st_ino,
-                                              time.monotonic() + CHALLENGE_TTL_S)
-        return {"challenge": nonce}
+        session.challenges[name] = challenge
+        return {"challenge": challenge.nonce}
 
     def _answer_challenge(self, session: Session, name: str, answer: Any) -> bool:
         c = session.challenges.pop(name, None)
         if c is None:
             raise _bad(f"region '{name}': no challenge is pending (ask for one first)")
-        try:
-            st = os.fstat(c.fd)
-            if (answer != c.nonce or st.st_ino != c.ino or c.offset + c.byte_size > st.st_size
-                    or os.pread(c.fd, REGION_TOKEN_BYTES, c.offset) != c.nonce):
-                raise _bad(f"region '{name}': ownership proof failed (the challenge is not at the "
-                           f"region's offset); the daemon maps only segments the client shows "
-                           f"it can write")
-            buf = mmap.mmap(c.fd, st.st_size)
-            try:
-                guarded = guard.protect(buf)
-            except BaseException:
-                buf.close()
-                raise
-        except BaseException:
-            os.close(c.fd)
-            raise
-        session.regions[name] = Region(name, c.key, c.offset, c.byte_size, c.fd, c.ino, buf, guarded)
+        session.regions[name] = answer_challenge(c, name, answer)
         return True
 
     def region(self, session: Optional[Session], ref: Any, what: str) -> tuple[Region, int, int]:

@@ -1,0 +1,206 @@
+"""Client regions (Triton's system shared memory) in the broker: who may
+register what, the challenge that proves it, and the guarded mapping.
+
+A region is a segment the client owns and names. Registering it is a
+challenge: the daemon opens the segment, checks that its owner and mode let
+the peer (its uid and groups from SO_PEERCRED) write it, and answers a fresh
+nonce; the client writes the nonce at the region's offset and calls again;
+the daemon reads it back from the same inode. Only then is the segment
+mapped, under the SIGBUS guard (shm/guard.py): the client may shrink it at
+any moment, and a read of ours that finds it shrunk makes the region broken,
+never a crash. The sessions (sessions.py) keep the regions and their limits.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+import stat
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import posix_ipc
+
+from ..protocol import errors
+from ..protocol.errors import TorchpoolError
+from ..protocol.messages import REGION_TOKEN_BYTES
+from ..shm import guard
+from ..shm.naming import PREFIX
+
+MAX_INT = (1 << 63) - 1
+CHALLENGE_TTL_S = 30.0        # a registration must answer its challenge within this
+
+
+def bad(message: str) -> TorchpoolError:
+    return TorchpoolError(errors.INVALID_ARG, message)
+
+
+def check_range(what: str, offset: Any, nbytes: Any, size: int) -> None:
+    """offset and nbytes are ints, >= 0, and offset + nbytes fits in size."""
+    for label, v in (("offset", offset), ("byte size", nbytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > MAX_INT:
+            raise bad(f"{what}: {label} {v!r} is not an integer in [0, 2^63)")
+    if offset + nbytes > size:
+        raise bad(f"{what}: offset {offset} + byte size {nbytes} = {offset + nbytes} exceeds "
+                   f"the {size} bytes available")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is at the other end of a side-channel connection (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: frozenset = frozenset()
+
+    @classmethod
+    def of(cls, conn: socket.socket) -> "Peer":
+        import struct
+        pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+        return cls(pid, uid, gid, frozenset({gid}) | _supplementary_groups(pid))
+
+    def may_write(self, st: os.stat_result) -> bool:
+        """Could this peer open a file with this owner and mode for writing?"""
+        if self.uid == 0:
+            return True
+        if st.st_uid == self.uid:
+            return bool(st.st_mode & stat.S_IWUSR)
+        if st.st_gid in self.groups:
+            return bool(st.st_mode & stat.S_IWGRP)
+        return bool(st.st_mode & stat.S_IWOTH)
+
+
+def _supplementary_groups(pid: int) -> frozenset:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return frozenset(int(g) for g in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return frozenset()
+
+
+@dataclass(eq=False)
+class Region:
+    """A client-owned segment registered under a name (Triton's system shm)."""
+
+    name: str
+    key: str                      # shm_open name without the leading '/'
+    offset: int
+    byte_size: int
+    fd: int
+    ino: int
+    buf: mmap.mmap
+    guarded: Any = None           # guard.GuardedRange over buf: a shrink is a flag, not a SIGBUS
+    in_use: int = 0
+    unregistering: bool = False
+
+    @property
+    def broken(self) -> bool:
+        """The client shrank the segment under a read of ours: what we read
+        since is zeros, and the region is unusable until registered again."""
+        return self.guarded is not None and self.guarded.faulted
+
+    def check(self, what: str, offset: Any, nbytes: Any) -> None:
+        """A request's (offset, nbytes) within the region and the segment now."""
+        check_range(what, offset, nbytes, self.byte_size)
+        end = self.offset + offset + nbytes
+        if self.broken or end > os.fstat(self.fd).st_size or end > len(self.buf):
+            raise bad(f"{what}: region '{self.name}' is smaller than registered "
+                       f"(the segment shrank); unregister and register it again")
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        start = self.offset + offset
+        return memoryview(self.buf)[start:start + nbytes]
+
+    def worker_ref(self) -> list:
+        """How a worker names it: the key plus the inode, so a re-created
+        segment under the same name is never mistaken for this one."""
+        return [self.key, self.ino]
+
+    def close(self) -> None:
+        if self.guarded is not None:
+            self.guarded.release()
+        try:
+            self.buf.close()
+        except BufferError:
+            pass
+        os.close(self.fd)
+
+
+@dataclass(eq=False)
+class Challenge:
+    """A registration waiting for the client to write `nonce` at `offset`."""
+
+    key: str
+    offset: int
+    byte_size: int
+    nonce: bytes
+    fd: int
+    ino: int
+    expires: float
+
+
+def region_key(name: str, key: Any) -> str:
+    """The shm_open name a register call gives, checked (without the leading '/')."""
+    if not isinstance(key, str) or not key.strip("/"):
+        raise bad(f"region '{name}': 'key' must be a shared-memory name")
+    key = key.lstrip("/")
+    if "/" in key:
+        raise bad(f"region '{name}': a shared-memory name holds no '/' after the leading one")
+    if key.startswith(PREFIX):
+        raise bad(f"region '{name}': that key is reserved for the daemon's own segments "
+                  f"(names starting with '{PREFIX}')")
+    return key
+
+
+def open_challenge(peer: Peer, name: str, key: str, offset: Any, byte_size: Any) -> Challenge:
+    """Open the segment for `peer` and pick the nonce it must write."""
+    if not guard.AVAILABLE:
+        raise TorchpoolError(errors.UNSUPPORTED, "registered regions need torchpool's compiled "
+                                                 "SIGBUS guard, which this installation lacks")
+    try:
+        shm = posix_ipc.SharedMemory("/" + key)
+    except (posix_ipc.Error, ValueError, OSError):
+        # the same answer whether it is missing or forbidden: no probing of names
+        raise bad(f"region '{name}': the daemon cannot open that segment") from None
+    fd = shm.fd
+    try:
+        st = os.fstat(fd)
+        if not peer.may_write(st):
+            raise bad(f"region '{name}': the daemon cannot open that segment")
+        check_range(f"region '{name}'", offset, byte_size, st.st_size)
+        if byte_size < REGION_TOKEN_BYTES:
+            raise bad(f"region '{name}': byte size must be at least {REGION_TOKEN_BYTES}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return Challenge(key, offset, byte_size, secrets.token_bytes(REGION_TOKEN_BYTES), fd, st.st_ino,
+                     time.monotonic() + CHALLENGE_TTL_S)
+
+
+def answer_challenge(c: Challenge, name: str, answer: Any) -> Region:
+    """The region, mapped under the guard, once the nonce is where it belongs
+    (takes the challenge's fd either way)."""
+    try:
+        st = os.fstat(c.fd)
+        if (answer != c.nonce or st.st_ino != c.ino or c.offset + c.byte_size > st.st_size
+                or os.pread(c.fd, REGION_TOKEN_BYTES, c.offset) != c.nonce):
+            raise bad(f"region '{name}': ownership proof failed (the challenge is not at the "
+                      f"region's offset); the daemon maps only segments the client shows "
+                      f"it can write")
+        buf = mmap.mmap(c.fd, st.st_size)
+        try:
+            guarded = guard.protect(buf)
+        except BaseException:
+            buf.close()
+            raise
+    except BaseException:
+        os.close(c.fd)
+        raise
+    return Region(name, c.key, c.offset, c.byte_size, c.fd, c.ino, buf, guarded)
