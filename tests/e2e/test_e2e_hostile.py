@@ -424,3 +424,32 @@ def test_bytes_tensors_are_limited_and_checked_without_stalling_others(hostile: 
         sock.close(0)
         ctx.term()
     assert_unharmed(hostile, "count", worker_pids(hostile.log(), "count"))
+
+
+def test_connections_that_never_attach_cannot_lock_out_the_local_path(hostile: Daemon) -> None:
+    """A user holding side-channel connections open without attaching gets
+    RESOURCE_EXHAUSTED past its per-user limit (6 here); they are dropped after
+    10 s, and once it lets go, clients attach again."""
+    path = str(hostile.socket_path) + ".local"
+    idle = []
+    for _ in range(6):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(path)
+        idle.append(s)
+    extra = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    extra.connect(path)
+    extra.settimeout(10)
+    answer = messages.unpack(extra.recv(4096))
+    assert answer["ok"] is False and answer["error"]["code"] == errors.RESOURCE_EXHAUSTED
+    assert "--max-sessions-per-peer" in answer["error"]["message"]
+    assert extra.recv(4096) == b""                                  # and closed
+    extra.close()
+    # the daemon drops connections that never attach (10 s): wait for it, do not close them
+    for s in idle:
+        s.settimeout(20)
+        assert s.recv(4096) == b""
+        s.close()
+    with Client(hostile.url, timeout=30) as c:
+        x = np.arange(8192, dtype=np.float32)
+        np.testing.assert_array_equal(c.infer("plus_one", {"INPUT__0": x})["OUTPUT__0"], x + 1)
+        assert c.is_local

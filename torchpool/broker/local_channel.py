@@ -18,7 +18,6 @@ import logging
 import os
 import pwd
 import socket
-import time
 from typing import Optional
 
 from ..protocol import errors, messages
@@ -51,14 +50,15 @@ def _gids(groups: list[str]) -> set[int]:
 
 class LocalChannel:
     def __init__(self, path: str, loop: Loop, sessions: SessionManager, allow_users: list[str],
-                 allow_groups: list[str], max_pending: int) -> None:
+                 allow_groups: list[str], max_pending: int, max_pending_per_user: int) -> None:
         self.path = path
         self.loop = loop
         self.sessions = sessions
         self.allow_uids = _uids(allow_users)       # KeyError for an unknown name: a startup error
         self.allow_gids = _gids(allow_groups)
         self.max_pending = max_pending
-        self._pending: dict[int, tuple[socket.socket, float]] = {}   # not attached yet
+        self.max_pending_per_user = max_pending_per_user
+        self._pending: dict[int, tuple[socket.socket, int]] = {}     # not attached yet: (conn, uid)
         self._attached: dict[int, tuple[socket.socket, Session]] = {}
         claim_socket_path(path, socket.SOCK_SEQPACKET)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -83,11 +83,16 @@ class LocalChannel:
         except OSError:
             return
         conn.setblocking(False)
-        if len(self._pending) >= self.max_pending:
+        # connections that never attach hold a slot for ATTACH_TIMEOUT_S: one user
+        # cannot take them all and lock everyone else out of the local path
+        uid = Peer.of(conn).uid
+        if len(self._pending) >= self.max_pending or \
+                sum(1 for _, u in self._pending.values() if u == uid) >= self.max_pending_per_user:
             self._refuse(conn, TorchpoolError(errors.RESOURCE_EXHAUSTED,
-                                              "too many local connections waiting to attach"))
+                                              "too many local connections of this user waiting to "
+                                              "attach (--max-sessions-per-peer)"))
             return
-        self._pending[conn.fileno()] = (conn, time.monotonic() + ATTACH_TIMEOUT_S)
+        self._pending[conn.fileno()] = (conn, uid)
         self.loop.watch(conn.fileno(), lambda c=conn: self._on_readable(c))
         self.loop.call_later(ATTACH_TIMEOUT_S, lambda c=conn: self._attach_deadline(c))
 

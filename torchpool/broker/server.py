@@ -129,7 +129,7 @@ class Server:
                                        close_channel=lambda conn: self.local_channel.close_channel(conn))
         if local_path is not None:
             self.local_channel = LocalChannel(local_path, self.loop, self.sessions, o.local_allow_users,
-                                              o.local_allow_groups, o.max_sessions)
+                                              o.local_allow_groups, o.max_sessions, o.max_sessions_per_peer)
         self.answers.sessions = self.sessions
         self.frontend.on_stalled = self.sessions.disconnected   # a connection that stopped reading
         self.loop.call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
