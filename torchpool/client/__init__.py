@@ -53,8 +53,8 @@ from .aio import AsyncClient
 from .arena import DEFAULT_ARENA_CAP
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, decode_infer, encode_control, encode_infer
 from .sync import Client
-from .types import InferResult, NoAnswer, OutputRef, RegionOutput, SharedMemoryRef
+from .types import InferResult, NoAnswer, OutputRef, RawTensor, RegionOutput, SharedMemoryRef
 
 __all__ = ["AsyncClient", "Client", "DEFAULT_ARENA_CAP", "DEFAULT_TIMEOUT", "GOODBYE_WAIT",
-           "InferResult", "InferenceError", "NoAnswer", "OutputRef", "RegionOutput",
+           "InferResult", "InferenceError", "NoAnswer", "OutputRef", "RawTensor", "RegionOutput",
            "SharedMemoryRef", "decode_infer", "encode_control", "encode_infer"]

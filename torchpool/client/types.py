@@ -47,6 +47,24 @@ class SharedMemoryRef:
 
 
 @dataclass(frozen=True)
+class RawTensor:
+    """An input given as its bytes in the wire layout: `RawTensor("FP32",
+    (1, 16), buf)`. For callers that already hold tensor bytes (the HTTP and
+    gRPC gateways: a request body, Triton's length-prefixed BYTES, FP16 or
+    BF16 bits) and must not convert them; the daemon checks the size."""
+
+    datatype: str
+    shape: tuple
+    data: Any
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.datatype not in datatypes.WIRE_DATATYPES:
+            raise ValueError(f"RawTensor: datatype must be one of {sorted(datatypes.WIRE_DATATYPES)}, "
+                             f"got {self.datatype!r}")
+
+
+@dataclass(frozen=True)
 class OutputRef:
     """Ask for output `name` to be written straight into a registered region:
     `infer(..., outputs=["OUT0", OutputRef("OUT1", "my_region", 4096)])`.

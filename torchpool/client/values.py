@@ -15,13 +15,18 @@ import numpy as np
 
 from ..protocol import datatypes, errors, tensors
 from ..protocol.errors import InferenceError
+from .types import RawTensor
 
 
 def prepare_input(name: str, value: Any) -> tuple[str, list[int], Any]:
     """(datatype, shape, source): source is a numpy array (maybe not
     contiguous, maybe not native byte order) or the encoded bytes of a BYTES
-    tensor. Torch tensors are viewed through numpy (no copy when on the CPU)."""
-    if type(value).__module__.startswith("torch"):
+    tensor. Torch tensors are viewed through numpy (no copy when on the CPU);
+    a RawTensor's bytes are taken as they are."""
+    if isinstance(value, RawTensor):
+        return value.datatype, list(value.shape), memoryview(value.data).cast("B")
+    module = type(value).__module__
+    if module == "torch" or module.startswith("torch."):
         import torch  # the caller already has torch loaded
 
         t = value.detach()
