@@ -50,6 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
     given = {name: getattr(args, name) for name in _OPTION_FIELDS if hasattr(args, name)}
     given.update(listen=args.listen or [DEFAULT_LISTEN], log_level=level,
                  load_models=args.load_model or [],
+                 metrics_config=args.metrics_config or [],
                  local_allow_users=args.local_allow_users or [],
                  local_allow_groups=args.local_allow_groups or [])
     options = ServerOptions(**given)
@@ -186,6 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, default=_default("metrics_port"),
                        help="serve Prometheus /metrics and /v2/health/{live,ready} on this port")
     serve.add_argument("--metrics-host", default=_default("metrics_host"))
+    serve.add_argument("--metrics-config", action="append", metavar="KEY=VALUE",
+                       help="Triton's metrics options, e.g. summary_latencies=true, "
+                            "summary_quantiles=0.5:0.05,0.99:0.001; repeatable")
+    serve.add_argument("--http-port", type=int, default=_default("http_port"),
+                       help="serve KServe v2 / Triton HTTP/REST on this port (Triton's 8000); "
+                            "a gateway process that is a local client of this daemon")
+    serve.add_argument("--http-host", default=_default("http_host"),
+                       help=f"address of the HTTP endpoint (default {_default('http_host')})")
+    serve.add_argument("--grpc-port", type=int, default=_default("grpc_port"),
+                       help="serve KServe v2 / Triton gRPC on this port (Triton's 8001)")
+    serve.add_argument("--grpc-host", default=_default("grpc_host"),
+                       help=f"address of the gRPC endpoint (default {_default('grpc_host')})")
     serve.add_argument("--model-control-mode", default=_default("model_control_mode"),
                        choices=["none", "poll", "explicit"],
                        help="Triton's: none = load all at start; poll = rescan the repository "

@@ -20,7 +20,7 @@ def test_serve_defaults_are_the_server_options_defaults() -> None:
     for f in dataclasses.fields(ServerOptions):
         if f.name in NOT_ON_THE_COMMAND_LINE:
             continue
-        if f.name in ("local_allow_users", "local_allow_groups"):
+        if f.name in ("local_allow_users", "local_allow_groups", "metrics_config"):
             assert args[f.name] is None and f.default_factory() == []   # repeatable flags
         elif f.name == "log_level":
             assert getattr(logging, args["log_level"].upper()) == f.default

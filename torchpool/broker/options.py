@@ -30,6 +30,13 @@ class ServerOptions:
     load_timeout: float = 600.0         # a worker not loaded by then is killed, its version fails; 0 = never
     metrics_port: Optional[int] = None  # Prometheus /metrics and /v2/health/* (None = off)
     metrics_host: str = "127.0.0.1"
+    # Triton's --metrics-config: summary_latencies=true, summary_quantiles=0.5:0.05,0.9:0.01,...
+    metrics_config: list[str] = field(default_factory=list)
+    # KServe v2 / Triton gateways (torchpool/gateway): separate processes, clients of this daemon
+    http_port: Optional[int] = None     # HTTP/REST (Triton's 8000); None = off
+    http_host: str = "127.0.0.1"
+    grpc_port: Optional[int] = None     # gRPC (Triton's 8001); None = off
+    grpc_host: str = "127.0.0.1"
     log_format: str = "text"
     model_control_mode: str = "none"    # none | poll | explicit (Triton's)
     load_models: list[str] = field(default_factory=list)   # explicit mode: load these at start ("*" = all)
