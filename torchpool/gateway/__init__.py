@@ -1,0 +1,15 @@
+"""KServe v2 / Triton endpoints: HTTP/REST and gRPC gateways.
+
+A gateway is a client of the broker, not a second broker: one process
+(`python -m torchpool.gateway`, started by `torchpool serve --http-port/
+--grpc-port` or run on its own) that speaks torchpool's ZeroMQ protocol over
+the local shared-memory path. A tensor in a request body is copied once, into
+the gateway's shared-memory arena; outputs are written to the socket straight
+from the worker's shared memory.
+
+    backend.py      the calls both protocols share: torchpool client calls,
+                    Triton's tensor layouts, error codes -> HTTP/gRPC status
+    http_server.py  HTTP/1.1 on asyncio + httptools, JSON and binary tensors
+    grpc_server.py  inference.GRPCInferenceService on grpcio's asyncio server
+    process.py      the gateway process: the event loop, both servers, signals
+"""

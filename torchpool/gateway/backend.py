@@ -1,0 +1,315 @@
+"""What the HTTP and gRPC gateways share: the daemon's calls through one
+local `AsyncClient`, Triton's tensor layouts, and Triton's error statuses.
+
+Each protocol module parses its own wire format into `InputTensor`s and
+`OutputRequest`s and writes `OutputTensor`s back; everything else (which
+client call, how a JSON list or raw bytes become a tensor, which status an
+error code gets, which shared-memory keys a remote caller may name) is here,
+once.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from ..client import AsyncClient, OutputRef, RawTensor, RegionOutput, SharedMemoryRef
+from ..protocol import datatypes, errors
+from ..protocol.errors import TorchpoolError
+from ..shm.naming import PREFIX as OWN_SEGMENT_PREFIX
+
+# Triton's HTTP status for each error code (its HttpCodeFromError); anything
+# else is 400. RESOURCE_EXHAUSTED is torchpool's (a client over a limit).
+_HTTP_STATUS = {errors.NOT_FOUND: 404, errors.INTERNAL: 500, errors.UNAVAILABLE: 503,
+                errors.SESSION_LOST: 503, errors.UNSUPPORTED: 501, errors.RESOURCE_EXHAUSTED: 429}
+# ... and its gRPC status name (grpc.StatusCode member), as Triton's CodeToStatus.
+_GRPC_STATUS = {errors.INVALID_ARG: "INVALID_ARGUMENT", errors.NOT_FOUND: "NOT_FOUND",
+                errors.UNAVAILABLE: "UNAVAILABLE", errors.SESSION_LOST: "UNAVAILABLE",
+                errors.INTERNAL: "INTERNAL", errors.UNSUPPORTED: "UNIMPLEMENTED",
+                errors.ALREADY_EXISTS: "ALREADY_EXISTS", errors.CANCELLED: "CANCELLED",
+                errors.RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED"}
+
+# Extensions a Triton client may look for in the server metadata.
+EXTENSIONS = ["classification", "sequence", "model_repository", "model_repository(unload_dependents)",
+              "schedule_policy", "model_configuration", "system_shared_memory", "binary_tensor_data",
+              "parameters", "statistics"]
+
+LOAD_TIMEOUT = 3600.0      # a load may compile and warm a model: wait as long as the daemon does
+CONTROL_TIMEOUT = 60.0
+# Requests sent to the daemon at once, kept below its per-connection limit
+# (--max-in-flight-per-client, 1024): more wait here instead of being refused.
+MAX_IN_FLIGHT = 960
+
+
+def http_status(code: str) -> int:
+    return _HTTP_STATUS.get(code, 400)
+
+
+def grpc_status_name(code: str) -> str:
+    return _GRPC_STATUS.get(code, "UNKNOWN")
+
+
+def bad(message: str) -> TorchpoolError:
+    return TorchpoolError(errors.INVALID_ARG, message)
+
+
+@dataclass
+class InputTensor:
+    """One input as a protocol parsed it: its bytes (`raw`: binary extension,
+    raw_input_contents), its values (`values`: JSON data, typed contents), or
+    a registered region (`region`, `byte_size`, `offset`)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    raw: Any = None
+    values: Any = None
+    region: Optional[str] = None
+    byte_size: int = 0
+    offset: int = 0
+
+
+@dataclass
+class OutputRequest:
+    """One requested output: as JSON or binary (`binary`; None = the request's
+    default), top-k classes instead of the tensor (`classification`), or
+    written into a registered region."""
+
+    name: str
+    binary: Optional[bool] = None
+    classification: int = 0
+    region: Optional[str] = None
+    byte_size: int = 0
+    offset: int = 0
+
+
+@dataclass
+class OutputTensor:
+    """One output of an answer: `array` (a view of the worker's shared memory
+    until the response is written), or where it was written (`region`)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    array: Optional[np.ndarray] = None
+    binary: bool = False
+    region: Optional[str] = None
+    byte_size: int = 0
+    offset: int = 0
+
+    def raw(self) -> Any:
+        """The tensor's bytes in Triton's layout (BYTES length-prefixed)."""
+        if self.datatype == "BYTES":
+            return datatypes.encode_bytes(self.array.reshape(-1).tolist())
+        arr = self.array if self.array.flags.c_contiguous else np.ascontiguousarray(self.array)
+        return memoryview(arr).cast("B") if arr.size else b""
+
+    def values(self) -> list:
+        """The tensor's elements, flattened, as JSON values (BYTES as text)."""
+        flat = self.array.reshape(-1)
+        if self.datatype == "BYTES":
+            return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in flat]
+        if self.datatype == "BF16":
+            return _bf16_to_float(flat).tolist()
+        return flat.tolist()
+
+
+@dataclass
+class InferResponse:
+    model_name: str
+    model_version: str
+    id: str
+    outputs: list[OutputTensor] = field(default_factory=list)
+
+
+def _bf16_to_float(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _float_to_bf16(values: np.ndarray) -> np.ndarray:
+    u = values.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)   # round to nearest even
+
+
+def _flatten(values: Any) -> list:
+    if not isinstance(values, (list, tuple)):
+        return [values]
+    if not any(isinstance(v, (list, tuple)) for v in values):
+        return list(values)
+    out: list = []
+    for v in values:
+        out.extend(_flatten(v))
+    return out
+
+
+def input_value(t: InputTensor, model: str) -> Any:
+    """What `AsyncClient.infer` takes for one parsed input."""
+    where = f"input '{t.name}' for model '{model}'"
+    if t.datatype not in datatypes.WIRE_DATATYPES:
+        raise bad(f"invalid datatype '{t.datatype}' of {where}")
+    if any(not isinstance(d, int) or d < 0 for d in t.shape):
+        raise bad(f"invalid shape {t.shape} of {where}: dimensions must be non-negative integers")
+    if t.region is not None:
+        return SharedMemoryRef(t.region, t.byte_size, t.offset, t.datatype, tuple(t.shape))
+    if t.raw is not None:
+        return RawTensor(t.datatype, tuple(t.shape), t.raw)
+    if t.values is None:
+        raise bad(f"{where} has no data: give 'data', binary data or a shared-memory region")
+    flat = _flatten(t.values)
+    count = math.prod(t.shape)
+    if len(flat) != count:
+        raise bad(f"unable to parse 'data' of {where}: shape {t.shape} has {count} elements, "
+                  f"got {len(flat)}")
+    try:
+        if t.datatype == "BYTES":
+            items = [v.encode() if isinstance(v, str) else bytes(v) for v in flat]
+            return RawTensor("BYTES", tuple(t.shape), datatypes.encode_bytes(items))
+        if t.datatype == "BF16":
+            return RawTensor("BF16", tuple(t.shape), _float_to_bf16(np.asarray(flat, np.float32)))
+        if t.datatype == "BOOL" and not all(isinstance(v, bool) for v in flat):
+            raise TypeError("BOOL data must be true/false")
+        arr = np.asarray(flat, dtype=datatypes.numpy_dtype(t.datatype))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise bad(f"unable to parse 'data' of {where} as {t.datatype}: {exc}") from None
+    return RawTensor(t.datatype, tuple(t.shape), arr)
+
+
+def output_wanted(o: OutputRequest, model: str) -> Any:
+    """What `AsyncClient.infer` takes for one requested output."""
+    if o.region is not None:
+        if o.classification:
+            raise bad(f"output '{o.name}' for model '{model}': classification into a shared-memory "
+                      f"region is not supported")
+        return OutputRef(o.name, o.region, o.byte_size, o.offset)
+    if o.classification:
+        if isinstance(o.classification, bool) or not isinstance(o.classification, int) \
+                or o.classification < 0:
+            raise bad(f"output '{o.name}' for model '{model}': classification must be a "
+                      f"positive integer, got {o.classification!r}")
+        return {"name": o.name, "classification": o.classification}
+    return o.name
+
+
+def output_tensor(name: str, value: Any, binary: bool) -> OutputTensor:
+    """One value of an `InferResult` as an `OutputTensor`."""
+    if isinstance(value, RegionOutput):
+        return OutputTensor(name, value.datatype, list(value.shape), region=value.region,
+                            byte_size=value.nbytes, offset=value.offset)
+    if not isinstance(value, np.ndarray):               # a BF16 torch tensor
+        import torch
+        arr = value.view(torch.int16).numpy().view(np.uint16)
+        return OutputTensor(name, "BF16", list(arr.shape), arr, binary)
+    datatype = "BYTES" if value.dtype == object else datatypes.wire_from_numpy(value.dtype)
+    return OutputTensor(name, datatype, list(value.shape), value, binary)
+
+
+class Backend:
+    """The daemon, as both gateways see it: one local `AsyncClient` shared by
+    every HTTP connection and gRPC call of this process."""
+
+    def __init__(self, url: str, timeout: float = CONTROL_TIMEOUT) -> None:
+        self.url = url
+        self.client = AsyncClient(url, timeout=timeout, local=True)
+        self.timeout = timeout
+        self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self._latest: dict[str, str] = {}       # model -> the version an unversioned request runs
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    # --- health and metadata ---------------------------------------------------
+
+    async def live(self) -> bool:
+        return await self.client.server_live()
+
+    async def ready(self) -> bool:
+        return await self.client.server_ready()
+
+    async def model_ready(self, name: str, version: str = "") -> bool:
+        return await self.client.model_ready(name, version or None)
+
+    async def server_metadata(self) -> dict:
+        meta = await self.client.server_metadata()
+        return {"name": meta.get("name", "torchpool"), "version": meta.get("version", ""),
+                "extensions": EXTENSIONS}
+
+    async def model_metadata(self, name: str, version: str = "") -> dict:
+        return await self.client.model_metadata(name, version or None)
+
+    async def model_config(self, name: str, version: str = "") -> dict:
+        return await self.client.model_config(name, version or None)
+
+    async def statistics(self, name: str = "", version: str = "") -> dict:
+        return await self.client.statistics(name or None, version or None)
+
+    # --- repository -------------------------------------------------------------
+
+    async def repository_index(self, ready_only: bool = False) -> list[dict]:
+        index = await self.client.repository_index()
+        return [m for m in index if m.get("state") == "READY"] if ready_only else index
+
+    async def load(self, name: str, config: Optional[str] = None, files: Optional[dict] = None) -> None:
+        if files:
+            raise TorchpoolError(errors.UNSUPPORTED, f"load of model '{name}': file overrides "
+                                                     f"({', '.join(sorted(files))}) are not supported")
+        self._latest.pop(name, None)
+        await self.client.load(name, config, timeout=LOAD_TIMEOUT)
+
+    async def unload(self, name: str) -> None:
+        self._latest.pop(name, None)
+        await self.client.unload(name, timeout=LOAD_TIMEOUT)
+
+    # --- inference ----------------------------------------------------------------
+
+    async def infer(self, model: str, version: str, inputs: list[InputTensor],
+                    outputs: Optional[list[OutputRequest]], request_id: str = "",
+                    binary_default: bool = False, sequence_id: Any = 0, sequence_start: bool = False,
+                    sequence_end: bool = False, priority: int = 0,
+                    timeout_us: int = 0) -> InferResponse:
+        """Run one request. The outputs of the answer view the worker's shared
+        memory: write them out and drop the response (the views go back to
+        the worker once garbage)."""
+        values = {}
+        for t in inputs:
+            if t.name in values:
+                raise bad(f"input '{t.name}' for model '{model}' is given twice")
+            values[t.name] = input_value(t, model)
+        wanted = None if outputs is None else [output_wanted(o, model) for o in outputs]
+        binary = {o.name: (binary_default if o.binary is None else o.binary) for o in outputs or ()}
+        timeout = timeout_us / 1e6 if timeout_us else None
+        async with self._slots:
+            result = await self.client.infer(
+                model, values, wanted, version or None, timeout=timeout, priority=priority,
+                sequence_id=sequence_id, sequence_start=sequence_start, sequence_end=sequence_end)
+        tensors = [output_tensor(name, value, binary.get(name, binary_default))
+                   for name, value in result.items()]
+        return InferResponse(model, version or await self._version_of(model), request_id, tensors)
+
+    async def _version_of(self, model: str) -> str:
+        """The version an unversioned request of `model` ran: the newest ready
+        one (Triton's default policy picks it)."""
+        version = self._latest.get(model)
+        if version is None:
+            try:
+                versions = (await self.client.model_metadata(model)).get("versions") or [""]
+            except TorchpoolError:
+                return ""
+            version = self._latest[model] = max(versions, key=lambda v: (len(v), v))
+        return version
+
+    # --- system shared memory -------------------------------------------------------
+
+    async def register_shm(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        if not isinstance(key, str) or key.lstrip("/").startswith(OWN_SEGMENT_PREFIX):
+            # the daemon's own segments are never a caller's to name
+            raise bad(f"unable to register shared memory region '{name}': key {key!r} is not allowed")
+        await self.client.register_system_shared_memory(name, key, byte_size, offset)
+
+    async def unregister_shm(self, name: str = "") -> None:
+        await self.client.unregister_system_shared_memory(name or None)
+
+    async def shm_status(self, name: str = "") -> list[dict]:
+        return await self.client.get_system_shared_memory_status(name or None)
