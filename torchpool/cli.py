@@ -63,11 +63,12 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("torchpool").error("%s", exc)
         return 2
     from .broker.frontend import AddressInUse
+    from .broker.gateways import GatewayError
     from .broker.server import Server
 
     try:
         return Server(options).run()
-    except (AddressInUse, SecurityError) as exc:
+    except (AddressInUse, SecurityError, GatewayError) as exc:
         logging.getLogger("torchpool").error("%s", exc)
         return 2
 

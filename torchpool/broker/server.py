@@ -61,6 +61,7 @@ from .intake import Intake
 from .local_channel import LocalChannel, resolve_path
 from .requests import TensorLimits
 from .loop import Loop
+from .gateways import GatewayProcess
 from .metrics import MetricsServer
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
 from .options import ServerOptions
@@ -101,6 +102,7 @@ class Server:
         self.notifier = Notifier()
         self.control: Optional[ModelControl] = None
         self.metrics: Optional[MetricsServer] = None
+        self.gateway: Optional[GatewayProcess] = None
         self._announced_ready = False
 
     # ------------------------------------------------------------------ run
@@ -168,6 +170,10 @@ class Server:
                                          lambda: not self.should_exit and self.registry.server_ready())
             self.metrics.start()
             log.info("metrics and health on http://%s:%d/metrics", o.metrics_host, self.metrics.port)
+        if o.http_port is not None or o.grpc_port is not None:
+            self.gateway = GatewayProcess(o, logging.getLevelName(o.log_level).lower())
+            self.gateway.start()        # GatewayError (a busy port...): the daemon does not start
+            self.loop.call_later(1.0, self._check_gateway)
         self._announce_if_ready()
 
     def main_loop(self) -> None:
@@ -184,6 +190,8 @@ class Server:
                 if drain_deadline is None:
                     drain_deadline = time.monotonic() + self.options.grace_period
                     self.notifier.stopping()
+                    if self.gateway is not None:
+                        self.gateway.begin_stop()
                     log.info("shutting down: finishing %d accepted requests (grace %.0f s)",
                              self._pending(), self.options.grace_period)
                 if self.force_exit or not self._pending() or time.monotonic() >= drain_deadline:
@@ -198,7 +206,14 @@ class Server:
             self.loop.run_timers()
             self._expire_queued()
 
+    def _check_gateway(self) -> None:
+        if self.gateway is not None and not self.should_exit:
+            self.gateway.check()
+            self.loop.call_later(1.0, self._check_gateway)
+
     def shutdown(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
         if self.registry is not None:
             for mv in self.registry.all_versions():
                 if mv.scheduler is None:

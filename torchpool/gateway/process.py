@@ -1,0 +1,143 @@
+"""The gateway process: one event loop serving HTTP and/or gRPC for a daemon.
+
+    python -m torchpool.gateway --url ipc:///run/torchpool.sock --http-port 8000 --grpc-port 8001
+
+`torchpool serve --http-port/--grpc-port` starts it as its child (and then
+passes `--status-fd`: the gateway writes one line there once its ports are
+bound, `ready {...}` or `error <why>`, so a busy port fails the daemon's start
+with a one-line error instead of a log line nobody reads). Run on its own, it
+is one more local client of a daemon on this host.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any, Optional
+
+from ..logs import FORMATS, setup_logging
+
+log = logging.getLogger("torchpool.gateway")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """A gateway started by a daemon must not outlive it (SIGKILLed daemon
+    included): the kernel sends us SIGTERM when the parent goes."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:          # it went before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m torchpool.gateway",
+                                description="KServe v2 / Triton HTTP and gRPC endpoints for a torchpool daemon")
+    p.add_argument("--url", required=True, help="the daemon's ipc:// (or loopback tcp://) address")
+    p.add_argument("--http-port", type=int, help="serve HTTP/REST on this port (0 = any free port)")
+    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, help="serve gRPC on this port (0 = any free port)")
+    p.add_argument("--grpc-host", default="127.0.0.1")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=FORMATS)
+    p.add_argument("--status-fd", type=int, help="write 'ready {...}' or 'error <why>' here, once")
+    p.add_argument("--parent-pid", type=int, help="exit when this process (the daemon) goes")
+    return p
+
+
+class _Status:
+    """The one line the daemon waits for."""
+
+    def __init__(self, fd: Optional[int]) -> None:
+        self.fd = fd
+
+    def say(self, line: str) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.write(self.fd, (line.replace("\n", " ") + "\n").encode())
+            os.close(self.fd)
+        except OSError:
+            pass
+        self.fd = None
+
+
+async def _start(backend: Any, kind: str, host: str, port: int) -> Any:
+    if kind == "HTTP":
+        from .http_server import start_http
+        return await start_http(backend, host, port)
+    from .grpc_server import start_grpc
+    return await start_grpc(backend, host, port)
+
+
+async def serve(args: argparse.Namespace, status: _Status) -> int:
+    from .backend import Backend
+
+    backend = Backend(args.url)
+    servers: list[tuple[str, Any]] = []
+    wanted = [(kind, host, port) for kind, host, port in (("HTTP", args.http_host, args.http_port),
+                                                          ("gRPC", args.grpc_host, args.grpc_port))
+              if port is not None]
+    try:
+        for kind, host, port in wanted:
+            try:
+                servers.append((kind, await _start(backend, kind, host, port)))
+            except OSError as exc:
+                why = f"cannot serve {kind} on {host}:{port}: {exc.strerror or exc}"
+                log.error("%s", why)
+                status.say(f"error {why}")
+                return 2
+        ports = {kind.lower(): server.port for kind, server in servers}
+        for (kind, server), (_k, host, _p) in zip(servers, wanted):
+            log.info("%s endpoint on %s:%d for %s", kind, host, server.port, args.url)
+        status.say("ready " + json.dumps(ports))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        return 0
+    finally:
+        for _kind, server in reversed(servers):
+            await server.close()
+        await backend.close()
+
+
+def _run(coro: Any) -> int:
+    """uvloop when installed: its transports cost less per request."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    if args.parent_pid:
+        _die_with_parent(args.parent_pid)
+    status = _Status(args.status_fd)
+    if args.http_port is None and args.grpc_port is None:
+        status.say("error neither --http-port nor --grpc-port given")
+        log.error("neither --http-port nor --grpc-port given: nothing to serve")
+        return 2
+    try:
+        return _run(serve(args, status))
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        status.say("error the gateway stopped before its endpoints were ready")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
