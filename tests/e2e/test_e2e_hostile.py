@@ -129,8 +129,9 @@ def region(hostile: Daemon) -> Iterator[tuple[str, int]]:
 
 
 def queue_depth(d: Daemon, model: str) -> float:
+    """Requests of `model` accepted and not yet handed to an instance."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{d.metrics}/metrics", timeout=5).read().decode()
-    m = re.search(r'torchpool_queue_depth\{model="' + model + r'",version="1"\} (\S+)', text)
+    m = re.search(r'nv_inference_pending_request_count\{model="' + model + r'",version="1"\} (\S+)', text)
     return float(m.group(1)) if m else 0.0
 
 

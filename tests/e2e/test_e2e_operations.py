@@ -89,9 +89,9 @@ def test_metrics_health_and_statistics(small_repository: Path, tmp_path: Path) -
         assert urllib.request.urlopen(base + "/v2/health/live").status == 200
         assert urllib.request.urlopen(base + "/v2/health/ready").status == 200
         text = urllib.request.urlopen(base + "/metrics").read().decode()
-        assert 'nv_inference_request_success_total{model="addsub",version="1"} 5.0' in text
-        assert 'nv_inference_exec_count_total{model="addsub",version="1"} 5.0' in text
-        assert 'torchpool_queue_depth{model="addsub",version="1"} 0.0' in text
+        assert 'nv_inference_request_success{model="addsub",version="1"} 5\n' in text
+        assert 'nv_inference_exec_count{model="addsub",version="1"} 5\n' in text
+        assert 'nv_inference_pending_request_count{model="addsub",version="1"} 0\n' in text
         assert 'torchpool_shm_bytes{state="input_mapped"}' in text
         stats = raw_call(d.url, "statistics", model="addsub")["result"]["model_stats"]
         s = stats[0]

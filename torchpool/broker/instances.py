@@ -32,6 +32,7 @@ from .batch import Batch
 from .loop import Loop
 from .options import ServerOptions
 from .registry import LOADING, READY, UNAVAILABLE, UNLOADING, ModelVersion
+from .stats import BACKEND, OTHER
 from .supervisor import BUSY, DEAD, IDLE, STARTING, Supervisor, WorkerHandle
 
 if TYPE_CHECKING:
@@ -95,8 +96,13 @@ class Instances:
         worker.batch = batch
         worker.batch_id = next(self._batch_ids)
         now = time.monotonic()
+        stats = mv.stats
+        windows = stats.windows
         for req in batch.requests:
-            mv.stats.queue.add(int((now - req.received) * 1e9))
+            ns = int((now - req.received) * 1e9)
+            stats.queue.add(ns)
+            if windows is not None:
+                windows.queue.observe(ns // 1000, now)
         limit = self._execution_timeout(mv)
         if limit:
             self.loop.call_later(limit, lambda w=worker, b=worker.batch_id: self._kill_if_hung(w, b, limit))
@@ -224,8 +230,11 @@ class Instances:
         how = self.supervisor.reap(h)
         self.answers.worker_gone(h)
         mv = h.mv
+        # a sequence lost with its instance: the model's failure when the instance
+        # died (crash, execution timeout), not when we stopped it
+        lost = OTHER if mv.state == UNLOADING or self.events.stopping() else BACKEND
         for req, err in mv.scheduler.instance_gone(h):
-            self.answers.fail(req, err)
+            self.answers.fail(req, err, lost)
         if h.batch is not None:
             batch, h.batch = h.batch, None
             self.answers.free_batch(batch)

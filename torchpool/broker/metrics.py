@@ -1,80 +1,250 @@
-"""Prometheus metrics and health probes on one HTTP port.
+"""Prometheus metrics, in Triton's names and labels, and health probes on one HTTP port.
 
-    GET /metrics           Prometheus text format (Triton's nv_inference_* names
-                           plus torchpool_* gauges)
+    GET /metrics           Prometheus text format: Triton's nv_inference_* metrics
+                           (docs/metrics.md) plus torchpool_* extras
     GET /v2/health/live    200 when the daemon runs
     GET /v2/health/ready   200 when every model is ready (Triton's strict readiness)
 
-prometheus_client renders the exposition format; a custom collector reads the
-broker's own counters at scrape time, so the hot path keeps plain integers and
-no lock. The HTTP server runs on a daemon thread and only reads.
+The text is rendered here at scrape time from the broker's own counters, so
+the hot path keeps plain integers and no lock; the HTTP server runs on a
+daemon thread and only reads. Rendered by hand, not by prometheus_client:
+it names every counter `<name>_total`, and Triton's dashboards and alerts
+query `nv_inference_request_success`, not `nv_inference_request_success_total`.
+
+--metrics-config takes Triton's settings (parse_metrics_config); an unknown
+one stops the daemon at startup with the known ones named.
 """
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional, Sequence
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from .stats import FAILURE_REASONS, Duration, LatencyWindow, VersionStats, keep_latency_windows
 
 log = logging.getLogger("torchpool.broker")
 
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-class BrokerCollector:
-    """Reads a snapshot function: [(model, version, VersionStats, queue_depth)], shm bytes."""
+# Triton's defaults (core's metric_model_reporter.h): {quantile, allowed error}
+DEFAULT_QUANTILES: tuple[tuple[float, float], ...] = (
+    (0.5, 0.05), (0.9, 0.01), (0.95, 0.001), (0.99, 0.001), (0.999, 0.001))
+# prometheus-cpp's Summary default, which Triton keeps: quantiles of the last 60 s
+SUMMARY_MAX_AGE_S = 60.0
 
-    def __init__(self, snapshot: Callable[[], tuple[list, dict]]) -> None:
-        self.snapshot = snapshot
 
-    def collect(self) -> Iterable:
-        rows, shm = self.snapshot()
-        labels = ["model", "version"]
+# ------------------------------------------------------------ --metrics-config
 
-        def counter(name: str, doc: str, value) -> CounterMetricFamily:
-            fam = CounterMetricFamily(name, doc, labels=labels)
-            for model, version, stats, _depth in rows:
-                fam.add_metric([model, str(version)], value(stats))
-            return fam
+class MetricsConfigError(ValueError):
+    """A --metrics-config setting torchpool does not know or cannot read."""
 
-        yield counter("nv_inference_request_success", "Successful inference requests",
-                      lambda s: s.success.count)
-        yield counter("nv_inference_request_failure", "Failed inference requests", lambda s: s.fail.count)
-        yield counter("nv_inference_count", "Inferences performed (batch items)", lambda s: s.inference_count)
-        yield counter("nv_inference_exec_count", "Model executions (batches)", lambda s: s.execution_count)
-        yield counter("nv_inference_request_duration_us", "Cumulative end-to-end request time (us)",
-                      lambda s: (s.success.ns + s.fail.ns) // 1000)
-        yield counter("nv_inference_queue_duration_us", "Cumulative queue time (us)", lambda s: s.queue.ns // 1000)
-        yield counter("nv_inference_compute_input_duration_us", "Cumulative compute input time (us)",
-                      lambda s: s.compute_input.ns // 1000)
-        yield counter("nv_inference_compute_infer_duration_us", "Cumulative compute infer time (us)",
-                      lambda s: s.compute_infer.ns // 1000)
-        yield counter("nv_inference_compute_output_duration_us", "Cumulative compute output time (us)",
-                      lambda s: s.compute_output.ns // 1000)
-        yield counter("torchpool_worker_restarts", "Worker processes restarted after a crash",
-                      lambda s: s.worker_restarts)
-        depth = GaugeMetricFamily("torchpool_queue_depth", "Requests waiting for an instance", labels=labels)
-        for model, version, _stats, d in rows:
-            depth.add_metric([model, str(version)], d)
-        yield depth
-        shm_fam = GaugeMetricFamily("torchpool_shm_bytes", "Broker shared memory", labels=["state"])
-        for state, value in shm.items():
-            shm_fam.add_metric([state], value)
-        yield shm_fam
 
+@dataclass(frozen=True)
+class MetricsConfig:
+    counter_latencies: bool = True       # the nv_inference_*_duration_us counters
+    summary_latencies: bool = False      # the nv_inference_*_summary_us summaries
+    summary_quantiles: tuple[tuple[float, float], ...] = DEFAULT_QUANTILES
+    # Accepted for Triton's command lines; changes nothing: Triton's only latency
+    # histogram (nv_inference_first_response_histogram_ms) is for decoupled
+    # models, and torchpool serves none.
+    histogram_latencies: bool = False
+
+
+KNOWN_SETTINGS = ("counter_latencies", "histogram_latencies", "summary_latencies", "summary_quantiles")
+
+
+def _flag(key: str, value: str) -> bool:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise MetricsConfigError(f"--metrics-config {key}={value}: expected true or false")
+
+
+def _quantiles(value: str) -> tuple[tuple[float, float], ...]:
+    """Triton's "<quantile>:<error>,...", e.g. 0.5:0.05,0.9:0.01."""
+    pairs = []
+    for item in value.split(","):
+        quantile, sep, error = item.strip().partition(":")
+        try:
+            q, e = float(quantile), float(error)
+        except ValueError:
+            q = e = math.nan
+        if not sep or not (0.0 <= q <= 1.0 and 0.0 <= e <= 1.0):
+            raise MetricsConfigError(f"--metrics-config summary_quantiles={value}: {item.strip()!r} is not "
+                                     f"<quantile>:<error> with both between 0 and 1 "
+                                     f"(e.g. summary_quantiles=0.5:0.05,0.9:0.01,0.99:0.001)")
+        pairs.append((q, e))
+    return tuple(sorted(pairs))
+
+
+def parse_metrics_config(items: Iterable[str]) -> MetricsConfig:
+    """Triton's --metrics-config <setting>=<value> list. Raises
+    MetricsConfigError on anything else, naming the settings known."""
+    settings: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in KNOWN_SETTINGS:
+            raise MetricsConfigError(f"--metrics-config {item!r}: unknown setting {key!r}; known: "
+                                     f"{', '.join(f'{k}=...' for k in KNOWN_SETTINGS)}")
+        settings[key] = _quantiles(value) if key == "summary_quantiles" else _flag(key, value)
+    return MetricsConfig(**settings)
+
+
+def configure_metrics(items: Iterable[str]) -> MetricsConfig:
+    """Parse --metrics-config and start what it asks the hot path to record
+    (latency windows for the summaries). Call once at startup, before any
+    model version exists."""
+    config = parse_metrics_config(items)
+    keep_latency_windows(SUMMARY_MAX_AGE_S if config.summary_latencies else None)
+    return config
+
+
+# ---------------------------------------------------------- text exposition
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", r"\\").replace("\n", r"\n")
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+class Exposition:
+    """Prometheus text format 0.0.4, family by family."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, doc: str) -> None:
+        self.lines.append(f"# HELP {name} {_escape_help(doc)}")
+        self.lines.append(f"# TYPE {name} {kind}")
+
+    def sample(self, name: str, labels: Labels, value: float) -> None:
+        text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+        self.lines.append(f"{name}{{{text}}} {_number(value)}" if text else f"{name} {_number(value)}")
+
+    def render(self) -> bytes:
+        return ("\n".join(self.lines) + "\n").encode()
+
+
+def quantile(ordered: Sequence[float], q: float) -> float:
+    """The q-quantile of sorted samples (nearest rank); NaN without samples,
+    as a Prometheus summary reports an empty window."""
+    if not ordered:
+        return math.nan
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+# (latency: the family's name part and the LatencyWindows field, help text,
+# the VersionStats counter of the same requests), in Triton's order and words
+_LATENCIES: tuple[tuple[str, str, str], ...] = (
+    ("request", "inference request duration in microseconds (includes cached requests)", "success"),
+    ("queue", "inference queuing duration in microseconds (includes cached requests)", "queue"),
+    ("compute_input", "compute input duration in microseconds (does not include cached requests)",
+     "compute_input"),
+    ("compute_infer", "compute inference duration in microseconds (does not include cached requests)",
+     "compute_infer"),
+    ("compute_output", "inference compute output duration in microseconds (does not include cached "
+                       "requests)", "compute_output"),
+)
+
+# Rows: (model, version, VersionStats, pending requests); shm: {state: bytes}
+Snapshot = tuple[list[tuple[str, int, VersionStats, int]], dict]
+
+
+def render_metrics(rows: list[tuple[str, int, VersionStats, int]], shm: dict, config: MetricsConfig,
+                   now: Optional[float] = None) -> bytes:
+    """The /metrics page: Triton's per-model families, then torchpool's."""
+    now = time.monotonic() if now is None else now
+    out = Exposition()
+    keyed = [((("model", model), ("version", str(version))), stats, pending)
+             for model, version, stats, pending in rows]
+
+    def per_version(name: str, kind: str, doc: str, value: Callable[[VersionStats, int], float]) -> None:
+        out.family(name, kind, doc)
+        for labels, stats, pending in keyed:
+            out.sample(name, labels, value(stats, pending))
+
+    per_version("nv_inference_request_success", "counter",
+                "Number of successful inference requests, all batch sizes", lambda s, _: s.success.count)
+    out.family("nv_inference_request_failure", "counter", "Number of failed inference requests, all batch sizes")
+    for (model, version), stats, _ in keyed:
+        for reason in FAILURE_REASONS:       # labels sorted by name, as Triton (prometheus-cpp) writes them
+            out.sample("nv_inference_request_failure", (model, ("reason", reason), version),
+                       stats.failures[reason])
+    per_version("nv_inference_count", "counter",
+                "Number of inferences performed (does not include cached requests)",
+                lambda s, _: s.inference_count)
+    per_version("nv_inference_exec_count", "counter",
+                "Number of model executions performed (does not include cached requests)",
+                lambda s, _: s.execution_count)
+    per_version("nv_inference_pending_request_count", "gauge",
+                "Instantaneous number of pending requests awaiting execution per-model.", lambda _, p: p)
+    if config.counter_latencies:
+        for kind, doc, counter in _LATENCIES:
+            # Triton sums successful requests only: rate(duration) / rate(success) is their mean
+            per_version(f"nv_inference_{kind}_duration_us", "counter", f"Cumulative {doc}",
+                        lambda s, _, c=counter: getattr(s, c).ns // 1000)
+    if config.summary_latencies:
+        for kind, doc, counter in _LATENCIES:
+            _summary(out, f"nv_inference_{kind}_summary_us", f"Summary of {doc}", keyed, kind, counter,
+                     config.summary_quantiles, now)
+    per_version("torchpool_worker_restarts", "counter", "Worker processes restarted after a crash",
+                lambda s, _: s.worker_restarts)
+    out.family("torchpool_shm_bytes", "gauge", "Broker shared memory")
+    for state, value in shm.items():
+        out.sample("torchpool_shm_bytes", (("state", state),), value)
+    return out.render()
+
+
+def _summary(out: Exposition, name: str, doc: str, keyed: list, window: str, counter: str,
+             quantiles: tuple[tuple[float, float], ...], now: float) -> None:
+    """One summary family: quantiles over the version's recent window; _count
+    and _sum are the all-time counter they match (as Triton's docs say they do)."""
+    out.family(name, "summary", doc)
+    for labels, stats, _ in keyed:
+        windows = stats.windows
+        lw: Optional[LatencyWindow] = getattr(windows, window) if windows is not None else None
+        ordered = sorted(lw.samples(now)) if lw is not None else []
+        for q, _error in quantiles:
+            out.sample(name, labels + (("quantile", _number(q)),), quantile(ordered, q))
+        total: Duration = getattr(stats, counter)
+        out.sample(f"{name}_count", labels, total.count)
+        out.sample(f"{name}_sum", labels, total.ns // 1000)
+
+
+# ------------------------------------------------------------------ server
 
 class MetricsServer:
-    def __init__(self, host: str, port: int, snapshot: Callable[[], tuple[list, dict]],
-                 live: Callable[[], bool], ready: Callable[[], bool]) -> None:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(BrokerCollector(snapshot))
+    def __init__(self, host: str, port: int, snapshot: Callable[[], Snapshot],
+                 live: Callable[[], bool], ready: Callable[[], bool],
+                 config: MetricsConfig = MetricsConfig()) -> None:
+        def metrics() -> bytes:
+            rows, shm = snapshot()
+            return render_metrics(rows, shm, config)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._reply(200, generate_latest(registry), "text/plain; version=0.0.4; charset=utf-8")
+                    self._reply(200, metrics(), CONTENT_TYPE)
                 elif path == "/v2/health/live":
                     self._reply(200 if live() else 503, b"", "text/plain")
                 elif path == "/v2/health/ready":

@@ -62,7 +62,7 @@ from .local_channel import LocalChannel, resolve_path
 from .requests import TensorLimits
 from .loop import Loop
 from .gateways import GatewayProcess
-from .metrics import MetricsServer
+from .metrics import MetricsConfigError, MetricsServer, configure_metrics
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
 from .options import ServerOptions
 from .registry import READY, ModelVersion, Registry
@@ -116,6 +116,11 @@ class Server:
         return 0
 
     def startup(self) -> None:
+        try:    # first: a setting torchpool does not know stops it before anything starts
+            metrics_config = configure_metrics(self.options.metrics_config)
+        except MetricsConfigError as exc:
+            log.error("%s", exc)
+            raise SystemExit(2) from None
         self._install_signal_handlers()
         stale = remove_stale_segments(self.daemon)
         if stale:
@@ -167,7 +172,8 @@ class Server:
         if o.metrics_port is not None:
             self.metrics = MetricsServer(o.metrics_host, o.metrics_port, self._metrics_snapshot,
                                          lambda: not self.should_exit,
-                                         lambda: not self.should_exit and self.registry.server_ready())
+                                         lambda: not self.should_exit and self.registry.server_ready(),
+                                         metrics_config)
             self.metrics.start()
             log.info("metrics and health on http://%s:%d/metrics", o.metrics_host, self.metrics.port)
         if o.http_port is not None or o.grpc_port is not None:
@@ -408,6 +414,7 @@ class Server:
         self.control.version_settled(mv)
 
     def _metrics_snapshot(self) -> tuple[list, dict]:
+        # pending: accepted, not yet handed to an instance (Triton's nv_inference_pending_request_count)
         rows = [(mv.name, mv.version, mv.stats, len(mv.scheduler) if mv.scheduler is not None else 0)
                 for mv in list(self.registry.all_versions())]
         shm = {"input_mapped": self.arena.mapped_bytes, "input_used": self.arena.used_bytes,

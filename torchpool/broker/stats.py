@@ -3,12 +3,25 @@
 The broker updates plain integers on its own thread; the statistics call and
 the Prometheus collector read them. Durations are cumulative nanoseconds, as
 Triton reports them.
+
+With Triton's latency summaries switched on (--metrics-config
+summary_latencies=true) each version also keeps the latencies of its recent
+requests in bounded windows, read at scrape time for quantiles. Off (the
+default), that costs the hot path one `is None` test.
 """
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Optional
+
+# Triton's failure reasons, the `reason` label of nv_inference_request_failure:
+# refused after it was queued (its timeout passed), cancelled, failed by the
+# model or its instance, anything else
+REJECTED, CANCELED, BACKEND, OTHER = "REJECTED", "CANCELED", "BACKEND", "OTHER"
+FAILURE_REASONS = (REJECTED, CANCELED, BACKEND, OTHER)
 
 
 @dataclass
@@ -31,6 +44,80 @@ class BatchStats:
     compute_output: Duration = field(default_factory=Duration)
 
 
+class LatencyWindow:
+    """Latencies (us) observed in about the last `max_age` seconds, for
+    quantiles at scrape time: what a prometheus-cpp Summary (Triton's) keeps.
+    Like it, the window is `buckets` age buckets, the oldest dropped every
+    max_age / buckets seconds; each keeps its newest `cap` samples, so memory
+    stays bounded under any load (beyond `cap` samples per bucket the
+    quantiles are those of the most recent ones).
+
+    Only the broker thread writes. The scrape thread copies with C-level
+    calls (list(), extend), which the GIL does not interleave with appends."""
+
+    __slots__ = ("step", "cap", "buckets", "current", "rotate_at")
+
+    def __init__(self, max_age: float, now: float, buckets: int = 5, cap: int = 1024) -> None:
+        self.step = max_age / buckets
+        self.cap = cap
+        self.buckets: deque = deque((deque(maxlen=cap) for _ in range(buckets)), maxlen=buckets)
+        self.current: deque = self.buckets[-1]
+        self.rotate_at = now + self.step
+
+    def observe(self, us: int, now: float, times: int = 1) -> None:
+        """`times` requests took `us` each (a batch's compute time is each of its requests')."""
+        if now >= self.rotate_at:
+            self._rotate(now)
+        if times == 1:
+            self.current.append(us)
+        else:
+            self.current.extend(repeat(us, min(times, self.cap)))
+
+    def _rotate(self, now: float) -> None:
+        steps = int((now - self.rotate_at) / self.step) + 1
+        for _ in range(min(steps, self.buckets.maxlen)):
+            self.buckets.append(deque(maxlen=self.cap))     # the oldest falls out
+        self.current = self.buckets[-1]
+        self.rotate_at += steps * self.step
+
+    def samples(self, now: float) -> list[int]:
+        """The samples still in the window at `now`: buckets older than
+        max_age that no request has rotated out yet are left out."""
+        rotate_at = self.rotate_at
+        expired = 0 if now < rotate_at else int((now - rotate_at) / self.step) + 1
+        buckets = list(self.buckets)
+        out: list[int] = []
+        for bucket in buckets[min(expired, len(buckets)):]:
+            out.extend(bucket)
+        return out
+
+
+class LatencyWindows:
+    """One version's windows, one per latency Triton summarises."""
+
+    __slots__ = ("request", "queue", "compute_input", "compute_infer", "compute_output")
+
+    def __init__(self, max_age: float, now: float) -> None:
+        for name in self.__slots__:
+            setattr(self, name, LatencyWindow(max_age, now))
+
+
+# Summaries are a process-wide setting, as in Triton: chosen at startup
+# (metrics.configure_metrics), before any model version exists
+_window_age: Optional[float] = None
+
+
+def keep_latency_windows(max_age: Optional[float]) -> None:
+    """From now on, new VersionStats keep latency windows of `max_age`
+    seconds (None: none)."""
+    global _window_age
+    _window_age = max_age
+
+
+def _new_windows() -> Optional[LatencyWindows]:
+    return None if _window_age is None else LatencyWindows(_window_age, time.monotonic())
+
+
 @dataclass
 class VersionStats:
     success: Duration = field(default_factory=Duration)      # whole request, accept to answer
@@ -45,6 +132,14 @@ class VersionStats:
     worker_restarts: int = 0
     batches: dict[int, BatchStats] = field(default_factory=dict)
     batch_sizes: Counter = field(default_factory=Counter)
+    # failed requests per Triton reason (fail.count is their sum)
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
+    windows: Optional[LatencyWindows] = field(default_factory=_new_windows, repr=False, compare=False)
+
+    def record_failure(self, ns: int, reason: str) -> None:
+        """A request failed after `ns`, for `reason` (one of FAILURE_REASONS)."""
+        self.fail.add(ns)
+        self.failures[reason] += 1
 
     def record_execution(self, batch_size: int, requests: int, input_ns: int, infer_ns: int,
                          output_ns: int) -> None:
@@ -61,6 +156,12 @@ class VersionStats:
         b.compute_infer.add(infer_ns)
         b.compute_output.add(output_ns)
         self.batch_sizes[batch_size] += 1
+        windows = self.windows
+        if windows is not None:
+            now = time.monotonic()
+            windows.compute_input.observe(input_ns // 1000, now, requests)
+            windows.compute_infer.observe(infer_ns // 1000, now, requests)
+            windows.compute_output.observe(output_ns // 1000, now, requests)
 
     def to_triton(self, name: str, version: int) -> dict:
         return {

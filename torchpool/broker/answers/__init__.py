@@ -35,6 +35,8 @@ from ..batch import Batch
 from ..frontend import Frontend
 from ..registry import ModelVersion
 from ..requests import InferRequest
+from ..schedulers.base import TIMEOUT
+from ..stats import BACKEND, OTHER, REJECTED
 from ..supervisor import DEAD, WorkerHandle
 from .split import check_reused_outputs, split_outputs
 
@@ -53,6 +55,17 @@ class Executed:
 
 # how a batch ended: ran, or failed with the error its requests get
 Outcome = Union[Executed, TorchpoolError]
+
+
+def failure_reason(err: TorchpoolError) -> str:
+    """Triton's failure reason of an error the broker made up itself: a
+    request whose timeout passed while it waited in the queue is REJECTED
+    (Triton's "Request timeout expired"); anything else (shutdown, unload,
+    a full arena, ...) is OTHER. Failures of the model are marked BACKEND
+    where they are answered."""
+    if err.code == errors.UNAVAILABLE and err.message == TIMEOUT:
+        return REJECTED
+    return OTHER
 
 
 @dataclass(eq=False)
@@ -188,14 +201,17 @@ class Answers:
             req.session.in_flight -= 1
             req.session, req.regions = None, []
 
-    def fail(self, req: InferRequest, err: TorchpoolError) -> None:
-        req.version.stats.fail.add(int((time.monotonic() - req.received) * 1e9))
+    def fail(self, req: InferRequest, err: TorchpoolError, reason: Optional[str] = None) -> None:
+        """Answer `req` with `err`. `reason` is Triton's failure reason for the
+        metrics; None: read from the error (failure_reason)."""
+        req.version.stats.record_failure(int((time.monotonic() - req.received) * 1e9),
+                                         reason or failure_reason(err))
         self.release(req)
         self.frontend.send(req.socket, req.identity, messages.error_response(req.request_id, err))
 
-    def fail_batch(self, batch: Batch, err: TorchpoolError) -> None:
+    def fail_batch(self, batch: Batch, err: TorchpoolError, reason: Optional[str] = None) -> None:
         for req in batch.requests:
-            self.fail(req, err)
+            self.fail(req, err, reason)
 
     def free_batch(self, batch: Batch) -> None:
         """The worker is done with the batch's inputs."""
@@ -235,7 +251,7 @@ class Answers:
 
     def _settle(self, batch: Batch, outcome: Outcome) -> None:
         if isinstance(outcome, TorchpoolError):
-            self.fail_batch(batch, outcome)
+            self.fail_batch(batch, outcome, BACKEND)     # the worker failed it, or died running it
             return
         descriptors, worker, reused = outcome.outputs, outcome.worker, outcome.reused
         mv = batch.requests[0].version
@@ -247,7 +263,9 @@ class Answers:
             if not isinstance(exc, TorchpoolError):
                 log.exception("splitting the outputs of a batch of %s failed", mv.label)
                 exc = TorchpoolError(errors.INTERNAL, f"{mv.label}: {exc}")
-            self.fail_batch(batch, exc)
+                self.fail_batch(batch, exc, OTHER)        # ours, not the model's
+            else:
+                self.fail_batch(batch, exc, BACKEND)      # the model's outputs are not what it declares
             parts = None
         blocks = {}
         for d in descriptors:
@@ -294,7 +312,12 @@ class Answers:
         session, lend = req.session, req.output_shm
         if session is not None and session.token not in self.sessions.sessions:
             lend = False
-        req.version.stats.success.add(int((time.monotonic() - req.received) * 1e9))
+        now = time.monotonic()
+        stats = req.version.stats
+        ns = int((now - req.received) * 1e9)
+        stats.success.add(ns)
+        if stats.windows is not None:
+            stats.windows.request.observe(ns // 1000, now)
         # input blocks of ours that outputs are views of outlive the request
         held = _take_viewed_blocks(req, pieces, reused)
         self.release(req)
