@@ -62,6 +62,13 @@ def _serve(args: argparse.Namespace) -> int:
     except SecurityError as exc:
         logging.getLogger("torchpool").error("%s", exc)
         return 2
+    from .broker.metrics import MetricsConfigError, parse_metrics_config
+
+    try:    # a metrics setting torchpool does not know stops it before anything starts
+        parse_metrics_config(options.metrics_config)
+    except MetricsConfigError as exc:
+        logging.getLogger("torchpool").error("%s", exc)
+        return 2
     from .broker.frontend import AddressInUse
     from .broker.gateways import GatewayError
     from .broker.server import Server

@@ -62,7 +62,7 @@ from .local_channel import LocalChannel, resolve_path
 from .requests import TensorLimits
 from .loop import Loop
 from .gateways import GatewayProcess
-from .metrics import MetricsConfigError, MetricsServer, configure_metrics
+from .metrics import MetricsServer, configure_metrics
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
 from .options import ServerOptions
 from .registry import READY, ModelVersion, Registry
@@ -116,11 +116,7 @@ class Server:
         return 0
 
     def startup(self) -> None:
-        try:    # first: a setting torchpool does not know stops it before anything starts
-            metrics_config = configure_metrics(self.options.metrics_config)
-        except MetricsConfigError as exc:
-            log.error("%s", exc)
-            raise SystemExit(2) from None
+        metrics_config = configure_metrics(self.options.metrics_config)   # checked by the CLI already
         self._install_signal_handlers()
         stale = remove_stale_segments(self.daemon)
         if stale:
