@@ -89,7 +89,7 @@ def test_match_statements_work() -> None:
     msgpack.packb([99, 1]),                         # unknown kind
     msgpack.packb([internal.RUN, 1]),               # too short
     msgpack.packb([internal.RUN, 1, [IN0[:5]], []]),   # a descriptor of 5 elements
-    msgpack.packb([internal.RUN, 1, [IN0], [["OUTPUT0", 1]]]),
+    msgpack.packb([internal.RUN, 1, [IN0], [["OUTPUT0", 1, 2]]]),   # a requested output of 3
     msgpack.packb([internal.DONE, 1, [OUT0[:4]], [1, 2, 3], []]),
 ])
 def test_garbage_raises_protocol_violation(raw: bytes) -> None:

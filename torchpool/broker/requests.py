@@ -231,7 +231,19 @@ def batch_layout(req: "InferRequest", staged: list[tuple], cfg: ModelConfig) -> 
     batching = cfg.max_batch_size > 0
     req.shapes = {spec.name: shape for spec, shape, *_ in staged}
     req.rows = staged[0][1][0] if batching and staged and staged[0][1] else 1
-    req.exclusive = not batching or bool(req.region_outputs)
+    # A request with an output into a region or a classified output (both
+    # are the only requested outputs that are not plain names) runs alone:
+    # a batch of several requests asks the worker for plain names
+    # (schedulers/*.py `_outputs`), and a classification replaces the
+    # tensor with per-item top-k strings, which requests that want the
+    # tensor itself, or another k, cannot share. Computing it per request
+    # after the split would put torch work in the broker's loop.
+    plain = True
+    for o in req.outputs:
+        if o.__class__ is not str:
+            plain = False
+            break
+    req.exclusive = not batching or not plain
     if req.exclusive:
         req.key = ("alone", id(req))
     else:
@@ -239,9 +251,38 @@ def batch_layout(req: "InferRequest", staged: list[tuple], cfg: ModelConfig) -> 
                                for spec, shape, *_ in staged))
 
 
+# Triton's classification extension ranks numbers only (its classification.cc):
+# BOOL, FP16, BF16 and BYTES outputs cannot be classified.
+CLASSIFIABLE = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+                          "FP32", "FP64"})
+
+
+def _class_count(out: dict, spec: TensorSpec, model: str) -> int:
+    """The `classification` of a requested output map: the number of classes
+    wanted, 0 for none (absent, nil or 0: Triton's class_count 0 means none)."""
+    count = out.get(tensors.CLASSIFICATION)
+    if count is None:
+        return 0
+    what = f"output '{spec.name}' for model '{model}'"
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise _bad(f"{what}: 'classification' must be a positive integer (the number of classes "
+                   f"to return; 0 or nil for none), got {count!r}")
+    if count == 0:
+        return 0
+    if spec.datatype not in CLASSIFIABLE:
+        raise _bad(f"{what}: class result not available for output due to unsupported type "
+                   f"'{spec.datatype}'")
+    if tensors.REGION in out:
+        raise _bad(f"{what}: 'classification' cannot be combined with 'region': the class "
+                   f"strings are not the tensor the region holds")
+    return count
+
+
 def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: Any, sessions: Any,
                        regions: list) -> tuple[list, dict]:
-    """Output names, or maps {name, region} that send an output into a region."""
+    """Output names, maps {name, region} that send an output into a region,
+    or maps {name, classification} that ask for its top-k classes. For the
+    worker: a name, [name, region ref, offset, capacity] or [name, k]."""
     if requested is None:
         return [t.name for t in cfg.outputs], {}
     if not isinstance(requested, list):
@@ -256,7 +297,13 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
         if name in seen:
             continue
         seen.add(name)
-        if isinstance(out, dict) and tensors.REGION in out:
+        if out is name:              # a plain name
+            worker_outputs.append(name)
+            continue
+        count = _class_count(out, cfg.output(name), model)
+        if count:
+            worker_outputs.append([name, count])
+        elif tensors.REGION in out:
             region, offset, capacity = sessions.region(session, out[tensors.REGION],
                                                        f"output '{name}' for model '{model}'")
             regions.append(region)

@@ -14,7 +14,7 @@ costs next to nothing, and indexing still works):
 `decode` raises `ProtocolViolation` (a ValueError) for anything that is not a
 message of this module. Descriptors decode into NamedTuples: `Run.inputs`
 into `InputDescriptor` (`reuse` is False when the wire has 7 elements),
-`Run.outputs` into `str | OutputTarget`, `Done.outputs` into
+`Run.outputs` into `str | OutputTarget | Classify`, `Done.outputs` into
 `OutputDescriptor`. Released blocks (`Run.releases`, `Release.blocks`) and
 `Done.timings` stay plain lists with the fields of `Block` and `Timings`
 (`segment, offset, size = block` reads either): wrapping each costs ~0.15 us
@@ -36,7 +36,9 @@ of the input (`reuse`, see docs/protocol.md), or the broker's own copy of an
 inline input, which the broker keeps until the answer is sent
 (`InputDescriptor` always encodes it, `false` by default; a decoder takes 7
 or 8 elements). A requested output is a name, or
-`[name, [key, inode], offset, capacity]` to be written into a region.
+`[name, [key, inode], offset, capacity]` to be written into a region, or
+`[name, count]` to be answered as its top `count` classes (Triton's
+classification extension: a BYTES tensor of "score:index[:label]").
 
 either way
     [SEGMENTS, [[name, size], ...]]   with one fd per segment attached (SCM_RIGHTS):
@@ -114,6 +116,12 @@ class OutputTarget(NamedTuple):
     capacity: int
 
 
+class Classify(NamedTuple):
+    """A requested output answered as its top `count` classes (worker/classify.py)."""
+    name: str
+    count: int
+
+
 class Block(NamedTuple):
     """An output block of the worker's arena that the broker is done with."""
     segment: str
@@ -133,7 +141,7 @@ class Timings(NamedTuple):
 class Run(NamedTuple):
     batch_id: int
     inputs: list                # [InputDescriptor, ...]
-    outputs: list               # [str | OutputTarget, ...]; empty: every output
+    outputs: list               # [str | OutputTarget | Classify, ...]; empty: every output
     releases: Sequence = ()     # [Block | [segment, offset, size], ...] piggybacked frees
     KIND = RUN
 
@@ -209,10 +217,8 @@ def _run(m: list) -> Run:
     inputs = [_new(InputDescriptor, d) if len(d) == 8 else _input7(d) for d in m[2]]
     requested = m[3]
     for r in requested:
-        if r.__class__ is not str:      # rare: an output written into a client's region
-            requested = [r if r.__class__ is str else _new(OutputTarget, r)
-                         for r in requested if r.__class__ is str or len(r) == 4
-                         or _bad("a requested output", r)]
+        if r.__class__ is not str:      # rare: an output into a client's region, or classified
+            requested = [r if r.__class__ is str else _requested(r) for r in requested]
             break
     return _new(Run, (m[1], inputs, requested, m[4] if len(m) > 4 else []))
 
@@ -222,6 +228,15 @@ def _done(m: list) -> Done:
     if outputs and len(outputs[0]) != 6:
         _bad("an output descriptor", outputs[0])
     return _new(Done, (m[1], outputs, m[3], m[4] if len(m) > 4 else []))
+
+
+def _requested(r: list) -> Union[OutputTarget, Classify]:
+    if len(r) == 4:
+        return _new(OutputTarget, r)
+    if len(r) == 2:
+        return _new(Classify, r)
+    _bad("a requested output", r)
+    raise AssertionError("unreachable")
 
 
 def _input7(d: list) -> InputDescriptor:
@@ -263,7 +278,7 @@ def decode(raw: bytes) -> Message:
 
 
 __all__ = [
-    "Block", "DONE", "Done", "FAILED", "FORGET", "Failed", "Forget", "InputDescriptor",
+    "Block", "Classify", "DONE", "Done", "FAILED", "FORGET", "Failed", "Forget", "InputDescriptor",
     "LOAD_FAILED", "LoadFailed", "MAX_MESSAGE", "Message", "OutputDescriptor", "OutputTarget",
     "ProtocolViolation", "READY", "RELEASE", "RUN", "Ready", "Release", "Run", "SEGMENTS",
     "STOP", "Segments", "Stop",

@@ -34,6 +34,9 @@ What each function is for:
 - `put_shm`, `put_own`, `put_region`: fill in the other three forms.
 - `output_request(name, region, byte_size, offset)`: a requested output to be
   written into a region (`"outputs": [..., {"name", "region"}]`).
+- `classification_request(name, count)`: a requested output answered as its
+  top `count` classes (Triton's classification extension:
+  `"outputs": [..., {"name", "classification": count}]`).
 - `location(entry)`: which form an entry carries (`SHM`, `OWN`, `REGION`,
   `DATA`; checked in that order).
 - `shm_ref`, `own_ref`, `region_ref`: the descriptor of an entry, unpacked
@@ -64,6 +67,7 @@ SHM = "shm"          # [segment, offset, nbytes, generation]
 OWN = "own"          # [segment, offset, nbytes]
 REGION = "region"    # [name, byte_size, offset]
 REUSE = "reuse"      # true beside an input "shm": the client's own copy; outputs may view it
+CLASSIFICATION = "classification"   # in a requested output: answer its top-k classes
 
 # --- size rules ----------------------------------------------------------------
 # Tensors up to this size ride inside the header frame; larger ones go as
@@ -208,6 +212,12 @@ def put_region(entry: dict, region: str, byte_size: int, offset: int) -> None:
 def output_request(name: str, region: str, byte_size: int, offset: int) -> dict:
     """A requested output the worker writes into a registered region."""
     return {NAME: name, REGION: [region, int(byte_size), int(offset)]}
+
+
+def classification_request(name: str, count: int) -> dict:
+    """A requested output answered as its top `count` classes: a BYTES tensor
+    of "score:index[:label]" strings, [batch, k] for a batching model, else [k]."""
+    return {NAME: name, CLASSIFICATION: int(count)}
 
 
 # --- decoding ----------------------------------------------------------------------

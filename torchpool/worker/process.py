@@ -38,6 +38,7 @@ from ..shm.bulkcopy import copy_into
 from ..shm.fdpass import FdReceiver, close_all, send_with_fds
 from ..shm.segment import Segment
 from .binding import ExecutionError, ModelLoadError, load_model
+from .classify import Classified, Classifier
 from .settings import after_execution, apply_process_settings, grad_context, model_settings
 from .spec import WorkerSpec
 from .weights import share_weights
@@ -168,6 +169,7 @@ class Worker:
         self.device = None
         self.module: Any = None
         self.binding: Any = None
+        self.classifier: Any = None   # labels, and outputs asked as top-k classes
         self.settings: Any = None
         self.busy_poll_ns = spec.busy_poll_us * 1000
         self.weights = None           # the shared weights segment, if any (kept mapped)
@@ -214,6 +216,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         load_extensions(spec.model, Path(spec.model_path).parent.parent, self.settings)
+        self.classifier = Classifier.load(spec.config, Path(spec.model_path).parent.parent)
         map_location = None if spec.device == "model" else self.device
         # Triton names the model where its "unable to find" message says
         # "model instance"; users' tests look for that text.
@@ -310,6 +313,8 @@ class Worker:
             results = self.binding.run(self.module, inputs, names or None)
             after_execution(self.settings, self.device)
             t2 = time.perf_counter_ns()
+            if targets:   # rare: outputs into regions, outputs asked as classes
+                targets = self.classifier.apply(results, targets)
             out, reused = [], []
             for name, value in results.items():
                 target = targets.get(name)
@@ -334,7 +339,7 @@ class Worker:
         (shm/guard.py): that batch's answer would be wrong, so it fails. It
         is the client's error, never a crash of this worker."""
         refs = [d.segment for d in msg.inputs if d.segment.__class__ is list]
-        refs += [r.region for r in msg.outputs if r.__class__ is not str]
+        refs += [r.region for r in msg.outputs if r.__class__ is internal.OutputTarget]
         for ref in refs:
             if self.regions.broken(ref):
                 raise ExecutionError(f"model '{self.spec.model}': a client's registered region "
@@ -410,9 +415,10 @@ class Worker:
                      target: Optional[internal.OutputTarget] = None) -> internal.OutputDescriptor:
         """Write one output once: into the caller's region when it named one,
         else into this worker's arena. Returns its descriptor."""
-        if isinstance(value, list):
+        if isinstance(value, list):   # List[str], or class strings (classify.py)
             data: Any = datatypes.encode_bytes(value)
-            datatype, shape, nbytes = "BYTES", [len(value)], len(data)
+            shape = value.shape if value.__class__ is Classified else [len(value)]
+            datatype, nbytes = "BYTES", len(data)
         else:
             datatype, shape = datatypes.wire_from_torch(value.dtype), list(value.shape)
             nbytes = value.numel() * value.element_size()

@@ -3,7 +3,9 @@
 A batch's outputs are split back per request without copying: rows along
 dim 0 (from `Batch.row_starts` when the batch has rows of no request),
 `BYTES` by element count, `BATCH_SCATTER_WITH_INPUT_SHAPE` by each
-request's source input shape; an output `reshape` is undone. Outputs a
+request's source input shape; an output `reshape` is undone. A classified
+output (Triton's classification extension, computed by the worker) belongs
+to a batch of one request and is passed on as the worker wrote it. Outputs a
 worker answered as views of an input block are checked to lie in one.
 """
 from __future__ import annotations
@@ -125,9 +127,28 @@ def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: list,
     for i, r in enumerate(requests):
         mine = []
         for o in r.outputs:
-            name = o if isinstance(o, str) else o[0]
+            if isinstance(o, str):
+                name = o
+            else:
+                name = o[0]
+                if len(o) == 2 and name in parts:      # [name, k]: classified
+                    mine.append(_classified(name, descriptors, single, model))
+                    continue
             if name in parts:
                 datatype, shape, segment, offset, nbytes = parts[name][i]
                 mine.append((name, datatype, shape, segment, offset, nbytes))
         out.append(mine)
     return out
+
+
+def _classified(name: str, descriptors: list, single: bool, model: str) -> tuple:
+    """A classified output as the worker wrote it: BYTES "score:index[:label]",
+    [batch, k] or [k]. Its shape is not the config's (no `reshape` to undo),
+    and it cannot be split: such a request runs alone (requests.batch_layout)."""
+    if not single:
+        raise TorchpoolError(errors.INTERNAL, f"output '{name}' of model '{model}' was classified in "
+                                              f"a batch of several requests")
+    for d in descriptors:
+        if d[0] == name:
+            return tuple(d)
+    raise TorchpoolError(errors.INTERNAL, f"output '{name}' of model '{model}' is missing")
