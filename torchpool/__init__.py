@@ -1,7 +1,8 @@
 """torchpool: serve TorchScript models like Triton's PyTorch backend, from a
 pool of worker processes with a shared-memory data path."""
-from .client import AsyncClient, Client, InferenceError, InferResult, OutputRef, RegionOutput, SharedMemoryRef
+from .client import (AsyncClient, Classification, Client, InferenceError, InferResult, OutputRef,
+                     RegionOutput, SharedMemoryRef)
 
 __version__ = "0.1.0"
-__all__ = ["AsyncClient", "Client", "InferResult", "InferenceError", "OutputRef", "RegionOutput",
-           "SharedMemoryRef", "__version__"]
+__all__ = ["AsyncClient", "Classification", "Client", "InferResult", "InferenceError", "OutputRef",
+           "RegionOutput", "SharedMemoryRef", "__version__"]

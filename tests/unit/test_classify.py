@@ -13,6 +13,7 @@ from torchpool.broker.answers.split import split_outputs
 from torchpool.broker.batch import Batch
 from torchpool.broker.registry import ModelVersion
 from torchpool.broker.requests import InferRequest, _requested_outputs, batch_layout
+from torchpool.client import Classification
 from torchpool.config import ModelConfig
 from torchpool.config.pbtxt import parse_pbtxt
 from torchpool.protocol import datatypes, errors, internal, tensors
@@ -159,6 +160,9 @@ def test_the_broker_asks_the_worker_for_k_classes() -> None:
     assert _requested([{"name": "PROBS__0", "classification": 0}]) == (["PROBS__0"], {})
     assert _requested([{"name": "PROBS__0", "classification": None}]) == (["PROBS__0"], {})
     assert tensors.classification_request("PROBS__0", 2) == {"name": "PROBS__0", "classification": 2}
+    assert Classification("PROBS__0", 2).wire() == {"name": "PROBS__0", "classification": 2}
+    with pytest.raises(ValueError):
+        Classification("PROBS__0", 0)
 
 
 @pytest.mark.parametrize("count", [-1, "x", 1.5, True, [2]])
@@ -167,6 +171,8 @@ def test_a_bad_k_is_refused_naming_model_and_output(count: object) -> None:
         _requested([{"name": "PROBS__0", "classification": count}])
     assert info.value.code == errors.INVALID_ARG
     assert "output 'PROBS__0' for model 'm'" in info.value.message and "positive integer" in info.value.message
+    with pytest.raises(ValueError):
+        Classification("PROBS__0", count)      # the client refuses it before sending
 
 
 @pytest.mark.parametrize("name,datatype", [("TEXT__2", "BYTES"), ("MASK__3", "BOOL"), ("HALF__4", "FP16")])

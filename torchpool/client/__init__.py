@@ -14,7 +14,7 @@ differs. The package, one module per job:
     flows.py   ClientState and the I/O-free flows (hello, infer, empty, regions)
     arena.py   the client's shared-memory arena and the lent-output mappings
     values.py  numpy / torch / str values <-> tensor bytes
-    types.py   SharedMemoryRef, OutputRef, RegionOutput, InferResult, NoAnswer
+    types.py   SharedMemoryRef, OutputRef, Classification, RegionOutput, InferResult, NoAnswer
 
 The tensor entry itself (inline / frame / descriptor / region) is encoded and
 decoded by torchpool/protocol/tensors.py, shared with the daemon. Nothing here
@@ -45,6 +45,9 @@ speak sessions is used inline, as before.
   inputs `SharedMemoryRef(region, byte_size, offset, datatype, shape)`, and
   `outputs=[OutputRef(name, region, byte_size, offset)]` (answered as a
   `RegionOutput`: name, region, offset, nbytes, datatype, shape).
+- Triton's classification extension: `outputs=[Classification(name, k)]`
+  answers that output as its top k classes, a BYTES array of
+  b"score:index:label" ([batch, k] for a batching model, else [k]).
 """
 from __future__ import annotations
 
@@ -53,8 +56,9 @@ from .aio import AsyncClient
 from .arena import DEFAULT_ARENA_CAP
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, decode_infer, encode_control, encode_infer
 from .sync import Client
-from .types import InferResult, NoAnswer, OutputRef, RawTensor, RegionOutput, SharedMemoryRef
+from .types import (Classification, InferResult, NoAnswer, OutputRef, RawTensor, RegionOutput,
+                    SharedMemoryRef)
 
-__all__ = ["AsyncClient", "Client", "DEFAULT_ARENA_CAP", "DEFAULT_TIMEOUT", "GOODBYE_WAIT",
-           "InferResult", "InferenceError", "NoAnswer", "OutputRef", "RawTensor", "RegionOutput",
-           "SharedMemoryRef", "decode_infer", "encode_control", "encode_infer"]
+__all__ = ["AsyncClient", "Classification", "Client", "DEFAULT_ARENA_CAP", "DEFAULT_TIMEOUT",
+           "GOODBYE_WAIT", "InferResult", "InferenceError", "NoAnswer", "OutputRef", "RawTensor",
+           "RegionOutput", "SharedMemoryRef", "decode_infer", "encode_control", "encode_infer"]

@@ -31,7 +31,7 @@ from .arena import DEFAULT_ARENA_CAP, ClientArena, OutputMaps, block_size, local
 from .local import LocalLink
 from .outputs import OutputDecoding, _Encoded
 from .regions import RegionFlows
-from .types import Call, Flow, NoAnswer, OutputRef, SharedMemoryRef
+from .types import Call, Classification, Flow, NoAnswer, OutputRef, SharedMemoryRef
 from .values import nbytes_of, prepare_input
 
 class SessionLost(Exception):
@@ -339,7 +339,7 @@ class ClientState(OutputDecoding, RegionFlows):
         enc, arena = yield from self._encode(inputs, timeout)
         wanted = None
         if outputs is not None:
-            wanted = [o.wire() if isinstance(o, OutputRef) else o for o in outputs]
+            wanted = [o.wire() if isinstance(o, (OutputRef, Classification)) else o for o in outputs]
         header = {"v": messages.PROTOCOL_VERSION, "op": messages.OP_INFER, "id": next(self.ids),
                   "model": model, "version": "" if version is None else str(version),
                   "inputs": enc.entries, "outputs": wanted,

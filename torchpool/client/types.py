@@ -1,4 +1,5 @@
-"""The client's public value types: region references, results, errors."""
+"""The client's public value types: region references, requested outputs
+(into a region, or as classes), results, errors."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,6 +78,27 @@ class OutputRef:
 
     def wire(self) -> dict:
         return tensors.output_request(self.name, self.region, self.byte_size, self.offset)
+
+
+@dataclass(frozen=True)
+class Classification:
+    """Ask for output `name` as its top `count` classes (Triton's
+    classification extension): `infer(..., outputs=[Classification("PROBS", 3)])`.
+    The result holds, instead of the tensor, a BYTES object array of
+    b"score:index:label" (b"score:index" where the output's label file has
+    no label for that index), highest score first: shape [batch, k] for a
+    batching model, [k] otherwise, k = min(count, elements per item)."""
+
+    name: str
+    count: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
+            raise ValueError(f"Classification of output '{self.name}': count must be a positive "
+                             f"integer, got {self.count!r}")
+
+    def wire(self) -> dict:
+        return tensors.classification_request(self.name, self.count)
 
 
 @dataclass(frozen=True)
