@@ -127,9 +127,11 @@ class Client(ClientBase):
         """Run `model` on `inputs`; returns {output name: numpy array}.
 
         `inputs` values: numpy arrays, torch tensors, lists of str/bytes
-        (BYTES), arrays from `empty()` (sent with no copy) or
-        `SharedMemoryRef`s. `outputs`: names, or `OutputRef`s to have an
-        output written into a registered region. `timeout` (seconds) bounds
+        (BYTES), arrays from `empty()` (sent with no copy), `RawTensor`s
+        (bytes in the wire layout) or `SharedMemoryRef`s. `outputs`: names,
+        `OutputRef`s to have an output written into a registered region, or
+        `Classification(name, k)` for Triton's top-k "score:index:label"
+        strings instead of the tensor. `timeout` (seconds) bounds
         the whole call; the server also drops the request if it could not
         start within it. `copy=True` returns ordinary arrays instead of views
         of the daemon's shared memory. `priority` (1 = highest) picks the
