@@ -1,0 +1,127 @@
+"""The gRPC endpoint without a daemon: ModelInfer's tensor bytes split from
+protobuf (proto/wire.py), request parameters as Triton reads them, and
+binding (start_grpc)."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+
+import numpy as np
+import pytest
+from google.protobuf.message import DecodeError
+
+from torchpool.gateway import grpc_server
+from torchpool.gateway.backend import Backend
+from torchpool.gateway.proto import grpc_service_pb2 as pb
+from torchpool.gateway.proto import wire
+from torchpool.protocol.errors import TorchpoolError
+
+
+def infer_request(raw_sizes: list[int]) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="m", model_version="2", id="x")
+    request.parameters["sequence_id"].int64_param = 7
+    for i, size in enumerate(raw_sizes):
+        request.inputs.add(name=f"IN{i}", datatype="UINT8", shape=[size])
+        request.raw_input_contents.append(bytes([i + 1]) * size)
+    request.outputs.add(name="OUT").parameters["classification"].int64_param = 2
+    return request
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 5], [200_000, 0, 70_000]], ids=["small", "large"])
+def test_raw_inputs_are_split_from_the_request(sizes: list[int]) -> None:
+    request = infer_request(sizes)
+    data = request.SerializeToString()
+    parsed, raws = wire.parse_infer_request(data)
+    assert [bytes(r) for r in raws] == list(request.raw_input_contents)
+    whole = pb.ModelInferRequest.FromString(data)
+    if len(data) >= wire.SPLIT_MIN_BYTES:
+        # views of the received message, not copies; the rest parsed by protobuf
+        assert all(isinstance(r, memoryview) and r.obj is data for r in raws)
+        assert not parsed.raw_input_contents
+        whole.ClearField("raw_input_contents")
+    assert parsed == whole
+
+
+def test_a_truncated_request_is_refused() -> None:
+    data = infer_request([100_000]).SerializeToString()
+    with pytest.raises((wire.WireError, DecodeError)):
+        wire.parse_infer_request(data[:-10])
+
+
+def test_raw_outputs_appended_to_the_response() -> None:
+    header = pb.ModelInferResponse(model_name="m", model_version="1", id="r")
+    header.outputs.add(name="A", datatype="FP32", shape=[2])
+    header.outputs.add(name="B", datatype="FP32", shape=[0])
+    header.outputs.add(name="C", datatype="UINT8", shape=[300])
+    a = np.array([1.5, -2.0], np.float32)
+    chunks = [memoryview(a).cast("B"), b"", bytes(range(256)) + bytes(44)]
+    parsed = pb.ModelInferResponse.FromString(wire.serialize_infer_response((header, chunks)))
+    assert list(parsed.raw_output_contents) == [a.tobytes(), b"", chunks[2]]
+    parsed.ClearField("raw_output_contents")
+    assert parsed == header
+
+
+def test_varints_round_trip() -> None:
+    for value in (0, 1, 127, 128, 300, 2**31 - 1, 2**63):
+        encoded = wire.encode_varint(value)
+        assert wire._varint(encoded, 0) == (value, len(encoded))
+
+
+def test_request_parameters_as_triton_reads_them() -> None:
+    params = pb.ModelInferRequest().parameters
+    params["sequence_id"].string_param = "abc"
+    params["sequence_start"].bool_param = True
+    params["sequence_end"].bool_param = False
+    params["priority"].uint64_param = 3
+    params["timeout"].int64_param = 5000
+    params["custom"].double_param = 1.0          # passed on by Triton, not torchpool's
+    assert grpc_server._request_options(params) == {
+        "sequence_id": "abc", "sequence_start": True, "priority": 3, "timeout_us": 5000}
+    params["timeout"].string_param = "soon"
+    with pytest.raises(TorchpoolError) as exc:
+        grpc_server._request_options(params)
+    assert exc.value.message == "invalid value type for 'timeout' parameter, expected int64_param."
+
+
+def test_requested_outputs() -> None:
+    request = pb.ModelInferRequest()
+    assert grpc_server._outputs(request) is None        # none named: every output
+    out = request.outputs.add(name="OUT")
+    out.parameters["shared_memory_region"].string_param = "r"
+    out.parameters["shared_memory_byte_size"].int64_param = 64
+    out.parameters["shared_memory_offset"].int64_param = 8
+    (wanted,) = grpc_server._outputs(request)
+    assert (wanted.name, wanted.region, wanted.byte_size, wanted.offset) == ("OUT", "r", 64, 8)
+    out.parameters["classification"].int64_param = 2
+    with pytest.raises(TorchpoolError) as exc:
+        grpc_server._outputs(request)
+    assert exc.value.message == "output can't set both 'shared_memory_region' and 'classification'"
+    del out.parameters["shared_memory_byte_size"]
+    with pytest.raises(TorchpoolError) as exc:
+        grpc_server._outputs(request)
+    assert exc.value.message == ("'shared_memory_byte_size' must be specified along with "
+                                 "'shared_memory_region' parameter for tensor 'OUT'")
+
+
+def test_start_grpc_binds_or_says_why(tmp_path) -> None:
+    async def main() -> None:
+        backend = Backend(f"ipc://{tmp_path / 'nobody.sock'}")
+        try:
+            server = await grpc_server.start_grpc(backend, "127.0.0.1", 0)
+            try:
+                assert server.port > 0
+                with pytest.raises(OSError) as exc:      # no second server on a bound port
+                    await grpc_server.start_grpc(backend, "127.0.0.1", server.port)
+                assert exc.value.errno == errno.EADDRINUSE
+            finally:
+                await server.close()
+            with socket.socket() as other:               # a port another program holds
+                other.bind(("127.0.0.1", 0))
+                other.listen()
+                with pytest.raises(OSError) as exc:
+                    await grpc_server.start_grpc(backend, "127.0.0.1", other.getsockname()[1])
+                assert exc.value.errno == errno.EADDRINUSE and "Address already in use" in str(exc.value)
+        finally:
+            await backend.close()
+    asyncio.run(main())
