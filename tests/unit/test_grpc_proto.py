@@ -112,3 +112,27 @@ def test_own_pool_leaves_tritonclients_alone() -> None:
     assert default is triton_config.ModelConfig.DESCRIPTOR
     assert proto.POOL.FindMessageTypeByName("inference.ModelConfig") is model_config_pb2.ModelConfig.DESCRIPTOR
     assert model_config_pb2.ModelConfig.DESCRIPTOR is not default
+
+
+def test_shipped_modules_match_the_proto_files(tmp_path) -> None:
+    """The generated modules are what the .proto files say (scripts/gen_proto
+    was run after the last edit); any protoc will do for this comparison."""
+    protoc = pytest.importorskip("grpc_tools.protoc")
+    from pathlib import Path
+
+    source = Path(proto.__file__).parent
+    out = tmp_path / "set.pb"
+    assert protoc.main(["protoc", f"-I{source}", f"--descriptor_set_out={out}", "--include_imports",
+                        "model_config.proto", "grpc_service.proto"]) == 0
+    compiled = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+    for f in compiled.file:          # protoc embeds files without the JSON names it fills in here
+        _clear_json_names(f.message_type)
+    assert {f.name: f for f in compiled.file} == {"model_config.proto": file_proto(model_config_pb2),
+                                                  "grpc_service.proto": file_proto(grpc_service_pb2)}
+
+
+def _clear_json_names(message_types) -> None:
+    for m in message_types:
+        for f in m.field:
+            f.ClearField("json_name")
+        _clear_json_names(m.nested_type)

@@ -125,3 +125,25 @@ def test_start_grpc_binds_or_says_why(tmp_path) -> None:
         finally:
             await backend.close()
     asyncio.run(main())
+
+
+def test_a_malformed_infer_request_is_invalid_argument(tmp_path) -> None:
+    import grpc
+
+    async def main() -> None:
+        backend = Backend(f"ipc://{tmp_path / 'nobody.sock'}")
+        server = await grpc_server.start_grpc(backend, "127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                           request_serializer=bytes, response_deserializer=bytes)
+                # a raw_input_contents entry claiming more bytes than follow, and junk
+                for data in (b"\x3a\xff\xff\xff\x0f" + bytes(70_000), b"\xff" * 10):
+                    with pytest.raises(grpc.aio.AioRpcError) as exc:
+                        await call(data)
+                    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert exc.value.details().startswith("unable to parse the inference request: ")
+        finally:
+            await server.close()
+            await backend.close()
+    asyncio.run(main())

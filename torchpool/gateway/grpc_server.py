@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
@@ -253,7 +254,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def ModelInfer(self, request: Any, context: Any) -> Any:
-        if isinstance(request, tuple):          # from wire.parse_infer_request
+        if isinstance(request, Exception):      # from _parse_infer_request
+            raise bad(f"unable to parse the inference request: {request}")
+        if isinstance(request, tuple):
             return await self.infer(*request)
         header, chunks = await self.infer(request, request.raw_input_contents)
         header.raw_output_contents.extend(bytes(c) for c in chunks)
@@ -367,6 +370,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         raise _unimplemented("the server does not support dynamic logging")
 
 
+def _parse_infer_request(data: bytes) -> Any:
+    """wire.parse_infer_request, or the error: raised here, grpc would
+    answer UNKNOWN with a Python traceback's first line."""
+    try:
+        return wire.parse_infer_request(data)
+    except (wire.WireError, DecodeError) as exc:
+        return exc
+
+
 def _no_repository_name(request: Any) -> None:
     if request.repository_name:
         raise _unimplemented("'repository_name' specification is not supported")
@@ -415,7 +427,7 @@ async def start_grpc(backend: Backend, host: str, port: int) -> GrpcServer:
     # ModelInfer with the tensor bytes outside protobuf; added first, so it
     # is found before the generated handler for the same method
     fast_infer = grpc.unary_unary_rpc_method_handler(
-        servicer.ModelInfer, request_deserializer=wire.parse_infer_request,
+        servicer.ModelInfer, request_deserializer=_parse_infer_request,
         response_serializer=wire.serialize_infer_response)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"ModelInfer": fast_infer}),))
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
