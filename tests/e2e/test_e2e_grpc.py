@@ -159,6 +159,8 @@ def test_infer_fp32_with_id_and_output_subset(client) -> None:
     np.testing.assert_array_equal(result.as_numpy("OUTPUT__1"), a - b)
     response = result.get_response()
     assert (response.model_name, response.model_version, response.id) == (F32, "1", "req-7")
+    gzipped = client.infer(F32, addsub_inputs(a, b), compression_algorithm="gzip")
+    np.testing.assert_array_equal(gzipped.as_numpy("OUTPUT__0"), a + b)
     subset = client.infer(F32, addsub_inputs(a, b), outputs=[grpcclient.InferRequestedOutput("OUTPUT__1")])
     assert [o.name for o in subset.get_response().outputs] == ["OUTPUT__1"]
     np.testing.assert_array_equal(subset.as_numpy("OUTPUT__1"), a - b)
