@@ -455,7 +455,7 @@ def test_statistics(client) -> None:
 
 # --- streaming and the asyncio client ---------------------------------------------------------
 
-def test_stream_infer_in_order_with_errors(client) -> None:
+def test_stream_infer_in_order_with_errors(client, stub) -> None:
     answers: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     try:
@@ -470,7 +470,11 @@ def test_stream_infer_in_order_with_errors(client) -> None:
         assert error is None and result.get_response().id == f"s{i}"
         np.testing.assert_array_equal(result.as_numpy("OUTPUT__0"), np.full((1, 16), 2.0 * i, np.float32))
     result, error = got[3]
-    assert result is None and "Request for unknown model: 'no_such_model' is not found" in error.message()
+    assert result is None and error.message() == "Request for unknown model: 'no_such_model' is not found"
+    # an error response carries the failed request's id, as Triton's does
+    (raw,) = stub.ModelStreamInfer(iter([service_pb2.ModelInferRequest(model_name="no_such_model", id="r9")]))
+    assert (raw.error_message, raw.infer_response.id) == (
+        "Request for unknown model: 'no_such_model' is not found", "r9")
 
 
 def test_asyncio_client(gdaemon) -> None:

@@ -268,12 +268,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async for request in requests:
             try:
                 header, chunks = await self.infer(request, request.raw_input_contents)
-            except TorchpoolError as exc:
-                yield pb.ModelStreamInferResponse(error_message=exc.message)
-                continue
             except Exception as exc:      # one bad request must not end the stream
-                log.exception("gRPC ModelStreamInfer failed")
-                yield pb.ModelStreamInferResponse(error_message=f"{type(exc).__name__}: {exc}")
+                if not isinstance(exc, TorchpoolError):
+                    log.exception("gRPC ModelStreamInfer failed")
+                message = exc.message if isinstance(exc, TorchpoolError) else f"{type(exc).__name__}: {exc}"
+                # with the request's id, as Triton: the client can tell which one failed
+                yield pb.ModelStreamInferResponse(error_message=message,
+                                                  infer_response=pb.ModelInferResponse(id=request.id))
                 continue
             header.raw_output_contents.extend(bytes(c) for c in chunks)
             yield pb.ModelStreamInferResponse(infer_response=header)
