@@ -17,7 +17,15 @@ ratios are meaningful even on a noisy 2-core machine.
      daemon counted (requests per execution = the mean batch size);
   5. sequence batching: 16 concurrent sequences of an accumulator with
      `direct { }` against the same model one sequence at a time
-     (bench_sequences.py).
+     (bench_sequences.py);
+  6. the KServe v2 endpoints (bench_gateways.py), right after the ZeroMQ rows
+     of 1. and beside them: the same add/sub (p50/p99 at concurrency 1, the
+     CPU per request of the client, the gateway, the broker and the worker;
+     throughput at concurrency 8) and 16 MiB identity through the real
+     tritonclient over HTTP (binary tensors) and gRPC, and PyTriton (Triton's
+     C++ frontends + Python backend, the same add/sub TorchScript) with the
+     same client code, when $ANCHORS_VENV_ROOT/base/bin/python has pytriton
+     (../shared/anchors; --skip-pytriton leaves it out).
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -43,6 +52,8 @@ import zmq  # noqa: E402
 from torchpool import Client  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gateways import (PyTriton, bench_gateways, free_port, pytriton_python,  # noqa: E402
+                            render_gateways, torchpool_pids)
 from bench_local import bench_local, render_local  # noqa: E402
 from bench_sequences import add_sequence_models, bench_sequences, render_sequences  # noqa: E402
 from bench_timing import percentiles, time_calls  # noqa: E402
@@ -92,10 +103,15 @@ def echo_server(url: str) -> None:
 
 
 class Daemon:
-    def __init__(self, repo: Path, urls: list[str], log: Path) -> None:
+    def __init__(self, repo: Path, urls: list[str], log: Path, http_port: Optional[int] = None,
+                 grpc_port: Optional[int] = None) -> None:
         args = [sys.executable, "-m", "torchpool", "serve", "--model-repository", str(repo)]
         for u in urls:
             args += ["--listen", u]
+        if http_port is not None:
+            args += ["--http-port", str(http_port)]
+        if grpc_port is not None:
+            args += ["--grpc-port", str(grpc_port)]
         self.log = log
         self._log = open(log, "wb")
         self.t0 = time.monotonic()
@@ -291,6 +307,52 @@ def bench_batching(url: str, seconds: float, concurrency: tuple = (1, 8, 32)) ->
     return out
 
 
+def bench_endpoints(daemon: Daemon, http_port: int, grpc_port: int, work: Path, n_small: int, n_big: int,
+                    seconds: float, skip_pytriton: bool) -> dict:
+    """The KServe v2 HTTP/gRPC rows (bench_gateways.py), PyTriton beside them
+    when it is installed: started for this step only, so it costs nothing to
+    the other sections."""
+    pytriton, skipped = None, ""
+    if skip_pytriton:
+        skipped = "--skip-pytriton"
+    else:
+        python, skipped = pytriton_python()
+        if python:
+            print("PyTriton (for the endpoint rows) ...", flush=True)
+            try:
+                pytriton = PyTriton(python, work)
+                pytriton.wait_ready()
+            except Exception as exc:  # noqa: BLE001 - the torchpool rows still run
+                skipped = f"it did not start: {exc}"
+                if pytriton is not None:
+                    pytriton.stop()
+                pytriton = None
+    print("KServe v2 HTTP/gRPC endpoints (tritonclient)"
+          + (", PyTriton beside them" if pytriton else "") + " ...", flush=True)
+    try:
+        import tritonclient.http as tc
+
+        probe = tc.InferenceServerClient(f"127.0.0.1:{http_port}")
+        deadline = time.monotonic() + 30
+        while True:             # "torchpool ready" comes once the gateway has bound its ports
+            try:
+                if probe.is_server_ready():
+                    break
+            except Exception:  # noqa: BLE001
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
+        probe.close()
+        out = bench_gateways(http_port, grpc_port, n_small, n_big, seconds, torchpool_pids(daemon.proc.pid),
+                             pytriton)
+    finally:
+        if pytriton is not None:
+            pytriton.stop()
+    if skipped:
+        out["pytriton_skipped"] = skipped
+    return out
+
+
 def bench_startup(workdir: Path, count: int) -> dict:
     from torchpool.examples import addsub_repository
 
@@ -319,6 +381,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     parser.add_argument("--skip-startup", action="store_true")
+    parser.add_argument("--skip-pytriton", action="store_true",
+                        help="measure torchpool's HTTP/gRPC endpoints without PyTriton beside them")
     parser.add_argument("--out", default=str(ROOT / "bench-results"))
     args = parser.parse_args()
     n_small, n_big, secs = (300, 8, 2.0) if args.quick else (3000, 40, 5.0)
@@ -339,12 +403,15 @@ def main() -> int:
         for name, url in (("ipc", f"ipc://{work}/echo.sock"), ("tcp", "tcp://127.0.0.1:18556")):
             print(f"raw ZeroMQ echo over {name} ...", flush=True)
             results[f"echo_{name}"] = bench_echo(url, n_small, n_big)
-        daemon = Daemon(repo, list(urls.values()), work / "daemon.log")
+        http_port, grpc_port = free_port(), free_port()
+        daemon = Daemon(repo, list(urls.values()), work / "daemon.log", http_port, grpc_port)
         try:
             daemon.wait_ready()
             for name, url in urls.items():
                 print(f"torchpool over {name} ...", flush=True)
                 results[f"torchpool_{name}"] = bench_torchpool(url, n_small, n_big, secs)
+            results["gateways"] = bench_endpoints(daemon, http_port, grpc_port, work, n_small, n_big, secs,
+                                                  args.skip_pytriton)
             print("local shared-memory path ...", flush=True)
             results["local"] = bench_local(urls["ipc"], n_small, n_big)
             print("dynamic batching: MLP at concurrency 1, 8, 32 ...", flush=True)
@@ -384,6 +451,8 @@ def render(r: dict) -> str:
         lines.append(f"| add/sub throughput, c=8, {t} | {ip['addsub']['c8']:,.0f}/s | | {tp['addsub']['c8']:,.0f}/s | |")
         lines.append(f"| identity 16 MiB throughput, c=8, {t} | {ip['identity16']['c8']:,.1f}/s | "
                      f"| {tp['identity16']['c8']:,.1f}/s | |")
+    if "gateways" in r:
+        lines += render_gateways(r["gateways"], us, r.get("torchpool_ipc"))
     if "local" in r:
         lines += render_local(r["local"], us)
     if "batching" in r:
