@@ -396,7 +396,8 @@ def test_regions_as_inputs_and_outputs(local_daemon: Daemon, region_segment) -> 
         assert os.path.exists(f"/dev/shm/{key}")
         with pytest.raises(InferenceError) as exc:
             c.infer("addsub", {"INPUT0": SharedMemoryRef("r", 64, 0, "FP32", (1, 16)), "INPUT1": B})
-        assert exc.value.code == errors.INVALID_ARG
+        assert exc.value.code == errors.NOT_FOUND       # Triton's code and text
+        assert "Unable to find shared memory region: 'r'" in exc.value.message
         # registered again and left registered when the client closes
         c.register_system_shared_memory("again", key, size, base)
         np.testing.assert_array_equal(c.infer("addsub", ADDSUB)["OUTPUT0"], A + B)

@@ -47,6 +47,11 @@ def _bad(message: str) -> TorchpoolError:
     return TorchpoolError(errors.INVALID_ARG, message)
 
 
+def _no_region(what: str, name: Any, detail: str = "") -> TorchpoolError:
+    """Triton's NOT_FOUND text for a region name nobody registered."""
+    return TorchpoolError(errors.NOT_FOUND, f"Unable to find {what}: '{name}'{detail}")
+
+
 def _exhausted(message: str) -> TorchpoolError:
     return TorchpoolError(errors.RESOURCE_EXHAUSTED, message)
 
@@ -339,16 +344,17 @@ class SessionManager:
         name, nbytes, offset = ref
         region = session.regions.get(name)
         if region is None or region.unregistering:
-            raise _bad(f"{what}: no region '{name}' is registered by this session")
+            raise _no_region("shared memory region", name, f" ({what}; regions belong to the session "
+                                                           f"that registered them)")
         region.check(f"{what} in region '{name}'", offset, nbytes)
         return region, offset, nbytes
 
     def unregister(self, session: Session, name: Any) -> bool:
+        """Unregister one region, or all; a name not registered is no error (as in Triton)."""
         names = list(session.regions) if name is None else [name]
         for n in names:
-            if n not in session.regions:
-                raise _bad(f"no region '{n}' is registered by this session")
-            self._unregister(session, n)
+            if n in session.regions:
+                self._unregister(session, n)
         return True
 
     def _unregister(self, session: Session, name: str) -> None:
@@ -371,6 +377,6 @@ class SessionManager:
         regions = session.regions.values() if name is None else \
             [r for r in session.regions.values() if r.name == name]
         if name is not None and not regions:
-            raise _bad(f"no region '{name}' is registered by this session")
+            raise _no_region("system shared memory region", name)
         return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size,
                  "in_use": r.in_use, "unregistering": r.unregistering} for r in regions]

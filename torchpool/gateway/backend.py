@@ -4,8 +4,7 @@ local `AsyncClient`, Triton's tensor layouts, and Triton's error statuses.
 Each protocol module parses its own wire format into `InputTensor`s and
 `OutputRequest`s and writes `OutputTensor`s back; everything else (which
 client call, how a JSON list or raw bytes become a tensor, which status an
-error code gets, which shared-memory keys a remote caller may name) is here,
-once.
+error code gets) is here, once.
 """
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ import numpy as np
 from ..client import AsyncClient, OutputRef, RawTensor, RegionOutput, SharedMemoryRef
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
-from ..shm.naming import PREFIX as OWN_SEGMENT_PREFIX
 
 # Triton's HTTP status for each error code (its HttpCodeFromError); anything
 # else is 400. RESOURCE_EXHAUSTED is torchpool's (a client over a limit).
@@ -303,9 +301,7 @@ class Backend:
     # --- system shared memory -------------------------------------------------------
 
     async def register_shm(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        if not isinstance(key, str) or key.lstrip("/").startswith(OWN_SEGMENT_PREFIX):
-            # the daemon's own segments are never a caller's to name
-            raise bad(f"unable to register shared memory region '{name}': key {key!r} is not allowed")
+        # the daemon refuses its own segments' names (broker/regions.py region_key)
         await self.client.register_system_shared_memory(name, key, byte_size, offset)
 
     async def unregister_shm(self, name: str = "") -> None:
