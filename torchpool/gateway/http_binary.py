@@ -1,0 +1,280 @@
+"""Triton's inference request and response over HTTP: the JSON document and
+the binary tensor data extension, and HTTP compression of both.
+
+A request body is `Inference-Header-Content-Length` bytes of JSON followed by
+the binary inputs in input order (each declares `binary_data_size`); without
+that header the body is all JSON. Inputs become `InputTensor`s whose `raw` is
+a memoryview slice of the body (no copy: the backend copies once, into shared
+memory). A response is JSON, then the binary outputs in output order,
+written from the worker's shared memory; `Inference-Header-Content-Length`
+says where the JSON ends. Messages follow Triton's http_server.cc wording.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .backend import InferResponse, InputTensor, OutputRequest, bad
+from .http_protocol import Response
+
+INFER_HEADER = "inference-header-content-length"
+_RESERVED_PREFIX = "triton_"
+
+
+@dataclass
+class InferCall:
+    """A parsed infer request: what `Backend.infer` takes besides the model."""
+
+    inputs: list[InputTensor]
+    outputs: Optional[list[OutputRequest]]
+    id: str = ""
+    binary_default: bool = False
+    params: dict = field(default_factory=dict)  # sequence_*, priority, timeout_us
+
+
+# --- JSON field checks (TritonJson's AsUInt / AsBool / AsString) ------------------
+
+def _uint(value: Any, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise bad(f"Unable to parse '{what}': expected an unsigned integer, got {_short(value)}")
+    return value
+
+
+def _bool(value: Any, what: str) -> bool:
+    if type(value) is not bool:
+        raise bad(f"Unable to parse '{what}': expected a boolean, got {_short(value)}")
+    return value
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise bad(f"Unable to parse '{what}': expected a string, got {_short(value)}")
+    return value
+
+
+def _obj(value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise bad(f"Unable to parse '{what}': expected an object, got {_short(value)}")
+    return value
+
+
+def _list(value: Any, what: str) -> list:
+    if not isinstance(value, list):
+        raise bad(f"Unable to parse '{what}': expected an array, got {_short(value)}")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, (bytes, bytearray)) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def load_json(data: Any, what: str = "request") -> Any:
+    """A JSON document from bytes; a clear 400 for anything else (including
+    nesting deep enough to exhaust the parser's recursion)."""
+    try:
+        return json.loads(bytes(data))
+    except json.JSONDecodeError as exc:
+        raise bad(f"failed to parse the {what} JSON buffer: {exc.msg} at {exc.pos}") from None
+    except UnicodeDecodeError as exc:
+        raise bad(f"failed to parse the {what} JSON buffer: not UTF-8 at {exc.start}") from None
+    except RecursionError:
+        raise bad(f"failed to parse the {what} JSON buffer: nested too deeply") from None
+
+
+# --- the request ---------------------------------------------------------------
+
+def header_length(headers: dict, body_size: int) -> Optional[int]:
+    """Where the JSON ends: None if the whole body is JSON."""
+    text = headers.get(INFER_HEADER)
+    if text is None:
+        return None
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise bad(f"Unable to parse Inference-Header-Content-Length, got: {text[:40]}") from None
+    if value < 0 or value > body_size:
+        raise bad(f"inference header size should be in range (0, {body_size}), got: {text[:40]}")
+    if value == 0:
+        raise bad("a raw binary request (Inference-Header-Content-Length: 0, the whole body one "
+                  "input) is not supported: send the JSON header and binary_data_size")
+    return value
+
+
+def parse_infer(body: Any, headers: dict, model: str) -> InferCall:
+    size = len(body)
+    json_end = header_length(headers, size)
+    view = memoryview(body)
+    doc = _obj(load_json(view[:json_end] if json_end is not None else view), "request")
+    call = InferCall([], None)
+    if "id" in doc:
+        call.id = _str(doc["id"], "id")
+    _parse_params(doc.get("parameters"), call)
+    offset = json_end if json_end is not None else size
+    for i, item in enumerate(_list(doc.get("inputs"), "inputs")):
+        tensor, offset = _parse_input(_obj(item, f"inputs[{i}]"), view, offset, json_end, model)
+        call.inputs.append(tensor)
+    if offset != size:
+        raise bad(f"unexpected additional input data for model '{model}'")
+    if "outputs" in doc:
+        call.outputs = [_parse_output(_obj(o, "outputs"), model) for o in _list(doc["outputs"], "outputs")]
+    return call
+
+
+def _parse_params(params: Any, call: InferCall) -> None:
+    if params is None:
+        return
+    for key, value in _obj(params, "parameters").items():
+        if key == "sequence_id":
+            if not (isinstance(value, str) or (type(value) is int and value >= 0)):
+                raise bad(f"Unable to parse 'sequence_id': expected an unsigned integer or a string, "
+                          f"got {_short(value)}")
+            call.params["sequence_id"] = value
+        elif key in ("sequence_start", "sequence_end"):
+            call.params[key] = _bool(value, key)
+        elif key == "priority":
+            call.params["priority"] = _uint(value, key)
+        elif key == "timeout":
+            call.params["timeout_us"] = _uint(value, key)
+        elif key == "binary_data_output":
+            call.binary_default = _bool(value, key)
+        elif key.startswith(_RESERVED_PREFIX):
+            raise bad("parameter keys starting with 'triton_' are reserved for Triton usage and "
+                      "should not be specified.")
+        # other parameters are the model's: TorchScript models take none
+
+
+def _content_kind(item: dict, params: dict) -> str:
+    kinds = [k for k, present in (("data", "data" in item),
+                                  ("binary_data_size", "binary_data_size" in params),
+                                  ("shared_memory_region", "shared_memory_region" in params)) if present]
+    if len(kinds) != 1:
+        found = " no field is set" if not kinds else " set " + " ".join(f"'{k}'" for k in kinds)
+        raise bad("Input must set only one of the following fields: 'data', 'binary_data_size' in "
+                  "'parameters', 'shared_memory_region' in 'parameters'. But" + found)
+    return kinds[0]
+
+
+def _parse_input(item: dict, view: memoryview, offset: int, json_end: Optional[int],
+                 model: str) -> tuple[InputTensor, int]:
+    name = _str(item.get("name"), "name")
+    datatype = _str(item.get("datatype"), f"datatype' of '{name}")
+    shape = [_uint(d, f"shape' of '{name}") for d in _list(item.get("shape"), f"shape' of '{name}")]
+    params = _obj(item.get("parameters", {}), f"parameters' of '{name}")
+    tensor = InputTensor(name, datatype, shape)
+    kind = _content_kind(item, params)
+    if kind == "data":
+        tensor.values = _list(item["data"], f"data' of '{name}")
+    elif kind == "shared_memory_region":
+        tensor.region = _str(params["shared_memory_region"], "shared_memory_region")
+        tensor.byte_size = _uint(params.get("shared_memory_byte_size", 0), "shared_memory_byte_size")
+        tensor.offset = _uint(params.get("shared_memory_offset", 0), "shared_memory_offset")
+    else:
+        n = _uint(params["binary_data_size"], f"binary_data_size' of '{name}")
+        if json_end is None and n:
+            raise bad("must specify valid 'Infer-Header-Content-Length' in request header and "
+                      "'binary_data_size' when passing inputs in binary data format")
+        if offset + n > len(view):
+            raise bad(f"unexpected size for input '{name}', expecting {offset + n - len(view)} "
+                      f"additional bytes for model '{model}'")
+        tensor.raw = view[offset:offset + n]
+        offset += n
+    return tensor, offset
+
+
+def _parse_output(item: dict, model: str) -> OutputRequest:
+    name = _str(item.get("name"), "name")
+    params = _obj(item.get("parameters", {}), f"parameters' of output '{name}")
+    out = OutputRequest(name)
+    if "binary_data" in params:
+        out.binary = _bool(params["binary_data"], "binary_data")
+    if "classification" in params:
+        out.classification = _uint(params["classification"], "classification")
+    if "shared_memory_region" in params:
+        if "classification" in params:
+            raise bad("Output can't set both 'shared_memory_region' and 'classification'")
+        if out.binary:
+            raise bad("Output can't set both 'shared_memory_region' and 'binary_data'")
+        out.region = _str(params["shared_memory_region"], "shared_memory_region")
+        out.byte_size = _uint(params.get("shared_memory_byte_size", 0), "shared_memory_byte_size")
+        out.offset = _uint(params.get("shared_memory_offset", 0), "shared_memory_offset")
+    return out
+
+
+# --- the response --------------------------------------------------------------
+
+def _nbytes(chunk: Any) -> int:
+    return chunk.nbytes if isinstance(chunk, memoryview) else len(chunk)
+
+
+def encode_infer(result: InferResponse, accept_encoding: Optional[str]) -> Response:
+    """The response document and the binary outputs after it, as views of
+    the worker's memory (compressed only if the client asked)."""
+    outputs, binaries = [], []
+    for t in result.outputs:
+        out: dict = {"name": t.name, "datatype": t.datatype, "shape": t.shape}
+        if t.region is not None:
+            pass                            # Triton says nothing more of an output in a region
+        elif t.binary:
+            raw = t.raw()
+            out["parameters"] = {"binary_data_size": _nbytes(raw)}
+            if _nbytes(raw):
+                binaries.append(raw)
+        else:
+            out["data"] = t.values()
+        outputs.append(out)
+    doc: dict = {"id": result.id} if result.id else {}
+    doc.update(model_name=result.model_name, model_version=result.model_version, outputs=outputs)
+    head = json.dumps(doc, separators=(",", ":")).encode()
+    headers: tuple = ()
+    content_type = "application/json"
+    if binaries:
+        content_type = "application/octet-stream"
+        headers = (("Inference-Header-Content-Length", str(len(head))),)
+    chunks = [head, *binaries]
+    encoding = response_encoding(accept_encoding)
+    if encoding != "identity":
+        chunks = [compress(b"".join(chunks), encoding)]
+        headers += (("Content-Encoding", encoding),)
+    return Response(200, chunks, content_type, headers)
+
+
+# --- compression -------------------------------------------------------------------
+
+def response_encoding(accept: Optional[str]) -> str:
+    """gzip, deflate or identity: the highest q among those (Triton's
+    CompressionTypeUsed)."""
+    best, weight = "identity", 0.0
+    for part in (accept or "").split(","):
+        kind, _, q = part.strip().partition(";q=")
+        try:
+            w = float(q) if q else 1.0
+        except ValueError:
+            continue
+        if kind in ("identity", "gzip", "deflate") and w > weight:
+            best, weight = kind, w
+    return best
+
+
+def compress(data: bytes, encoding: str) -> bytes:
+    if encoding == "gzip":
+        c = zlib.compressobj(wbits=31)      # the gzip container
+        return c.compress(data) + c.flush()
+    return zlib.compress(data)              # HTTP "deflate" is the zlib format (tritonclient's too)
+
+
+def decompress(body: Any, encoding: str, limit: int) -> bytes:
+    """The body of a request sent with Content-Encoding, never more than
+    `limit` bytes however small the compressed body (a bomb stops there)."""
+    d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise bad(f"unable to decompress the {encoding} request body: {exc}") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise bad(f"the decompressed request body exceeds the limit of {limit} bytes")
+    if not d.eof:
+        raise bad(f"unable to decompress the {encoding} request body: it is truncated")
+    return out

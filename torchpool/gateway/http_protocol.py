@@ -1,0 +1,416 @@
+"""HTTP/1.1 for the gateway: an asyncio protocol per connection, httptools
+(llhttp, in C) for the request line and headers, no framework.
+
+Why not a framework: a tiny inference request is a few hundred bytes each way
+and every microsecond in the server is latency the client sees; uvicorn's
+ASGI layer and aiohttp's request objects cost more per request than this
+whole module (figures in the commit that added it).
+
+A connection serves its requests one at a time, in order. Pipelined requests
+wait parsed: once more than MAX_PIPELINED wait, reading pauses (what one
+read of SCRATCH_BYTES held is parsed whole, so that bounds the queue too).
+A body whose size is known (Content-Length) is received straight into one
+buffer of that size: the socket reads into it, nothing is copied before the
+gateway's single copy into shared memory. Responses are written as a header plus the caller's
+chunks (memoryviews of the worker's shared memory are written as they are).
+
+Limits on what a client can make us hold (`Limits`): the body size, the
+header size, the requests parsed ahead, and deadlines (the headers of a
+request must arrive within `header_timeout` of its first byte, a body or a
+response must make progress every `io_timeout`, an idle keep-alive
+connection is closed after `idle_timeout`). A malformed request is answered
+400 in its turn and the connection closed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional
+
+import httptools
+
+log = logging.getLogger("torchpool.gateway.http")
+
+# A body is held whole in memory: 1 GiB is far above any tensor Triton takes
+# by default (--http-max-input-size, 64 MiB) and keeps a hostile peer from
+# asking for the machine.
+MAX_BODY_BYTES = 1 << 30
+MAX_HEADER_BYTES = 64 << 10         # request line + headers (llhttp has no limit of its own)
+MAX_PIPELINED = 16                  # parsed requests waiting behind the one being served
+MAX_PIPELINED_BYTES = 64 << 20      # ... and their bodies in all
+SCRATCH_BYTES = 64 << 10            # the read buffer for headers and small bodies
+
+_REASONS = {200: "OK", 100: "Continue", 400: "Bad Request", 404: "Not Found",
+            405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large",
+            429: "Too Many Requests", 431: "Request Header Fields Too Large",
+            500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body: int = MAX_BODY_BYTES
+    max_header: int = MAX_HEADER_BYTES
+    header_timeout: float = 30.0    # first byte of a request -> end of its headers
+    io_timeout: float = 60.0        # longest pause while a body arrives or a response leaves
+    idle_timeout: float = 300.0     # a keep-alive connection with nothing to do
+
+
+@dataclass
+class Request:
+    method: str
+    path: str                       # as sent, query string included
+    headers: dict                   # lower-case name -> value (latin-1 text)
+    body: Any                       # bytes, bytearray or b""
+    keep_alive: bool = True
+
+
+@dataclass
+class Response:
+    status: int
+    chunks: list                    # bytes-like, written in order after the headers
+    content_type: Optional[str] = "application/json"
+    headers: tuple = ()             # extra (name, value) pairs
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class _Reject(Exception):
+    """A request we answer with an error and then close the connection."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def error_response(status: int, message: str, headers: tuple = ()) -> Response:
+    return Response(status, [json.dumps({"error": message}).encode()], headers=headers)
+
+
+def _head(status: int, content_type: Optional[str], length: int, headers: tuple, close: bool) -> bytes:
+    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
+    if content_type:
+        lines.append(f"Content-Type: {content_type}")
+    lines.extend(f"{k}: {v}" for k, v in headers)
+    lines.append(f"Content-Length: {length}")
+    if close:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+class _Partial:
+    """The request being received."""
+
+    __slots__ = ("url", "headers", "size", "length", "buf", "filled", "whole", "method", "keep_alive",
+                 "upgrade")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: dict = {}
+        self.size = 0               # header bytes so far
+        self.length: Optional[int] = None
+        self.buf: Optional[bytearray] = None
+        self.filled = 0
+        self.whole: Any = None      # a body that came in one piece, kept as it came
+        self.method = ""
+        self.keep_alive = True
+        self.upgrade = False
+
+    def body(self) -> Any:
+        if self.buf is not None:
+            return self.buf
+        return self.whole if self.whole is not None else b""
+
+
+class HttpConnection(asyncio.BufferedProtocol):
+    """One client connection; `server` gives the handler, the limits, the
+    loop and the set of connections (http_server.HttpServer)."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.limits = server.limits
+        self.loop = server.loop
+        self.transport: Any = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self.direct: Optional[memoryview] = None    # the rest of a body, read into place
+        self.cur: Optional[_Partial] = None
+        self.queue: deque = deque()                 # Request, or _Reject to answer in turn
+        self.queued_bytes = 0
+        self.task: Optional[asyncio.Task] = None
+        self.closed = False
+        self.reading = True
+        self.stopped = False                        # no more requests will be parsed
+        self.lingering = False
+        self.drained: Optional[asyncio.Future] = None
+        self.deadline = math.inf
+
+    # --- transport events -----------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.deadline = self.loop.time() + self.limits.idle_timeout
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        # a request being served finishes; its answer is dropped
+        self.closed = True
+        self.server.connections.discard(self)
+        self._wake_writer()
+
+    def pause_writing(self) -> None:
+        if self.drained is None:
+            self.drained = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+        self.drained = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.direct if self.direct is not None else self.scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.stopped:
+            return
+        if self.direct is not None:
+            self._direct_received(nbytes)
+            return
+        data = self.scratch[:nbytes]
+        while data is not None:
+            data = self._feed(data)
+        cur = self.cur
+        if cur is None or cur.length is None or not cur.method:
+            return                          # between requests, in headers, or chunked
+        if cur.buf is None and cur.whole is None and cur.length > SCRATCH_BYTES:
+            cur.buf = bytearray(cur.length)     # a big body not begun: all of it into place
+        if cur.buf is not None and cur.filled < cur.length:
+            # the rest of this body goes straight into its buffer, past the parser
+            self.direct = memoryview(cur.buf)[cur.filled:]
+
+    def _feed(self, data: memoryview) -> Optional[memoryview]:
+        """Parse `data`; what is left to parse after an Upgrade request."""
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            self._reject(cause if isinstance(cause, _Reject) else _Reject(400, f"malformed HTTP request: {cause}"))
+        except httptools.HttpParserUpgrade as exc:
+            # Upgrade is ignored (a server may; curl --http2 asks for h2c):
+            # the request is served as plain HTTP/1.1
+            self.parser = httptools.HttpRequestParser(self)
+            return self._upgrade_body(data[exc.args[0]:])
+        except httptools.HttpParserError as exc:
+            self._reject(_Reject(400, f"malformed HTTP request: {exc}"))
+        return None
+
+    def _upgrade_body(self, rest: memoryview) -> Optional[memoryview]:
+        """llhttp ends an Upgrade request at its headers: read its body here;
+        what is left to parse after it (None: the body goes on)."""
+        cur = self.cur
+        if cur is None or not cur.length:
+            return rest
+        cur.buf = bytearray(cur.length)
+        cur.filled = min(len(rest), cur.length)
+        cur.buf[:cur.filled] = rest[:cur.filled]
+        if cur.filled < cur.length:
+            return None                     # buffer_updated reads the rest into place
+        self._complete()
+        return rest[cur.length:]
+
+    def eof_received(self) -> Optional[bool]:
+        # a half-closed client still gets the answers to what it sent
+        self.stopped = True
+        return self.task is not None and not self.lingering
+
+    def _direct_received(self, nbytes: int) -> None:
+        self.deadline = self.loop.time() + self.limits.io_timeout
+        self.direct = self.direct[nbytes:]
+        if len(self.direct):
+            return
+        self.direct = None
+        self.cur.filled = self.cur.length
+        # the parser still waits for this body: a fresh one reads the next request
+        self.parser = httptools.HttpRequestParser(self)
+        self._complete()
+
+    # --- parser callbacks ------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.cur = _Partial()
+        self.deadline = self.loop.time() + self.limits.header_timeout
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        self.cur.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value) + 4)
+        self.cur.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def _count(self, n: int) -> None:
+        self.cur.size += n
+        if self.cur.size > self.limits.max_header:
+            raise _Reject(431, f"request headers exceed {self.limits.max_header} bytes")
+
+    def on_headers_complete(self) -> None:
+        cur = self.cur
+        cur.method = self.parser.get_method().decode("latin-1")
+        cur.keep_alive = self.parser.should_keep_alive()
+        cur.upgrade = self.parser.should_upgrade()
+        if cur.upgrade and "transfer-encoding" in cur.headers:
+            raise _Reject(400, "an Upgrade request with a chunked body is not supported")
+        length = cur.headers.get("content-length")
+        if length is not None and "transfer-encoding" not in cur.headers:
+            cur.length = int(length)        # llhttp checked it is a number
+            if cur.length > self.limits.max_body:
+                raise _Reject(413, f"request body of {cur.length} bytes exceeds the limit of "
+                                   f"{self.limits.max_body} bytes")
+        if cur.headers.get("expect", "").lower() == "100-continue":
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.deadline = self.loop.time() + self.limits.io_timeout
+
+    def on_body(self, chunk: bytes) -> None:
+        cur = self.cur
+        if cur.length is not None:
+            if cur.buf is None:
+                if len(chunk) == cur.length:        # all in one read: keep it as it came
+                    cur.whole = chunk
+                    return
+                cur.buf = bytearray(cur.length)
+            cur.buf[cur.filled:cur.filled + len(chunk)] = chunk
+            cur.filled += len(chunk)
+            return
+        # chunked: gathered as it comes, within the limit
+        if cur.buf is None:
+            cur.buf = bytearray()
+        if len(cur.buf) + len(chunk) > self.limits.max_body:
+            raise _Reject(413, f"request body exceeds the limit of {self.limits.max_body} bytes")
+        cur.buf += chunk
+
+    def on_message_complete(self) -> None:
+        if not (self.cur.upgrade and self.cur.length):
+            self._complete()
+
+    def _complete(self) -> None:
+        cur, self.cur = self.cur, None
+        path = cur.url.decode("latin-1")
+        body = cur.body()
+        self.queued_bytes += len(body)
+        self.queue.append(Request(cur.method, path, cur.headers, body, cur.keep_alive))
+        if not cur.keep_alive:
+            self.stopped = True             # whatever follows is not read
+        self._kick()
+
+    # --- serving -------------------------------------------------------------------
+
+    def _reject(self, why: _Reject) -> None:
+        """Answer `why` after the requests before it, then close: the stream
+        cannot be trusted past a bad request."""
+        self.stopped = True
+        self.direct = None
+        self.cur = None
+        self.queue.append(why)
+        self._kick()
+
+    def _kick(self) -> None:
+        if self.task is None:
+            self.task = self.loop.create_task(self._serve())
+        if self.reading and (len(self.queue) > MAX_PIPELINED or self.queued_bytes > MAX_PIPELINED_BYTES):
+            self.reading = False
+            self.transport.pause_reading()
+
+    async def _serve(self) -> None:
+        try:
+            while self.queue and not self.closed:
+                item = self.queue.popleft()
+                if isinstance(item, _Reject):
+                    self._write(error_response(item.status, str(item)), close=True, linger=True)
+                    return
+                self.queued_bytes -= len(item.body)
+                self._resume_reading()
+                response = await self._answer(item)
+                if self.closed:
+                    return
+                close = not item.keep_alive or (self.stopped and not self.queue)
+                self._write(response, close)
+                del response, item          # the views of shared memory go with the transport
+                if close:
+                    return
+                if self.drained is not None:
+                    await self._drain()
+        finally:
+            self.task = None
+            if self.cur is None and not self.closed and not self.lingering:
+                self.deadline = self.loop.time() + self.limits.idle_timeout
+
+    async def _answer(self, request: Request) -> Response:
+        try:
+            return await self.server.handler(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception:                   # a bug must not take the connection's order with it
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            return error_response(500, "internal error in the HTTP gateway")
+
+    async def _drain(self) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self.drained), self.limits.io_timeout)
+        except asyncio.TimeoutError:        # a peer that does not read its answers
+            self.transport.abort()
+
+    def _resume_reading(self) -> None:
+        if not self.reading and len(self.queue) <= MAX_PIPELINED // 2 \
+                and self.queued_bytes <= MAX_PIPELINED_BYTES // 2 and not self.closed:
+            self.reading = True
+            self.transport.resume_reading()
+
+    def _write(self, response: Response, close: bool, linger: bool = False) -> None:
+        length = sum(len(c) if not isinstance(c, memoryview) else c.nbytes for c in response.chunks)
+        head = _head(response.status, response.content_type, length, response.headers, close)
+        write = self.transport.write
+        if len(response.chunks) == 1 and length < 16384:
+            write(head + bytes(response.chunks[0]))     # one send for a small answer
+        else:
+            write(head)
+            for chunk in response.chunks:
+                if len(chunk):
+                    write(chunk)
+        if linger and self.transport.can_write_eof():
+            self._linger()
+        elif close:
+            self.transport.close()
+
+    def _linger(self) -> None:
+        """After refusing a request whose body may still be coming: stop
+        sending but read on (and drop) for up to `io_timeout`, so that the
+        client reads the answer instead of a reset from closing on unread data."""
+        self.lingering = True
+        self.transport.write_eof()
+        if not self.reading:
+            self.reading = True
+            self.transport.resume_reading()
+        self.deadline = self.loop.time() + self.limits.io_timeout
+
+    def shutdown(self) -> None:
+        """The server closes: answer what was received, read nothing more."""
+        self.stopped = True
+        if self.task is None:
+            self.transport.close()
+        elif self.reading:
+            self.reading = False
+            self.transport.pause_reading()
+
+    def expired(self, now: float) -> bool:
+        """Past its deadline: receiving a request too slowly, or idle too long
+        (a connection whose request is being served is never idle)."""
+        if self.task is not None and self.cur is None:
+            return False
+        return now > self.deadline

@@ -1,0 +1,311 @@
+"""KServe v2 / Triton HTTP/REST endpoint: Triton's paths, JSON and status codes.
+
+    server = await start_http(backend, "127.0.0.1", 8000)   # binds now; OSError if it cannot
+    ... server.port ... await server.close()
+
+Routes are Triton's (its http_server.cc regexes); each handler parses the
+request, makes one `Backend` call and writes the answer: Triton's JSON for
+the call, `{"error": "..."}` with Triton's status for a failure (404 for an
+unknown model, 400 for a bad argument, 503 unavailable, 501 unsupported,
+`Backend.http_status`). HTTP itself is http_protocol.py; the infer body and
+the binary tensor extension are http_binary.py.
+
+Where torchpool has no counterpart, the answer is Triton's own for a server
+built without the feature: tracing, dynamic logging ("the server does not
+support ..."), CUDA shared memory (status empty, unregister a no-op,
+register refused as on a server without GPUs).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any, Optional
+from urllib.parse import unquote
+
+from ..protocol import errors
+from ..protocol.errors import TorchpoolError
+from .backend import Backend, bad, http_status
+from .http_binary import decompress, encode_infer, load_json, parse_infer
+from .http_protocol import Handler, HttpConnection, Limits, Request, Response, error_response
+
+__all__ = ["HttpServer", "Limits", "start_http"]
+
+_MODEL = re.compile(r"/v2/models/([^/]+)(?:/versions/([0-9]+))?"
+                    r"(?:/(infer|generate|generate_stream|ready|config|stats|trace/setting))?")
+_HEALTH = re.compile(r"/v2(?:/health/(live|ready))?")
+_SYSTEM_SHM = re.compile(r"/v2/systemsharedmemory(?:/region/([^/]+))?/(status|register|unregister)")
+_CUDA_SHM = re.compile(r"/v2/cudasharedmemory(?:/region/([^/]+))?/(status|register|unregister)")
+_REPOSITORY = re.compile(r"/v2/repository(?:/([^/]+))?/(index|models/([^/]+)/(load|unload))")
+
+_EMPTY = Response(200, [], None)
+
+
+def _json(value: Any) -> Response:
+    return Response(200, [json.dumps(value, separators=(",", ":")).encode()])
+
+
+def _not_allowed() -> Response:
+    return error_response(405, "Method Not Allowed")
+
+
+def _unavailable(message: str) -> TorchpoolError:
+    return TorchpoolError(errors.UNAVAILABLE, message)
+
+
+class _ErrorWithHeaders(TorchpoolError):
+    def __init__(self, code: str, message: str, headers: tuple) -> None:
+        super().__init__(code, message)
+        self.headers = headers
+
+
+def _name(text: Optional[str]) -> str:
+    """A path segment as the client meant it (tritonclient quotes names)."""
+    return unquote(text) if text else ""
+
+
+def _body_json(request: Request) -> Optional[dict]:
+    """The body of a control call: None when empty (Triton allows that)."""
+    if not len(request.body):
+        return None
+    doc = load_json(request.body)
+    if not isinstance(doc, dict):
+        raise bad("failed to parse the request JSON buffer: expected an object")
+    return doc
+
+
+class Router:
+    """Request -> Response for Triton's HTTP API, over one `Backend`."""
+
+    def __init__(self, backend: Backend, limits: Limits) -> None:
+        self.backend = backend
+        self.limits = limits
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.path.partition("?")[0]
+        try:
+            return await self._route(request, path)
+        except TorchpoolError as exc:
+            return error_response(http_status(exc.code), exc.message, getattr(exc, "headers", ()))
+
+    async def _route(self, request: Request, path: str) -> Response:
+        if path == "/v2/models/stats":
+            return await self._stats(request, "", "")
+        if path == "/v2/logging":
+            return self._unsupported(request, ("GET", "POST"), "the server does not support dynamic logging")
+        m = _MODEL.fullmatch(path)
+        if m and not (m.group(3) == "trace/setting" and m.group(2)):
+            return await self._model(request, _name(m.group(1)), m.group(2) or "", m.group(3) or "")
+        if (m := _HEALTH.fullmatch(path)) is not None:
+            return await self._health(request, m.group(1))
+        if (m := _SYSTEM_SHM.fullmatch(path)) is not None:
+            return await self._system_shm(request, _name(m.group(1)), m.group(2))
+        if (m := _CUDA_SHM.fullmatch(path)) is not None:
+            return self._cuda_shm(request, _name(m.group(1)), m.group(2))
+        if (m := _REPOSITORY.fullmatch(path)) is not None:
+            return await self._repository(request, m.group(1), m.group(2), _name(m.group(3)), m.group(4))
+        if path == "/v2/trace/setting":
+            return self._unsupported(request, ("GET", "POST"), "the server does not support tracing")
+        return error_response(404, "Not Found")
+
+    @staticmethod
+    def _unsupported(request: Request, methods: tuple, message: str) -> Response:
+        if request.method not in methods:
+            return _not_allowed()
+        raise _unavailable(message)
+
+    # --- health and metadata -----------------------------------------------------
+
+    async def _health(self, request: Request, kind: Optional[str]) -> Response:
+        if request.method != "GET":
+            return _not_allowed()
+        if kind is None:                                    # GET /v2
+            return _json(await self.backend.server_metadata())
+        ok = await (self.backend.live() if kind == "live" else self.backend.ready())
+        return _EMPTY if ok else Response(400, [], None)
+
+    async def _model(self, request: Request, model: str, version: str, kind: str) -> Response:
+        if kind == "infer":
+            return await self._infer(request, model, version) if request.method == "POST" else _not_allowed()
+        if kind == "trace/setting":
+            return self._unsupported(request, ("GET", "POST"), "the server does not support tracing")
+        if kind in ("generate", "generate_stream"):
+            return self._unsupported(request, ("POST",), "the server does not support the generate extension")
+        if kind == "stats":
+            return await self._stats(request, model, version)
+        if request.method != "GET":
+            return _not_allowed()
+        if kind == "ready":
+            if await self.backend.model_ready(model, version):
+                return _EMPTY
+            return error_response(400, "Model version not ready")
+        if kind == "config":
+            return _json(await self.backend.model_config(model, version))
+        return _json(await self.backend.model_metadata(model, version))
+
+    async def _stats(self, request: Request, model: str, version: str) -> Response:
+        if request.method != "GET":
+            return _not_allowed()
+        return _json(await self.backend.statistics(model, version))
+
+    # --- inference ------------------------------------------------------------------
+
+    async def _infer(self, request: Request, model: str, version: str) -> Response:
+        body = request.body
+        encoding = request.headers.get("content-encoding", "").strip().lower()
+        if encoding in ("gzip", "deflate"):
+            body = decompress(body, encoding, self.limits.max_body)
+        elif encoding not in ("", "identity"):
+            raise _ErrorWithHeaders(errors.UNSUPPORTED, "Unsupported compression type",
+                                    (("Accept-Encoding", "gzip, deflate"),))
+        call = parse_infer(body, request.headers, model)
+        result = await self.backend.infer(model, version, call.inputs, call.outputs, call.id,
+                                          call.binary_default, **call.params)
+        return encode_infer(result, request.headers.get("accept-encoding"))
+
+    # --- repository ------------------------------------------------------------------
+
+    async def _repository(self, request: Request, repository: Optional[str], kind: str,
+                          model: str, action: Optional[str]) -> Response:
+        if request.method != "POST":
+            return _not_allowed()
+        doc = _body_json(request)
+        if kind == "index":
+            ready = (doc or {}).get("ready", False)
+            if not isinstance(ready, bool):
+                raise bad("Invalid value for 'ready': expected a boolean")
+            return _json(await self.backend.repository_index(ready))
+        if repository:
+            raise TorchpoolError(errors.UNSUPPORTED, "'repository_name' specification is not supported")
+        params = (doc or {}).get("parameters", {})
+        if not isinstance(params, dict):
+            raise bad(f"Unable to parse 'parameters' of the {action} request for model '{model}': "
+                      f"expected an object")
+        if action == "unload":
+            if not isinstance(params.get("unload_dependents", False), bool):
+                raise bad("Unable to parse 'unload_dependents': expected a boolean")
+            await self.backend.unload(model)
+            return Response(200, [])
+        await self.backend.load(model, *self._load_params(model, params))
+        return Response(200, [])
+
+    @staticmethod
+    def _load_params(model: str, params: dict) -> tuple[Optional[str], dict]:
+        config, files = None, {}
+        for key, value in params.items():
+            if not isinstance(value, str):
+                raise bad(f"Unable to parse load parameter '{key}' for model '{model}': expected a string")
+            if key == "config":
+                config = value
+            elif key.startswith("file:"):
+                files[key] = value
+            else:
+                raise bad(f"unexpected load parameter '{key}' for model '{model}': expected 'config' "
+                          f"or 'file:<path>'")
+        return config, files
+
+    # --- shared memory -----------------------------------------------------------------
+
+    async def _system_shm(self, request: Request, region: str, action: str) -> Response:
+        if request.method != ("GET" if action == "status" else "POST"):
+            return _not_allowed()
+        if action == "status":
+            return _json(await self.backend.shm_status(region))
+        if action == "unregister":
+            await self.backend.unregister_shm(region)
+            return Response(200, [])
+        if not region:
+            raise bad("'region name' is necessary to register system shared memory region")
+        doc = load_json(request.body)
+        if not isinstance(doc, dict):
+            raise bad("failed to parse the request JSON buffer: expected an object")
+        key, offset, byte_size = self._register_fields(doc)
+        await self.backend.register_shm(region, key, offset, byte_size)
+        return Response(200, [])
+
+    @staticmethod
+    def _register_fields(doc: dict) -> tuple[str, int, int]:
+        if "key" not in doc:
+            raise bad("Shared memory register request has no 'key' field")
+        if "byte_size" not in doc:
+            raise bad("Shared memory register request has no 'byte_size' field")
+        key, offset, byte_size = doc["key"], doc.get("offset", 0), doc["byte_size"]
+        if not isinstance(key, str):
+            raise bad("Unable to parse 'key': expected a string")
+        for what, value in (("offset", offset), ("byte_size", byte_size)):
+            if type(value) is not int or value < 0:
+                raise bad(f"Unable to parse '{what}': expected an unsigned integer")
+        return key, offset, byte_size
+
+    @staticmethod
+    def _cuda_shm(request: Request, region: str, action: str) -> Response:
+        if request.method != ("GET" if action == "status" else "POST"):
+            return _not_allowed()
+        if action == "status":
+            if region:
+                raise TorchpoolError(errors.NOT_FOUND, f"Unable to find cuda shared memory region: '{region}'")
+            return _json([])
+        if action == "unregister":
+            return Response(200, [])
+        if not region:
+            raise bad("'region name' is necessary to register cuda shared memory region")
+        raise bad(f"failed to register CUDA shared memory region: '{region}', GPUs not supported")
+
+
+class HttpServer:
+    """A listening socket and its connections; `port` is the bound one."""
+
+    def __init__(self, handler: Handler, limits: Limits) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[HttpConnection] = set()
+        self.port = 0
+        self._server: Any = None
+        self._sweeper: Optional[asyncio.Task] = None
+
+    async def start(self, host: str, port: int) -> "HttpServer":
+        self._server = await self.loop.create_server(lambda: HttpConnection(self), host, port,
+                                                     reuse_address=True, backlog=1024)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._sweeper = self.loop.create_task(self._sweep())
+        return self
+
+    async def _sweep(self) -> None:
+        """One timer for all connections (a timer per request costs more)."""
+        limits = self.limits
+        interval = min(1.0, limits.header_timeout / 4, limits.io_timeout / 4, limits.idle_timeout / 4)
+        while True:
+            await asyncio.sleep(interval)
+            now = self.loop.time()
+            for conn in [c for c in self.connections if c.expired(now)]:
+                conn.transport.abort()
+
+    async def close(self, grace: float = 60.0) -> None:
+        """Stop listening and reading; the requests received are answered
+        (within `grace` s, then cancelled: the daemon drains meanwhile), then
+        every connection is closed."""
+        if self._server is None:
+            return
+        self._server.close()
+        self._sweeper.cancel()
+        for conn in list(self.connections):
+            conn.shutdown()
+        tasks = [c.task for c in self.connections if c.task is not None]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=grace)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        for conn in list(self.connections):
+            conn.transport.close()
+        await asyncio.gather(self._sweeper, return_exceptions=True)
+        await self._server.wait_closed()
+        self._server = None
+
+
+async def start_http(backend: Backend, host: str, port: int, limits: Limits = Limits()) -> HttpServer:
+    """Serve Triton's HTTP/REST API for `backend` on host:port (0 = any free
+    port, then see `.port`). Binds before returning; raises OSError if the
+    address cannot be bound."""
+    return await HttpServer(Router(backend, limits), limits).start(host, port)
