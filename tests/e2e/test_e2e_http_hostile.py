@@ -151,6 +151,16 @@ def test_malformed_json(port: int) -> None:
     assert_serves(port)
 
 
+def test_json_over_its_limit(port: int) -> None:
+    from torchpool.gateway.http_binary import MAX_JSON_BYTES
+
+    body = b"{" + b" " * MAX_JSON_BYTES + b"}"
+    status, _, answer = request(port, "POST", IDENTITY, body)
+    assert (status, error_of(answer)) == (400, f"request JSON size of {len(body)} bytes exceeds the maximum "
+                                               f"allowed input size of {MAX_JSON_BYTES} bytes")
+    assert_serves(port)
+
+
 # --- malformed HTTP ------------------------------------------------------------------
 
 @pytest.mark.parametrize("raw, status", [

@@ -20,6 +20,9 @@ from .backend import InferResponse, InputTensor, OutputRequest, bad
 from .http_protocol import Response
 
 INFER_HEADER = "inference-header-content-length"
+# Triton's default --http-max-input-size for the JSON document: parsed into
+# Python objects it takes several times its size, so it is checked first
+MAX_JSON_BYTES = 64 << 20
 _RESERVED_PREFIX = "triton_"
 
 
@@ -74,6 +77,9 @@ def _short(value: Any) -> str:
 def load_json(data: Any, what: str = "request") -> Any:
     """A JSON document from bytes; a clear 400 for anything else (including
     nesting deep enough to exhaust the parser's recursion)."""
+    if len(data) > MAX_JSON_BYTES:
+        raise bad(f"{what} JSON size of {len(data)} bytes exceeds the maximum allowed input size of "
+                  f"{MAX_JSON_BYTES} bytes")
     try:
         return json.loads(bytes(data))
     except json.JSONDecodeError as exc:
