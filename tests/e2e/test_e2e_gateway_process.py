@@ -89,10 +89,12 @@ def test_gateway_restarts_and_serves_the_same_port(small_repository: Path, tmp_p
 def test_gateway_dies_with_a_killed_daemon(small_repository: Path, tmp_path: Path) -> None:
     port = free_tcp_port()
     d = Daemon(small_repository, tmp_path, "--http-port", str(port)).start()
-    gateway = gateway_pid(d)
-    pids = [d.pid(), *descendants(d.pid())]
-    d.proc.send_signal(signal.SIGKILL)
-    d.proc.wait(30)
+    try:
+        gateway = gateway_pid(d)
+        pids = [d.pid(), *descendants(d.pid())]
+    finally:        # a failed lookup must not leave the daemon running
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait(30)
     wait_for(lambda: not alive(gateway), 30, "the gateway to exit after its daemon was killed")
     for p in pids:        # workers follow their broker the same way
         wait_for(lambda p=p: not alive(p), 30, f"process {p} to exit")
