@@ -114,7 +114,13 @@ def curve_keys(server_key: Optional[ServerKey], client_key: Optional[ClientKey])
     return server, public, secret
 
 
-def _handshake_problem(event: int, value: int) -> Optional[str]:
+_NO_KEYS = ("the security handshake failed: the server uses CURVE and this client has no "
+            "server_key/client_key")
+_MISMATCH = "the security handshake failed: this client uses CURVE and the server does not"
+_NO_DETAIL = "the CURVE handshake failed: check server_key (it must be the server's public key)"
+
+
+def _handshake_problem(event: int, value: int, has_keys: bool) -> Optional[str]:
     """What a failed handshake (a socket monitor event) says, in the user's terms."""
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         if value == 400:
@@ -122,10 +128,11 @@ def _handshake_problem(event: int, value: int) -> Optional[str]:
                     "in the server's authorized keys (--curve-authorized-keys)")
         return f"the server refused the connection (ZAP status {value})"
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        return ("the security handshake failed: the server uses CURVE and this client has no "
-                "server_key/client_key, or the reverse")
+        return _NO_KEYS if not has_keys else _MISMATCH
     if event in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-        return "the CURVE handshake failed: check server_key (it must be the server's public key)"
+        # without keys the handshake is NULL, which only fails against a CURVE
+        # server; the mismatch event itself may be lost to a retried connection
+        return _NO_DETAIL if has_keys else _NO_KEYS
     return None
 
 
@@ -197,6 +204,7 @@ class ClientBase:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._monitor: Optional[zmq.Socket] = None
         self._handshake: Optional[str] = None     # why the last handshake failed, if it did
+        self._has_keys = keys is not None
         if url.startswith("tcp://"):
             if keys is not None:
                 self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = keys
@@ -221,7 +229,11 @@ class ClientBase:
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._handshake = None
                 else:
-                    self._handshake = _handshake_problem(event["event"], event["value"]) or self._handshake
+                    problem = _handshake_problem(event["event"], event["value"], self._has_keys)
+                    # a retried connection may fail with no detail after one that said
+                    # why: the reason is kept
+                    if problem and (problem != _NO_DETAIL or self._handshake is None):
+                        self._handshake = problem
         return timeout_error(self.url, timeout, self._handshake)
 
     @staticmethod

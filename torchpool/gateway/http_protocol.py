@@ -139,6 +139,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.scratch = memoryview(bytearray(SCRATCH_BYTES))
         self.direct: Optional[memoryview] = None    # the rest of a body, read into place
         self.cur: Optional[_Partial] = None
+        self.refusal: Optional[_Reject] = None      # raised by a parser callback
         self.queue: deque = deque()                 # Request, or _Reject to answer in turn
         self.queued_bytes = 0
         self.task: Optional[asyncio.Task] = None
@@ -199,9 +200,11 @@ class HttpConnection(asyncio.BufferedProtocol):
         """Parse `data`; what is left to parse after an Upgrade request."""
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            self._reject(cause if isinstance(cause, _Reject) else _Reject(400, f"malformed HTTP request: {cause}"))
+        except httptools.HttpParserCallbackError:
+            # the callback's own exception is not reliably chained to this
+            # one (httptools may chain whatever exception was last handled),
+            # so a refusal is kept on the connection when it is made
+            self._reject(self.refusal or _Reject(400, "malformed HTTP request"))
         except httptools.HttpParserUpgrade as exc:
             # Upgrade is ignored (a server may; curl --http2 asks for h2c):
             # the request is served as plain HTTP/1.1
@@ -258,7 +261,7 @@ class HttpConnection(asyncio.BufferedProtocol):
     def _count(self, n: int) -> None:
         self.cur.size += n
         if self.cur.size > self.limits.max_header:
-            raise _Reject(431, f"request headers exceed {self.limits.max_header} bytes")
+            raise self._refuse(431, f"request headers exceed {self.limits.max_header} bytes")
 
     def on_headers_complete(self) -> None:
         cur = self.cur
@@ -266,12 +269,12 @@ class HttpConnection(asyncio.BufferedProtocol):
         cur.keep_alive = self.parser.should_keep_alive()
         cur.upgrade = self.parser.should_upgrade()
         if cur.upgrade and "transfer-encoding" in cur.headers:
-            raise _Reject(400, "an Upgrade request with a chunked body is not supported")
+            raise self._refuse(400, "an Upgrade request with a chunked body is not supported")
         length = cur.headers.get("content-length")
         if length is not None and "transfer-encoding" not in cur.headers:
             cur.length = int(length)        # llhttp checked it is a number
             if cur.length > self.limits.max_body:
-                raise _Reject(413, f"request body of {cur.length} bytes exceeds the limit of "
+                raise self._refuse(413, f"request body of {cur.length} bytes exceeds the limit of "
                                    f"{self.limits.max_body} bytes")
         if cur.headers.get("expect", "").lower() == "100-continue":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -292,7 +295,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         if cur.buf is None:
             cur.buf = bytearray()
         if len(cur.buf) + len(chunk) > self.limits.max_body:
-            raise _Reject(413, f"request body exceeds the limit of {self.limits.max_body} bytes")
+            raise self._refuse(413, f"request body exceeds the limit of {self.limits.max_body} bytes")
         cur.buf += chunk
 
     def on_message_complete(self) -> None:
@@ -310,6 +313,11 @@ class HttpConnection(asyncio.BufferedProtocol):
         self._kick()
 
     # --- serving -------------------------------------------------------------------
+
+    def _refuse(self, status: int, message: str) -> _Reject:
+        """A refusal raised from a parser callback; `_feed` answers it."""
+        self.refusal = _Reject(status, message)
+        return self.refusal
 
     def _reject(self, why: _Reject) -> None:
         """Answer `why` after the requests before it, then close: the stream
