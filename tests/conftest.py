@@ -70,11 +70,17 @@ def prefix():
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
+    """Only what this session made counts: a daemon running beside the suite
+    (scripts/run in another terminal) and its segments are not ours."""
     before = set(torchpool_segments())
-    # torchpool processes that ran before the session are not ours to wait for
-    strangers = {pid for pid, _ in torchpool_processes()}
     yield
-    wait_for(lambda: not [p for p in torchpool_processes() if p[0] not in strangers], 30,
-             "torchpool processes to exit")
-    left = set(torchpool_segments()) - before
+    wait_for(lambda: not torchpool_processes(ours_only=True), 30, "torchpool processes to exit")
+    strangers = {pid for pid, _ in torchpool_processes()}
+    left = {name for name in set(torchpool_segments()) - before if segment_owner(name) not in strangers}
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+def segment_owner(name: str) -> int:
+    """The pid in a segment's name (`torchpool.<daemon-id>.<pid>.<tag>`), 0 if none."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else 0

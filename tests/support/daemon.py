@@ -81,8 +81,25 @@ class Daemon:
         return self.proc.pid
 
 
-def torchpool_processes() -> list[tuple[int, str]]:
-    """Processes of ours still running (daemon, fork server, workers), but not us."""
+# Every process this test session starts inherits this marker in its
+# environment (forked workers too), so the session's leak checks count only
+# its own processes and not a daemon someone runs beside it (scripts/run).
+SESSION_MARKER = "TORCHPOOL_TEST_SESSION"
+os.environ.setdefault(SESSION_MARKER, f"{os.getpid()}.{time.time_ns()}")
+
+
+def of_this_session(pid: int) -> bool:
+    """True if `pid` was started by this test session (its environment says so)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"{SESSION_MARKER}={os.environ[SESSION_MARKER]}".encode() in environ.split(b"\0")
+
+
+def torchpool_processes(ours_only: bool = False) -> list[tuple[int, str]]:
+    """Processes of torchpool still running (daemon, fork server, workers), but
+    not us; only this test session's with `ours_only`."""
     found = []
     me = os.getpid()
     for entry in os.listdir("/proc"):
@@ -95,7 +112,7 @@ def torchpool_processes() -> list[tuple[int, str]]:
             continue
         if ") Z " in stat:      # a zombie waiting for its parent is already gone
             continue
-        if "torchpool" in cmd and "pytest" not in cmd:
+        if "torchpool" in cmd and "pytest" not in cmd and (not ours_only or of_this_session(int(entry))):
             found.append((int(entry), cmd))
     return found
 
