@@ -4,6 +4,10 @@ Every extension is optional: without a C compiler torchpool installs and
 works. Large shared-memory copies then take the ordinary path, BYTES
 tensors are walked in Python (much slower for many elements), and workers
 refuse client-owned regions, which are safe only under the SIGBUS guard.
+
+None needs torch or numpy headers: a client-only install (no extras) builds
+them too, and the client uses two of them (_streamcopy for large inputs into
+its arena, _bytescan for BYTES tensors).
 """
 from setuptools import Extension, setup
 

@@ -10,6 +10,7 @@ runs `a/b/__init__.py` first, but that is not a dependency of the importer).
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "torchpool"
@@ -122,3 +123,58 @@ def test_lower_layers_do_not_import_upper_ones() -> None:
                    if (m == f"torchpool.{layer}" or m.startswith(f"torchpool.{layer}."))
                    and t.startswith(banned))
     assert not wrong, wrong
+
+
+# What `pip install torchpool` (no extras) brings: setup.cfg's install_requires,
+# by import name. Anything else the client imports when loaded would need the
+# [server] extra (tests/unit/test_packaging.py installs it for real).
+CLIENT_IMPORTS = {"numpy", "zmq", "msgpack", "posix_ipc"}
+
+
+def imported_at_load(path: Path) -> set[str]:
+    """Top-level names of the modules `path` imports when it is loaded: its
+    module body and class bodies, not function bodies (a function may import
+    torch when the caller hands it a torch tensor: torch is loaded already)."""
+    found: set[str] = set()
+    todo: list[ast.AST] = [ast.parse(path.read_text(), str(path))]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def client_modules(graph: dict[str, set[str]]) -> set[str]:
+    """torchpool and torchpool.client with every torchpool module they reach."""
+    seen: set[str] = set()
+    todo = ["torchpool", "torchpool.client"]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(graph[name])
+    return seen
+
+
+def test_the_client_loads_only_its_own_dependencies() -> None:
+    """`import torchpool.client` needs numpy, pyzmq, msgpack and posix_ipc and
+    nothing of the server's (torch, the gateways' grpc/httptools/uvloop)."""
+    graph = import_graph()
+    modules = client_modules(graph)
+    server_side = ("broker", "worker", "gateway", "cli", "config", "perf")
+    assert not {m for m in modules for layer in server_side
+                if m == f"torchpool.{layer}" or m.startswith(f"torchpool.{layer}.")}, sorted(modules)
+    wrong = {}
+    for name in sorted(modules):
+        path = PACKAGE.parent.joinpath(*name.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        third_party = imported_at_load(path) - set(sys.stdlib_module_names) - {"torchpool"}
+        if third_party - CLIENT_IMPORTS:
+            wrong[name] = sorted(third_party - CLIENT_IMPORTS)
+    assert not wrong, f"client modules importing what a client install lacks: {wrong}"
+    assert imported_at_load(PACKAGE / "client" / "values.py") >= {"numpy"}   # the walk sees imports
