@@ -65,13 +65,15 @@ output { name: "Y" data_type: TYPE_FP32 dims: 4 }
 """
 
 
-def config(text: str = "", name: str = "m") -> ModelConfig:
-    """A validated config from pbtxt, with one input and one output unless given."""
+def config(text: str = "", name: str = "m", gpus: tuple[int, ...] = ()) -> ModelConfig:
+    """A validated config from pbtxt, with one input and one output unless
+    given, on a host showing `gpus` (none: the result does not depend on the
+    machine the test runs on)."""
     if not re.search(r"^\s*input\b", text, re.MULTILINE):
         text += IO
     data = parse_pbtxt(text, "config.pbtxt")
     data.setdefault("name", name)
-    return ModelConfig.from_json(data, "/r/m/config.pbtxt")
+    return ModelConfig.from_json(data, "/r/m/config.pbtxt", gpus=gpus)
 
 
 def minimal(**fields: Any) -> dict[str, Any]:
@@ -120,7 +122,7 @@ def test_repeated_fields_written_once_are_lists() -> None:
 
 
 def test_list_and_repetition_of_one_field_accumulate() -> None:
-    assert parse_pbtxt("dims: [1, 2] dims: 3 dims: []") == {"dims": [1, 2, 3]}
+    assert parse_pbtxt("input { dims: [1, 2] dims: 3 dims: [] }") == {"input": [{"dims": [1, 2, 3]}]}
 
 
 def test_nested_messages_with_colon_braces_and_angle_brackets() -> None:
@@ -186,8 +188,8 @@ def test_numbers() -> None:
           control_input { control { fp32_false_true: [ -2.5f, .5 ] } }
           control_input { control { fp32_false_true: [ -inf, nan ] } }
         }
-        unknown_float: 2.
-        unknown_negative: - 7
+        model_metrics { metric_control { histogram_options { buckets: [ 2., 5 ] } } }
+        optimization { graph { level: - 7 } }
     """)
     assert data["max_batch_size"] == 16
     assert data["input"][0]["dims"] == [-1, 2, 3]
@@ -196,8 +198,9 @@ def test_numbers() -> None:
     assert sb["control_input"][0]["control"][0]["fp32_false_true"] == [-2.5, 0.5]
     neg_inf, nan = sb["control_input"][1]["control"][0]["fp32_false_true"]
     assert neg_inf == -math.inf and math.isnan(nan)
-    assert data["unknown_float"] == 2.0
-    assert data["unknown_negative"] == -7
+    buckets = data["model_metrics"]["metric_control"][0]["histogram_options"]["buckets"]
+    assert buckets == [2.0, 5.0] and all(isinstance(b, float) for b in buckets)
+    assert data["optimization"]["graph"]["level"] == -7
 
 
 def test_booleans_in_every_text_spelling() -> None:
@@ -264,24 +267,6 @@ def test_model_transaction_policy_is_not_repeated() -> None:
         "model_transaction_policy": {"decoupled": True}}
 
 
-def test_unknown_fields_are_kept() -> None:
-    data = parse_pbtxt("""
-        future_field: "x"
-        future_message { a: 1 b: ENUM_VALUE c { d: true } }
-        future_repeated: 1
-        future_repeated: 2
-        future_list: [ { a: 1 }, { a: 2 } ]
-        input { name: "X" future_input_flag: false }
-    """)
-    assert data == {
-        "future_field": "x",
-        "future_message": {"a": 1, "b": "ENUM_VALUE", "c": {"d": True}},
-        "future_repeated": [1, 2],
-        "future_list": [{"a": 1}, {"a": 2}],
-        "input": [{"name": "X", "future_input_flag": False}],
-    }
-
-
 def test_empty_text_is_an_empty_message() -> None:
     assert parse_pbtxt("  # nothing\n") == {}
 
@@ -295,8 +280,8 @@ def test_empty_text_is_an_empty_message() -> None:
     ('name: "abc\n', "f.pbtxt:1:7: unterminated string"),
     ('input {\n  name: "X"\n', "f.pbtxt:3:1: unexpected end of input: '{' opened at line 1, column 7 is not closed"),
     ("input <\n name: \"X\" }", "f.pbtxt:2:12: expected a field name or '>', found '}'"),
-    ("dims: [1 2]", "f.pbtxt:1:10: expected ',' or ']' in the list of 'dims', found '2'"),
-    ("dims: [1, ]", "f.pbtxt:1:11: expected a value, found ']'"),
+    ("input { dims: [1 2] }", "f.pbtxt:1:18: expected ',' or ']' in the list of 'dims', found '2'"),
+    ("input { dims: [1, ] }", "f.pbtxt:1:19: expected a value, found ']'"),
     ("max_batch_size: 1\n  max_batch_size: 2", "f.pbtxt:2:3: field 'max_batch_size' is specified more than once"),
     ("name: simple", "f.pbtxt:1:7: field 'name': expected a quoted string, found 'simple'"),
     ("max_batch_size: 1.5", "f.pbtxt:1:17: field 'max_batch_size': expected an integer, found '1.5'"),
@@ -332,7 +317,7 @@ def test_default_filename_in_errors() -> None:
 # ---------------------------------------------------------------------------
 
 def test_classic_config_typed_view_and_defaults() -> None:
-    cfg = ModelConfig.from_json(parse_pbtxt(SIMPLE_PBTXT), "config.pbtxt")
+    cfg = ModelConfig.from_json(parse_pbtxt(SIMPLE_PBTXT), "config.pbtxt", gpus=())
     assert cfg.name == "simple"
     assert (cfg.platform, cfg.backend, cfg.max_batch_size) == ("pytorch_libtorch", "pytorch", 8)
     assert cfg.inputs == (TensorSpec("INPUT0", "TYPE_FP32", (16,)), TensorSpec("INPUT1", "TYPE_FP32", (16,)))
@@ -340,7 +325,7 @@ def test_classic_config_typed_view_and_defaults() -> None:
     assert cfg.input("INPUT1").datatype == "FP32"
     assert cfg.output("nope") is None
     # Triton names the implicit instance group after the model.
-    assert cfg.instance_groups == (InstanceGroup("simple", "KIND_AUTO", 1, ()),)
+    assert cfg.instance_groups == (InstanceGroup("simple", "KIND_CPU", 1, ()),)
     assert cfg.version_policy == {"latest": {"num_versions": 1}}
     assert cfg.default_model_filename == "model.pt"
     assert cfg.parameters == {}
@@ -349,7 +334,7 @@ def test_classic_config_typed_view_and_defaults() -> None:
 
 
 def test_raw_is_the_normalised_json_form() -> None:
-    cfg = ModelConfig.from_json(minimal(future={"x": 1}), "c")
+    cfg = ModelConfig.from_json(minimal(), "c", gpus=())
     assert cfg.raw == {
         "name": "m", "platform": "pytorch_libtorch", "backend": "pytorch", "max_batch_size": 0,
         "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [4], "format": "FORMAT_NONE",
@@ -357,14 +342,13 @@ def test_raw_is_the_normalised_json_form() -> None:
         "output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [4], "label_filename": "",
                     "is_shape_tensor": False}],
         "batch_input": [], "batch_output": [],
-        "instance_group": [{"name": "m", "kind": "KIND_AUTO", "count": 1, "gpus": []}],
+        "instance_group": [{"name": "m", "kind": "KIND_CPU", "count": 1, "gpus": []}],
         "version_policy": {"latest": {"num_versions": 1}},
         "default_model_filename": "model.pt", "parameters": {},
-        "future": {"x": 1},
     }
     assert json.loads(json.dumps(cfg.raw)) == cfg.raw
     # Normalising twice changes nothing: raw is a valid input again.
-    assert ModelConfig.from_json(cfg.raw, "c").raw == cfg.raw
+    assert ModelConfig.from_json(cfg.raw, "c", gpus=()).raw == cfg.raw
 
 
 def test_to_json_returns_a_copy_of_raw() -> None:
@@ -440,7 +424,7 @@ def test_instance_groups_follow_triton_defaults() -> None:
         InstanceGroup("m_0", "KIND_CPU", 2, ()),
         InstanceGroup("gpu_group", "KIND_GPU", 1, (0, 1)),
         InstanceGroup("m_2", "KIND_MODEL", 1, ()),
-        InstanceGroup("m_3", "KIND_AUTO", 1, ()),
+        InstanceGroup("m_3", "KIND_CPU", 1, ()),
     )
 
 
@@ -531,7 +515,9 @@ def _input(**fields: Any) -> list[dict[str, Any]]:
     ({"max_batch_size": "eight"}, P + "max_batch_size: expected an integer, got 'eight'"),
     ({"input": []}, P + "model configuration must contain at least one input, none were specified."),
     ({"output": []}, P + "model configuration must contain at least one output, none were specified."),
-    ({"input": _input(data_type="TYPE_FOO")}, P + "input[1].data_type: unknown data type 'TYPE_FOO'"),
+    ({"input": _input(data_type="TYPE_FOO")},
+     P + "input[1].data_type: unknown value 'TYPE_FOO' for field 'data_type' in ModelInput "
+         "(did you mean 'TYPE_BOOL'?)"),
     ({"input": _input(data_type=None)}, P + "input[1].data_type: model input 'X1' must specify 'data_type'"),
     ({"input": _input(name="")}, P + "input[1].name: model input must specify 'name'"),
     ({"input": _input(name="X")}, P + "input[1].name: input 'X' is specified more than once"),
@@ -554,8 +540,8 @@ def _input(**fields: Any) -> list[dict[str, Any]]:
     ({"output": [{"name": "Y", "data_type": "TYPE_FP32", "dims": [2], "reshape": {"shape": [3]}}]},
      P + "output[0].reshape: model output 'Y' has different size for dims [2] and reshape [3]"),
     ({"instance_group": [{"kind": "KIND_TPU"}]},
-     P + "instance_group[0].kind: unknown instance group kind 'KIND_TPU' "
-         "(expected one of KIND_AUTO, KIND_CPU, KIND_GPU, KIND_MODEL)"),
+     P + "instance_group[0].kind: unknown value 'KIND_TPU' for field 'kind' in ModelInstanceGroup "
+         "(did you mean 'KIND_GPU'?)"),
     ({"instance_group": [{"count": -1}]},
      P + "instance_group[0].count: instance group m_0 of model m must specify 'count' >= 1, got -1"),
     ({"instance_group": [{"kind": "KIND_GPU", "gpus": [0, -1]}]},
@@ -567,7 +553,7 @@ def _input(**fields: Any) -> list[dict[str, Any]]:
     ({"version_policy": {"latest": {}, "all": {}}},
      P + "version_policy: must set exactly one of 'latest', 'all' or 'specific', got latest and all"),
     ({"version_policy": {"newest": {}}},
-     P + "version_policy: must set exactly one of 'latest', 'all' or 'specific', got newest"),
+     P + "version_policy: unknown field 'newest' in ModelVersionPolicy"),
     ({"version_policy": {"specific": {"versions": []}}},
      P + "version_policy.specific.versions: must list at least one version"),
     ({"version_policy": {"specific": {"versions": [0, 1]}}},
@@ -593,13 +579,16 @@ def _input(**fields: Any) -> list[dict[str, Any]]:
      P + "dynamic_batching.preserve_ordering: Queue policy can not have DELAY as timeout action "
          "when 'preserve_ordering' is true for m"),
     ({"max_batch_size": 4, "dynamic_batching": {"default_queue_policy": {"timeout_action": "DROP"}}},
-     P + "dynamic_batching.default_queue_policy.timeout_action: unknown timeout action 'DROP' (expected REJECT or DELAY)"),
+     P + "dynamic_batching.default_queue_policy.timeout_action: unknown value 'DROP' for field "
+         "'timeout_action' in ModelQueuePolicy (expected one of REJECT, DELAY)"),
     ({"sequence_batching": {"direct": {}, "oldest": {}}},
      P + "sequence_batching: must set at most one of 'direct' or 'oldest'"),
     ({"sequence_batching": {"control_input": [{"control": [{"kind": "CONTROL_SEQUENCE_START"}]}]}},
      P + "sequence_batching.control_input[0].name: sequence batching control tensor must have a name for m"),
     ({"batch_input": [{"kind": "BATCH_MAGIC", "target_name": ["T"], "data_type": "TYPE_INT32", "source_input": ["X"]}]},
-     P + "batch_input[0].kind: unknown batch input kind 'BATCH_MAGIC'"),
+     P + "batch_input[0].kind: unknown value 'BATCH_MAGIC' for field 'kind' in BatchInput (expected one of "
+         "BATCH_ELEMENT_COUNT, BATCH_ACCUMULATED_ELEMENT_COUNT, BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO, "
+         "BATCH_MAX_ELEMENT_COUNT_AS_SHAPE, BATCH_ITEM_SHAPE, BATCH_ITEM_SHAPE_FLATTEN)"),
     ({"batch_input": [{"target_name": ["T"], "data_type": "TYPE_INT64", "source_input": ["X"]}]},
      P + "batch_input[0].data_type: batch input data type must be TYPE_INT32 or TYPE_FP32"),
     ({"batch_input": [{"target_name": ["T"], "data_type": "TYPE_INT32", "source_input": ["Z"]}]},
@@ -616,7 +605,7 @@ def _input(**fields: Any) -> list[dict[str, Any]]:
 ])
 def test_validation_errors(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as info:
-        ModelConfig.from_json(minimal(**fields), "/r/m/config.pbtxt")
+        ModelConfig.from_json(minimal(**fields), "/r/m/config.pbtxt", gpus=())
     assert str(info.value) == message
 
 
@@ -673,8 +662,8 @@ def test_scan_with_one_broken_model_among_good_ones(tmp_path: Path) -> None:
     assert entries["broken_syntax"].error == (
         f"{config_file}:4:16: expected ':' after field 'max_batch_size', found '8'")
     assert entries["broken_type"].error == (
-        f"{tmp_path / 'broken_type' / 'config.pbtxt'}: model 'broken_type': "
-        "input[1].data_type: unknown data type 'TYPE_FOO'")
+        f"{tmp_path / 'broken_type' / 'config.pbtxt'}:4:30: unknown value 'TYPE_FOO' for field "
+        "'data_type' in ModelInput (did you mean 'TYPE_BOOL'?)")
     assert entries["wrong_name"].error == (
         f"{tmp_path / 'wrong_name' / 'config.pbtxt'}: unexpected directory name 'wrong_name' "
         "for model 'other', directory name must equal model name")
@@ -720,12 +709,22 @@ def test_version_policy_selects_directories(tmp_path: Path, policy: str, selecte
     assert entry.versions == selected
 
 
-def test_specific_version_without_directory_is_an_error(tmp_path: Path) -> None:
-    write_model(tmp_path, "m", io_pbtxt("version_policy { specific { versions: [1, 2] } }"), ("1",))
+def test_specific_version_without_directory_is_a_warning(tmp_path: Path) -> None:
+    """Triton logs it and serves the versions that exist."""
+    write_model(tmp_path, "m", io_pbtxt("version_policy { specific { versions: [1, 2, 4] } }"), ("1", "4"))
+    entry = load_model_entry(tmp_path, "m")
+    assert entry.error is None and entry.versions == (1, 4)
+    assert entry.warnings == (f"version 2 is specified for model 'm', but the version directory is not "
+                              f"present in {tmp_path / 'm'}; serving versions 1, 4",)
+
+
+def test_specific_versions_none_present_is_an_error(tmp_path: Path) -> None:
+    write_model(tmp_path, "m", io_pbtxt("version_policy { specific { versions: [2, 3] } }"), ("1",))
     entry = load_model_entry(tmp_path, "m")
     assert entry.versions == () and entry.config is not None
-    assert entry.error == (f"model 'm': version 2 is specified for model 'm', but the version "
-                           f"directory is not present in {tmp_path / 'm'}")
+    assert entry.error == ("at least one version must be available under the version policy of model 'm': "
+                           f"version 2, 3 are specified, but no such version directory is present in "
+                           f"{tmp_path / 'm'}")
 
 
 def test_model_file_is_not_required(tmp_path: Path) -> None:

@@ -13,13 +13,11 @@ one unloaded.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..config import ConfigError, ModelConfig, load_model_entry
-from ..config.repository import ModelEntry, select_versions
+from ..config import load_model_entry
 from ..protocol import errors, internal
 from ..protocol.errors import TorchpoolError
 from .registry import READY, UNLOADING, Generation, Model, ModelVersion, Registry, new_versions
@@ -66,7 +64,7 @@ class ModelControl:
     def load(self, name: Any, config: Any, waiter: Waiter) -> None:
         if not isinstance(name, str) or not name:
             raise TorchpoolError(errors.INVALID_ARG, "load: 'model' must be a model name")
-        entry = self._entry(name, config)
+        entry = load_model_entry(self.root, name, config)
         model = self.registry.models.get(name)
         if entry.error is not None:
             if model is None or not model.versions:
@@ -82,21 +80,11 @@ class ModelControl:
         if not gen.versions:
             raise TorchpoolError(errors.UNAVAILABLE, f"failed to load '{name}': no version to load")
         model.pending = gen
+        for warning in entry.warnings:
+            log.warning("%s", warning)
         log.info("loading model '%s' versions %s", name, sorted(gen.versions))
         for mv in gen.versions.values():
             self.start_version(mv)
-
-    def _entry(self, name: str, config: Any) -> ModelEntry:
-        entry = load_model_entry(self.root, name)
-        if config is None or entry.path is None:
-            return entry
-        try:
-            data = json.loads(config) if isinstance(config, (str, bytes)) else dict(config)
-            data.setdefault("name", name)
-            cfg = ModelConfig.from_json(data, f"load('{name}') config")
-            return ModelEntry(name, entry.path, cfg, select_versions(entry.path, cfg))
-        except (ConfigError, ValueError, TypeError) as exc:
-            return ModelEntry(name, entry.path, None, (), str(exc))
 
     def unload(self, name: Any, waiter: Waiter) -> None:
         model = self.registry.models.get(name) if isinstance(name, str) else None

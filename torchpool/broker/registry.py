@@ -1,22 +1,23 @@
 """The model registry: what the repository holds and the state of each version."""
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..config import ModelConfig, ModelEntry
+from ..config.normalize import PLATFORM
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
 from .stats import VersionStats
 
+log = logging.getLogger("torchpool.broker")
 
 LOADING = "LOADING"
 READY = "READY"
 UNAVAILABLE = "UNAVAILABLE"
 UNLOADING = "UNLOADING"       # retired: finishing its requests, then its workers stop
-
-PLATFORM = "pytorch_libtorch"
 
 
 @dataclass(eq=False)
@@ -96,6 +97,8 @@ class Registry:
         self.retiring: list[ModelVersion] = []
         for entry in entries:
             self.models[entry.name] = Model(entry.name, entry, new_versions(entry))
+            for warning in entry.warnings:      # what loads anyway, as Triton logs it
+                log.warning("%s", warning)
 
     def all_versions(self) -> list[ModelVersion]:
         """Every version with workers: serving, loading beside them, or retiring."""

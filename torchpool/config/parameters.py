@@ -38,7 +38,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from .model_config import ConfigError
+from .errors import ConfigError
 
 
 class ParameterError(ConfigError):

@@ -8,10 +8,25 @@
 lists for repeated fields, `{key: value}` for maps, enum names as strings).
 The text format itself cannot tell a repeated field written once from a
 singular one, nor a map from a repeated message, so the parser follows the
-model_config schema (`model_config.SCHEMA`): `input { ... }` written once is
+model_config schema (`schema.SCHEMA`): `input { ... }` written once is
 still a list, and `parameters { key: "K" value { ... } }` becomes
-`{"K": {...}}`. Fields the schema does not know are kept (a list when the text
-repeats them), so a config written for a newer Triton still parses.
+`{"K": {...}}`.
+
+The parser is strict, as Triton's is: a field the message does not have, at
+any depth, or an enum value its enum does not have, is an error at that
+token, with the closest valid name when there is one:
+
+    config.pbtxt:3:1: unknown field 'max_batch_sz' in ModelConfig (did you mean 'max_batch_size'?)
+
+Why our own parser and not protobuf's `text_format.Parse` into the shipped
+`model_config_pb2`: protobuf stops with 'Message type "inference.ModelConfig"
+has no field named "max_batch_sz"' and no hint, so its messages would have
+to be taken apart again to add one; its result is a message that has to be
+turned back into this JSON form (int64 as strings, defaults dropped) for the
+rest of torchpool; and the broker and the workers, which read
+configurations, would import the gRPC gateway's generated modules. This
+parser already had line:column for every token and the schema, so
+strictness was a few lines here.
 
 Errors raise `ConfigError("file:line:column: message")`, line and column
 counted from 1 and pointing at the offending token.
@@ -30,9 +45,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, NoReturn, Optional
 
-from .model_config import (
-    ROOT_MESSAGE, SCHEMA, ConfigError, FieldSpec, check_integer, enum_name,
-    map_entry_fields, map_key, message_fields,
+from .errors import ConfigError, unknown_field
+from .schema import (
+    ROOT_MESSAGE, SCHEMA, FieldSpec, check_integer, enum_from_name, enum_from_number,
+    map_entry_fields, map_entry_name, map_key,
 )
 
 __all__ = ["parse_pbtxt"]
@@ -250,10 +266,11 @@ class _Parser:
     # -- messages -------------------------------------------------------------
 
     def parse(self) -> dict[str, Any]:
-        return self.message_body(SCHEMA[ROOT_MESSAGE], opener=None)
+        return self.message_body(SCHEMA[ROOT_MESSAGE], ROOT_MESSAGE, opener=None)
 
-    def message_body(self, fields: Mapping[str, FieldSpec], opener: Optional[Token]) -> dict[str, Any]:
-        """Fields up to the closer matching `opener` (or end of input at top level)."""
+    def message_body(self, fields: Mapping[str, FieldSpec], message: str,
+                     opener: Optional[Token]) -> dict[str, Any]:
+        """Fields of `message` up to the closer matching `opener` (or end of input at top level)."""
         closer = _CLOSERS[opener.value] if opener else None
         result: dict[str, Any] = {}
         while True:
@@ -269,26 +286,29 @@ class _Parser:
                 expected = f"a field name or '{closer}'" if closer else "a field name"
                 self.error(token, f"expected {expected}, found {token.describe()}")
             self.advance()
-            self.field(result, fields, token)
+            self.field(result, fields, message, token)
             if not self.accept(","):
                 self.accept(";")
 
-    def field(self, result: dict[str, Any], fields: Mapping[str, FieldSpec], name: Token) -> None:
+    def field(self, result: dict[str, Any], fields: Mapping[str, FieldSpec], message: str,
+              name: Token) -> None:
         spec = fields.get(name.value)
+        if spec is None:
+            self.error(name, unknown_field(name.value, message, fields))
         has_colon = self.accept(":")
         if self.at("["):
-            values = self.list_value(spec, name)
+            values = self.list_value(spec, name, message)
             self.store(result, spec, name, values, is_list=True)
             return
         if self.at("{", "<"):
-            value = self.message_value(spec, name)
+            value = self.message_value(spec, name, message)
         elif not has_colon:
             self.error(self.peek(), f"expected ':' after field '{name.value}', found {self.peek().describe()}")
         else:
-            value = self.scalar_value(spec, name)
+            value = self.scalar_value(spec, name, message)
         self.store(result, spec, name, [value], is_list=False)
 
-    def list_value(self, spec: Optional[FieldSpec], name: Token) -> list[Any]:
+    def list_value(self, spec: FieldSpec, name: Token, message: str) -> list[Any]:
         """`[a, b, c]` of scalars or of messages; no trailing comma, as protobuf."""
         self.advance()                  # "["
         values: list[Any] = []
@@ -296,23 +316,23 @@ class _Parser:
             return values
         while True:
             if self.at("{", "<"):
-                values.append(self.message_value(spec, name))
+                values.append(self.message_value(spec, name, message))
             else:
-                values.append(self.scalar_value(spec, name))
+                values.append(self.scalar_value(spec, name, message))
             if self.accept("]"):
                 return values
             if not self.accept(","):
                 self.error(self.peek(), f"expected ',' or ']' in the list of '{name.value}', "
                                         f"found {self.peek().describe()}")
 
-    def message_value(self, spec: Optional[FieldSpec], name: Token) -> Any:
+    def message_value(self, spec: FieldSpec, name: Token, message: str) -> Any:
         opener = self.advance()
-        if spec is not None and spec.scalar:
+        if spec.scalar:
             self.error(opener, f"field '{name.value}' expects {_kind_words(spec)}, not a message")
-        if spec is not None and spec.kind == "map":
-            entry = self.message_body(map_entry_fields(spec), opener)
+        if spec.kind == "map":
+            entry = self.message_body(map_entry_fields(spec), map_entry_name(message, name.value), opener)
             return self.map_entry(spec, entry, opener)
-        return self.message_body(message_fields(spec), opener)
+        return self.message_body(SCHEMA[spec.message], spec.message, opener)
 
     def map_entry(self, spec: FieldSpec, entry: dict[str, Any], opener: Token) -> tuple[str, Any]:
         key = entry.get("key", "" if spec.key == "string" else 0)
@@ -327,18 +347,16 @@ class _Parser:
 
     # -- scalars --------------------------------------------------------------
 
-    def scalar_value(self, spec: Optional[FieldSpec], name: Token) -> Any:
+    def scalar_value(self, spec: FieldSpec, name: Token, message: str) -> Any:
         scalar = self.scalar()
-        if spec is None:
-            return _untyped(scalar)
         if not spec.scalar:
             what = "a map entry" if spec.kind == "map" else "a message"
             self.error(scalar.token, f"field '{name.value}' expects {what} ('{{ ... }}'), "
                                      f"found {scalar.describe()}")
         try:
-            return _typed(spec, scalar)
+            return _typed(spec, scalar, name.value, message)
         except ValueError as err:
-            self.error(scalar.token, f"field '{name.value}': {err}")
+            self.error(scalar.token, str(err))
 
     def scalar(self) -> _Scalar:
         token = self.advance()
@@ -363,12 +381,10 @@ class _Parser:
 
     # -- storing --------------------------------------------------------------
 
-    def store(self, result: dict[str, Any], spec: Optional[FieldSpec], name: Token,
+    def store(self, result: dict[str, Any], spec: FieldSpec, name: Token,
               values: list[Any], is_list: bool) -> None:
         key = name.value
-        if spec is None:
-            _store_untyped(result, key, values, is_list)
-        elif spec.kind == "map":
+        if spec.kind == "map":
             result.setdefault(key, {}).update(values)     # later entries win, as protobuf
         elif spec.repeated:
             result.setdefault(key, []).extend(values)
@@ -380,41 +396,29 @@ class _Parser:
             result[key] = values[0]
 
 
-def _store_untyped(result: dict[str, Any], key: str, values: list[Any], is_list: bool) -> None:
-    """An unknown field: a list when written as one or when repeated."""
-    if key not in result:
-        result[key] = values if is_list else values[0]
-        return
-    current = result[key]
-    if not isinstance(current, list):
-        current = result[key] = [current]
-    current.extend(values)
-
-
-def _untyped(scalar: _Scalar) -> Any:
-    if scalar.kind == "ident" and scalar.value in ("true", "false"):
-        return scalar.value == "true"
-    return scalar.value
-
-
 def _kind_words(spec: FieldSpec) -> str:
     return {"int": "an integer", "uint": "a non-negative integer", "float": "a number",
             "bool": "true or false", "string": "a quoted string",
             "enum": "an enum name"}[spec.kind]
 
 
-def _typed(spec: FieldSpec, scalar: _Scalar) -> Any:
-    """The text format's rules for a typed scalar (raises ValueError)."""
+def _typed(spec: FieldSpec, scalar: _Scalar, field: str, message: str) -> Any:
+    """The text format's rules for a typed scalar (raises ValueError with the
+    whole message: a wrong type names the field, an unknown enum value the
+    valid ones)."""
     kind, value = scalar.kind, scalar.value
     if spec.kind == "string" and kind == "string":
         return value
     if spec.kind == "enum":
         if kind == "ident":
-            return value
-        if kind == "int" and spec.enum:
-            return enum_name(spec, value)
+            return enum_from_name(spec, value, field, message)
+        if kind == "int":
+            return enum_from_number(spec, value, field, message)
     if spec.kind in ("int", "uint") and kind == "int":
-        return check_integer(spec.kind, value)
+        try:
+            return check_integer(spec.kind, value)
+        except ValueError as err:
+            raise ValueError(f"field '{field}': {err}") from None
     if spec.kind == "float":
         if kind in ("int", "float"):
             return float(value)
@@ -425,7 +429,7 @@ def _typed(spec: FieldSpec, scalar: _Scalar) -> Any:
             return value in _TRUE
         if kind == "int" and value in (0, 1):
             return bool(value)
-    raise ValueError(f"expected {_kind_words(spec)}, found {scalar.describe()}")
+    raise ValueError(f"field '{field}': expected {_kind_words(spec)}, found {scalar.describe()}")
 
 
 def parse_pbtxt(text: str, filename: str = "<string>") -> dict[str, Any]:

@@ -7,7 +7,9 @@ A version directory is named by a positive integer without leading zeros;
 other subdirectories (and names starting with 0) are ignored, as Triton does.
 `version_policy` selects among them: `latest { num_versions: N }` the N
 highest, `all {}` every one, `specific { versions: [...] }` the listed ones
-(each must exist).
+that exist: as in Triton, a listed version without its directory is a
+warning (`ModelEntry.warnings`, logged by whoever loads the model) and the
+others are served; only when none of them exists is the model unavailable.
 
 Every problem is local to its model: `scan_repository` returns an entry with
 `error` set for a broken model and goes on with the others. Whether the model
@@ -21,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from .model_config import ConfigError, ModelConfig
+from .errors import ConfigError
+from .model_config import ModelConfig
 from .pbtxt import parse_pbtxt
+from .warmup import check_warmup_files
 
 __all__ = ["ModelEntry", "scan_repository", "load_model_entry", "read_config_file"]
 
@@ -38,6 +42,7 @@ class ModelEntry:
     config: Optional[ModelConfig]   # None when the config failed
     versions: tuple[int, ...]       # versions selected by version_policy, ascending
     error: Optional[str] = None     # why the whole model is UNAVAILABLE (bad config, no version directory, ...)
+    warnings: tuple[str, ...] = ()  # what loads anyway but deserves a log line (a missing specific version)
 
     def model_file(self, version: int) -> Path:
         """`<path>/<version>/<default_model_filename>` (it may not exist)."""
@@ -61,23 +66,27 @@ def scan_repository(root: Path | str) -> list[ModelEntry]:
     return [load_model_entry(root, name) for name in names]
 
 
-def load_model_entry(root: Path | str, name: str) -> ModelEntry:
+def load_model_entry(root: Path | str, name: str, override: Any = None) -> ModelEntry:
     """Read one model's config and version directories; never raises for a
-    problem with the model (the entry's `error` says what is wrong)."""
+    problem with the model (the entry's `error` says what is wrong).
+
+    `override` is a configuration given with a load request (a JSON text or
+    object, Triton's `config` parameter): it replaces the model's config file.
+    """
     path = Path(root) / name
     if not _is_plain_name(name):
         return ModelEntry(name, path, None, (), f"invalid model name '{name}'")
     if not path.is_dir():
         return ModelEntry(name, path, None, (), f"model '{name}' not found: no directory {path}")
     try:
-        config = _load_config(path, name)
+        config = _load_config(path, name) if override is None else _override_config(path, name, override)
     except ConfigError as err:
         return ModelEntry(name, path, None, (), str(err))
     try:
-        versions = select_versions(path, config)
+        versions, warnings = select_versions(path, config)
     except ConfigError as err:
         return ModelEntry(name, path, config, (), str(err))
-    return ModelEntry(name, path, config, versions)
+    return ModelEntry(name, path, config, versions, warnings=warnings)
 
 
 def _is_plain_name(name: str) -> bool:
@@ -121,7 +130,24 @@ def _load_config(model_dir: Path, name: str) -> ModelConfig:
     elif declared != name:
         raise ConfigError(f"{config_path}: unexpected directory name '{name}' for model "
                           f"'{declared}', directory name must equal model name")
-    return ModelConfig.from_json(data, str(config_path))
+    config = ModelConfig.from_json(data, str(config_path))
+    check_warmup_files(model_dir, config.warmup, str(config_path))
+    return config
+
+
+def _override_config(model_dir: Path, name: str, override: Any) -> ModelConfig:
+    """The configuration a load request carries, validated as a config.json is."""
+    source = f"load('{name}') config"
+    try:
+        data = json.loads(override) if isinstance(override, (str, bytes)) else dict(override)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{source}: not a JSON object: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a model configuration must be a JSON object")
+    data.setdefault("name", name)
+    config = ModelConfig.from_json(data, source)
+    check_warmup_files(model_dir, config.warmup, source)
+    return config
 
 
 # --------------------------------------------------------------------------
@@ -140,8 +166,9 @@ def version_directories(model_dir: Path) -> list[int]:
                   and not child.name.startswith("0") and child.is_dir())
 
 
-def select_versions(model_dir: Path, config: ModelConfig) -> tuple[int, ...]:
-    """The versions the policy selects, ascending; `ConfigError` when none can be served."""
+def select_versions(model_dir: Path, config: ModelConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The versions the policy selects, ascending, and the warnings about
+    listed versions that have no directory; `ConfigError` when none can be served."""
     name = config.name
     available = version_directories(model_dir)
     if not available:
@@ -149,12 +176,22 @@ def select_versions(model_dir: Path, config: ModelConfig) -> tuple[int, ...]:
                           f"version must be available under the version policy of model '{name}')")
     policy = config.version_policy
     if "latest" in policy:
-        return tuple(available[-policy["latest"]["num_versions"]:])
+        return tuple(available[-policy["latest"]["num_versions"]:]), ()
     if "all" in policy:
-        return tuple(available)
+        return tuple(available), ()
     wanted = policy["specific"]["versions"]
+    present = tuple(v for v in wanted if v in available)
     missing = [v for v in wanted if v not in available]
-    if missing:
-        raise ConfigError(f"model '{name}': version {missing[0]} is specified for model '{name}', "
-                          f"but the version directory is not present in {model_dir}")
-    return tuple(wanted)
+    if not present:
+        listed = ", ".join(str(v) for v in missing)
+        raise ConfigError(f"at least one version must be available under the version policy of model "
+                          f"'{name}': version {listed} {'is' if len(missing) == 1 else 'are'} specified, "
+                          f"but no such version directory is present in {model_dir}")
+    warnings = tuple(f"version {v} is specified for model '{name}', but the version directory is not "
+                     f"present in {model_dir}; serving {_versions(present)}"
+                     for v in missing)
+    return present, warnings
+
+
+def _versions(versions: tuple[int, ...]) -> str:
+    return ("version " if len(versions) == 1 else "versions ") + ", ".join(map(str, versions))
