@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..config import InstanceGroup
+from ..config.devices import visible_gpus
 from ..config.parameters import model_parameters
 from ..protocol import internal
 from ..shm.fdpass import FdReceiver, send_with_fds
@@ -45,21 +46,6 @@ def _fork_context() -> multiprocessing.context.BaseContext:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(["torchpool.worker.process"])
     return _context
-
-
-def visible_gpus() -> list[int]:
-    """GPU indices without initialising CUDA in the broker (it never loads torch)."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    try:
-        count = len(os.listdir("/proc/driver/nvidia/gpus"))
-    except OSError:
-        count = 0
-    if env is not None:
-        wanted = [d for d in env.split(",") if d.strip()]
-        if not wanted or wanted[0].strip() == "-1":
-            return []
-        return list(range(min(len(wanted), count)))
-    return list(range(count))
 
 
 def describe_exit(code: Optional[int]) -> str:
