@@ -2,20 +2,18 @@
 how an error answer becomes an exception, and the inline request helpers."""
 from __future__ import annotations
 
-import itertools
 import os
 import weakref
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import zmq
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
 from ..protocol import errors, messages, tensors
 from ..protocol.errors import InferenceError
 from .flows import Call, ClientState
-from .types import NoAnswer
 from .values import output_array, prepare_input
+from .watch import ConnectionWatch, timeout_error
 
 DEFAULT_TIMEOUT = 60.0   # seconds a call waits for the server before giving up
 GOODBYE_WAIT = 1.0       # seconds close() waits for the daemon to acknowledge goodbye
@@ -55,11 +53,6 @@ def decode_infer(header: dict, frames: Sequence[Any]) -> dict[str, Any]:
 # client_key: a path to this client's .key_secret file, or a (public, secret) z85 pair
 ServerKey = Union[str, bytes, "os.PathLike[str]"]
 ClientKey = Union[str, "os.PathLike[str]", tuple, list]
-
-_monitor_ids = itertools.count()     # inproc names are never reused, even after a client is gone
-_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-
 
 def _z85_key(value: Any) -> Optional[bytes]:
     """`value` as a z85 CURVE key (40 characters, 32 bytes), or None."""
@@ -114,43 +107,7 @@ def curve_keys(server_key: Optional[ServerKey], client_key: Optional[ClientKey])
     return server, public, secret
 
 
-_NO_KEYS = ("the security handshake failed: the server uses CURVE and this client has no "
-            "server_key/client_key")
-_MISMATCH = "the security handshake failed: this client uses CURVE and the server does not"
-_NO_DETAIL = "the CURVE handshake failed: check server_key (it must be the server's public key)"
-
-
-def _handshake_problem(event: int, value: int, has_keys: bool) -> Optional[str]:
-    """What a failed handshake (a socket monitor event) says, in the user's terms."""
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        if value == 400:
-            return ("the server refused this client's CURVE key: client_key's public key is not "
-                    "in the server's authorized keys (--curve-authorized-keys)")
-        return f"the server refused the connection (ZAP status {value})"
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        return _NO_KEYS if not has_keys else _MISMATCH
-    if event in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-        # without keys the handshake is NULL, which only fails against a CURVE
-        # server; the mismatch event itself may be lost to a retried connection
-        return _NO_DETAIL if has_keys else _NO_KEYS
-    return None
-
-
 # --- answers ---------------------------------------------------------------------------
-
-def timeout_error(url: str, timeout: float, why: Optional[str] = None) -> InferenceError:
-    """No answer within `timeout`; `why` when the connection says why (a
-    refused handshake). Over tcp:// a server using CURVE answers nothing to
-    a client it refuses, so the message says where to look."""
-    if why:
-        hint = why
-    elif url.startswith("tcp://"):
-        hint = ("is the server running and listening there? if the server uses CURVE, "
-                "check server_key/client_key")
-    else:
-        hint = "is the server running and listening there?"
-    return NoAnswer(errors.UNAVAILABLE, f"no answer from torchpool at {url} within {timeout:g} s ({hint})")
-
 
 def error_of(header: dict) -> InferenceError:
     err = header.get("error") or {}
@@ -191,50 +148,37 @@ class ClientBase:
     def _open(self, url: str, timeout: float, local: Optional[bool], arena_cap: int,
               ctx: zmq.Context, server_key: Optional[ServerKey] = None,
               client_key: Optional[ClientKey] = None) -> None:
-        """The DEALER socket, connected. Over tcp:// with `server_key` and
-        `client_key` it is a CURVE client (encrypted, and authenticated by the
-        server's allow-list); ipc:// is always plain (the daemon does not use
-        CURVE there: the socket file's permissions guard it)."""
+        """The DEALER socket, connected, and its monitor (watch.py: why a call
+        got no answer). Over tcp:// with `server_key` and `client_key` it is
+        a CURVE client (encrypted, and authenticated by the server's
+        allow-list); ipc:// is always plain (the daemon does not use CURVE
+        there: the socket file's permissions guard it)."""
+        if not isinstance(url, str) or "://" not in url:
+            raise ValueError(f"url: expected a ZeroMQ address such as ipc:///run/torchpool.sock or "
+                             f"tcp://host:port, got {url!r}")
         self.url = url
         self.timeout = timeout
         keys = curve_keys(server_key, client_key)     # a bad key fails here, before any socket
         self._state = ClientState(url, local, arena_cap)
         self._ids = self._state.ids
         self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._monitor: Optional[zmq.Socket] = None
-        self._handshake: Optional[str] = None     # why the last handshake failed, if it did
-        self._has_keys = keys is not None
-        if url.startswith("tcp://"):
-            if keys is not None:
+        try:
+            self._sock.setsockopt(zmq.LINGER, 0)
+            if url.startswith("tcp://") and keys is not None:
                 self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = keys
-            # a refused handshake is silent at the socket level: its monitor tells why a
-            # call got no answer
-            endpoint = f"inproc://torchpool.client.monitor.{next(_monitor_ids)}"
-            self._sock.monitor(endpoint, _HANDSHAKE_EVENTS)
-            self._monitor = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
-            self._monitor.connect(endpoint)
-        self._closer = weakref.finalize(self, send_goodbye_and_close, self._sock, self._state, self._monitor)
+            self._watch = ConnectionWatch(ctx, self._sock, url, keys is not None)   # before connect
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
+        self._closer = weakref.finalize(self, send_goodbye_and_close, self._sock, self._state,
+                                        self._watch.socket)
         self._sock.connect(url)
 
     def _no_answer(self, timeout: float) -> InferenceError:
-        """The error of a call that got no answer, saying why when the
-        connection's handshake failed."""
-        if self._monitor is not None and not self._monitor.closed:
-            while True:
-                try:
-                    event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-                except zmq.ZMQError:
-                    break
-                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._handshake = None
-                else:
-                    problem = _handshake_problem(event["event"], event["value"], self._has_keys)
-                    # a retried connection may fail with no detail after one that said
-                    # why: the reason is kept
-                    if problem and (problem != _NO_DETAIL or self._handshake is None):
-                        self._handshake = problem
-        return timeout_error(self.url, timeout, self._handshake)
+        """The error of a call that got no answer (for the thread or loop
+        that owns the socket: it reads the monitor)."""
+        self._watch.drain()
+        return self._watch.no_answer(timeout)
 
     @staticmethod
     def _version_field(version: Any) -> str:

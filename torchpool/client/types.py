@@ -144,7 +144,16 @@ class InferResult(dict):
 
 
 class NoAnswer(InferenceError):
-    """No answer within the time limit (the request may still be running)."""
+    """No answer came. `code` says why: DEADLINE_EXCEEDED (the daemon is
+    reachable but did not answer within the time limit: the request may
+    still be running) or UNAVAILABLE (no daemon reached, or the connection
+    was lost while waiting). `sent` is False when the request never left
+    this process (nothing was there to take it), so sending it elsewhere
+    cannot run it twice."""
+
+    def __init__(self, code: str, message: str, sent: bool = True) -> None:
+        super().__init__(code, message)
+        self.sent = sent
 
 
 class Call:

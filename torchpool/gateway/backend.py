@@ -20,15 +20,20 @@ from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
 
 # Triton's HTTP status for each error code (its HttpCodeFromError); anything
-# else is 400. RESOURCE_EXHAUSTED is torchpool's (a client over a limit).
+# else is 400. RESOURCE_EXHAUSTED is torchpool's (a client over a limit);
+# DEADLINE_EXCEEDED (the daemon behind the gateway did not answer in time:
+# Triton has no such code) is 504 Gateway Timeout, what gRPC's HTTP mapping
+# gives DEADLINE_EXCEEDED.
 _HTTP_STATUS = {errors.NOT_FOUND: 404, errors.INTERNAL: 500, errors.UNAVAILABLE: 503,
-                errors.SESSION_LOST: 503, errors.UNSUPPORTED: 501, errors.RESOURCE_EXHAUSTED: 429}
+                errors.SESSION_LOST: 503, errors.UNSUPPORTED: 501, errors.RESOURCE_EXHAUSTED: 429,
+                errors.DEADLINE_EXCEEDED: 504}
 # ... and its gRPC status name (grpc.StatusCode member), as Triton's CodeToStatus.
 _GRPC_STATUS = {errors.INVALID_ARG: "INVALID_ARGUMENT", errors.NOT_FOUND: "NOT_FOUND",
                 errors.UNAVAILABLE: "UNAVAILABLE", errors.SESSION_LOST: "UNAVAILABLE",
                 errors.INTERNAL: "INTERNAL", errors.UNSUPPORTED: "UNIMPLEMENTED",
                 errors.ALREADY_EXISTS: "ALREADY_EXISTS", errors.CANCELLED: "CANCELLED",
-                errors.RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED"}
+                errors.RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
+                errors.DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED"}
 
 # Extensions a Triton client may look for in the server metadata.
 EXTENSIONS = ["classification", "sequence", "model_repository", "model_repository(unload_dependents)",

@@ -5,7 +5,10 @@ The codes are Triton's (KServe's) status names, plus one of torchpool's own:
 daemon no longer knows (its lease expired, the daemon restarted). A client
 recognises it by the code, never by the message text, and says hello again.
 `CANCELLED` is raised by the client library itself (a call on a closed
-client); `UNKNOWN` stands in for an error answer that carries no code.
+client); so is `DEADLINE_EXCEEDED` (the daemon is reachable but did not
+answer within the caller's time limit; the request may still run). A
+client that reaches no daemon at all says `UNAVAILABLE`. `UNKNOWN` stands
+in for an error answer that carries no code.
 """
 from __future__ import annotations
 
@@ -21,9 +24,11 @@ SESSION_LOST = "SESSION_LOST"
 # A client went over one of its limits (sessions, arena bytes, regions,
 # requests in flight, unread replies, BYTES size): gRPC's and KServe's name.
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+# The daemon was reachable but did not answer in time (gRPC's and KServe's name).
+DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
 
-CODES = frozenset({INVALID_ARG, NOT_FOUND, UNAVAILABLE, INTERNAL, UNSUPPORTED,
-                   ALREADY_EXISTS, UNKNOWN, CANCELLED, SESSION_LOST, RESOURCE_EXHAUSTED})
+CODES = frozenset({INVALID_ARG, NOT_FOUND, UNAVAILABLE, INTERNAL, UNSUPPORTED, ALREADY_EXISTS,
+                   UNKNOWN, CANCELLED, SESSION_LOST, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED})
 
 
 class TorchpoolError(Exception):
