@@ -18,6 +18,7 @@ from .flows import SessionLost, run_async, sequence_field
 from .regions import needs_session
 from .types import Call
 from .types import InferResult
+from .watch import Mark
 
 
 def _expire(fut: asyncio.Future) -> None:
@@ -28,14 +29,19 @@ def _expire(fut: asyncio.Future) -> None:
 class AsyncClient(ClientBase):
     """An asyncio client: many concurrent calls over one socket. The same
     features as `Client`; `empty()` and the region calls are coroutines.
-    `server_key` / `client_key`: CURVE over tcp://, as for `Client`."""
+    `server_key` / `client_key`: CURVE over tcp://, as for `Client`; the
+    same errors when no answer comes (DEADLINE_EXCEEDED, UNAVAILABLE, at
+    once for a missing ipc:// socket file or a lost connection). One event
+    loop at a time: use it from that loop's thread."""
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, local: Optional[bool] = None,
                  arena_cap: int = DEFAULT_ARENA_CAP, server_key: Optional[ServerKey] = None,
                  client_key: Optional[ClientKey] = None) -> None:
         self._open(url, timeout, local, arena_cap, zmq.asyncio.Context.instance(), server_key, client_key)
         self._pending: dict[int, asyncio.Future] = {}
+        self._marks: dict[int, Mark] = {}        # the connection's story when each was sent
         self._reader: Optional[asyncio.Task] = None
+        self._watcher: Optional[asyncio.Task] = None
         self._hello_lock: Optional[asyncio.Lock] = None
 
     async def _read_replies(self) -> None:
@@ -48,13 +54,35 @@ class AsyncClient(ClientBase):
             else:
                 self._state.late_reply(header)
 
+    async def _watch_connection(self) -> None:
+        """Fail the calls in flight as soon as the monitor says no answer
+        will come (the connection dropped; nobody accepts on the ipc file)."""
+        watch = self._watch
+        monitor = zmq.asyncio.Socket.shadow(watch.socket.underlying)   # awaitable; the watch owns it
+        while True:
+            await monitor.poll(None, zmq.POLLIN)
+            watch.drain()
+            for rid, mark in list(self._marks.items()):
+                error = watch.failure(mark)
+                fut = self._pending.get(rid)
+                if error is not None and fut is not None and not fut.done():
+                    fut.set_exception(error)
+
     async def _call(self, frames: list, request_id: int, timeout: Optional[float]) -> tuple[dict, list]:
         self._check_open()
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read_replies())
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._watch_connection())
+        watch = self._watch
+        watch.drain()
+        refused = watch.before_send()         # no socket file: fail now, not after the timeout
+        if refused is not None:
+            raise refused
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._pending[request_id] = fut
+        self._marks[request_id] = watch.mark()
         limit = self.timeout if timeout is None else timeout
         # a timer on the future itself: asyncio.wait_for adds a waiter future
         # and callbacks to every call (measurable at ~500 us per request)
@@ -67,6 +95,7 @@ class AsyncClient(ClientBase):
         finally:
             timer.cancel()
             self._pending.pop(request_id, None)
+            self._marks.pop(request_id, None)
         if not header.get("ok"):
             raise error_of(header)
         return header, payload
@@ -160,9 +189,10 @@ class AsyncClient(ClientBase):
         return await self._perform(lambda: self._state.status_flow(name, None), None, True)
 
     def _stop(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            self._reader = None
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._reader = self._watcher = None
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(InferenceError(errors.CANCELLED, "client closed"))
@@ -186,7 +216,7 @@ class AsyncClient(ClientBase):
         if not self._closer.detach():
             return                        # closed already
         self._stop()
-        send_goodbye_and_close(self._sock, self._state, self._monitor)
+        send_goodbye_and_close(self._sock, self._state, self._watch.socket)
 
     async def __aenter__(self) -> "AsyncClient":
         return self

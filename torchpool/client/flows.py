@@ -18,8 +18,10 @@ Nothing here imports torch or zmq.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
+import threading
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -34,6 +36,7 @@ from .regions import RegionFlows
 from .types import Call, Classification, Flow, NoAnswer, OutputRef, SharedMemoryRef
 from .values import nbytes_of, prepare_input
 
+
 class SessionLost(Exception):
     """The daemon no longer knows our session (lease expired, daemon restarted)."""
 
@@ -46,8 +49,6 @@ class SessionLost(Exception):
 def is_session_error(exc: InferenceError) -> bool:
     """The daemon forgot the session we named (it says so with SESSION_LOST)."""
     return exc.code == errors.SESSION_LOST
-
-
 
 
 class _NeedRoom(Exception):
@@ -83,6 +84,12 @@ class ClientState(OutputDecoding, RegionFlows):
         self.quarantine: dict[Any, tuple[Optional[str], Optional[ClientArena], list, list]] = {}
         self.stats = {"bytes_copied": 0, "bytes_zero_copy": 0, "bytes_inline": 0}
         self.closed = False
+        # A sync client may be shared by threads: the steps of its flows (and
+        # whatever else touches this state) run under `lock`, never a wait for
+        # an answer; `hello_lock` lets one thread say hello for all of them.
+        # (Finalizers of lent outputs and empty() arrays only append to deques.)
+        self.lock = threading.Lock()
+        self.hello_lock = threading.Lock()
 
     # -- plumbing
     def call(self, op: str, timeout: Optional[float], **fields: Any) -> Call:
@@ -404,17 +411,26 @@ def sequence_field(sequence_id: Any, start: bool, end: bool) -> Optional[dict]:
     return {"id": sequence_id, "start": bool(start), "end": bool(end)}
 
 
-def run_sync(flow: Flow, send: Callable[[Call], Any]) -> Any:
-    """Drive a flow with a blocking `send(call) -> (header, frames)`."""
+_NO_LOCK = contextlib.nullcontext()
+
+
+def run_sync(flow: Flow, send: Callable[[Call], Any], lock: Optional[threading.Lock] = None) -> Any:
+    """Drive a flow with a blocking `send(call) -> (header, frames)`. With
+    `lock` (the state's, for a client shared by threads) each step of the
+    flow runs under it, and the waits for answers do not."""
+    guard = _NO_LOCK if lock is None else lock
     try:
-        call = next(flow)
+        with guard:
+            call = next(flow)
         while True:
             try:
                 reply = send(call)
             except BaseException as exc:
-                call = flow.throw(exc)
+                with guard:
+                    call = flow.throw(exc)
             else:
-                call = flow.send(reply)
+                with guard:
+                    call = flow.send(reply)
     except StopIteration as stop:
         return stop.value
 

@@ -1,4 +1,5 @@
-"""The synchronous client: one call at a time over a DEALER socket."""
+"""The synchronous client: calls from any number of threads over one DEALER
+socket (channel.py routes each reply to the thread that waits for it)."""
 from __future__ import annotations
 
 import json
@@ -10,15 +11,48 @@ import zmq
 
 from ..protocol import messages
 from .arena import DEFAULT_ARENA_CAP
+from .channel import SharedSocket
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control, error_of
-from .flows import SessionLost, run_sync, sequence_field
+from .flows import ClientState, SessionLost, run_sync, sequence_field
 from .regions import needs_session
 from .types import Call
 from .types import InferResult
 
 
+def _late_answers(state: ClientState) -> Callable[[Any], None]:
+    """What the channel does with an answer nobody waits for any more."""
+    def late(header: Any) -> None:
+        with state.lock:
+            state.late_reply(header)
+    return late
+
+
 class Client(ClientBase):
-    """A synchronous client. One call at a time per client; thread-confined.
+    """A synchronous client, safe to share between threads.
+
+    `url`: the daemon's address (ipc://PATH or tcp://HOST:PORT). A list of
+    addresses makes a `MultiClient` instead (multi.py): requests spread over
+    those daemons and move off one that stops answering; it also takes
+    `retries` and `health_interval`.
+
+    `timeout`: seconds a call waits for its answer (each call may pass its
+    own). When it passes, the call raises `NoAnswer`: DEADLINE_EXCEEDED if
+    the daemon is connected (it is slow; the request may still run),
+    UNAVAILABLE if no daemon was reached. A call fails at once, without
+    waiting, when the ipc:// socket file does not exist or nothing accepts
+    on it, and when the connection drops while it waits.
+
+    Threads: any number may call at once. Their requests are in flight
+    together on the one socket; whichever thread is waiting reads the
+    replies and hands each to its caller, so a slow call holds no one else
+    up, and every call's own timeout fires. The shared-memory session (the
+    arena, lent outputs) is one per client; its bookkeeping runs under a
+    lock, never held while waiting. The cost: a call alone pays two
+    uncontended lock round trips and a poll of three descriptors instead of
+    one (no measurable change, see docs/client.md); calls that overlap
+    take turns for the socket and their encoding and decoding (copies into
+    the arena included) run one at a time. For throughput from many
+    threads with large tensors, one client per thread still scales best.
 
     `local`: None (default) uses the shared-memory path when the daemon is on
     this host (unless TORCHPOOL_LOCAL=0); False never does. `arena_cap`: the
@@ -33,29 +67,26 @@ class Client(ClientBase):
     ipc:// connections are plain whatever the keys.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        url = args[0] if args else kwargs.get("url")
+        if cls is Client and isinstance(url, (list, tuple)):
+            from .multi import MultiClient
+            return MultiClient(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, local: Optional[bool] = None,
                  arena_cap: int = DEFAULT_ARENA_CAP, server_key: Optional[ServerKey] = None,
                  client_key: Optional[ClientKey] = None) -> None:
         self._open(url, timeout, local, arena_cap, zmq.Context.instance(), server_key, client_key)
+        self._channel = SharedSocket(self._sock, self._watch, _late_answers(self._state))
 
     # -- transport
     def _call(self, frames: list, request_id: int, timeout: Optional[float]) -> tuple[dict, list]:
         limit = self.timeout if timeout is None else timeout
-        self._check_open()
-        self._sock.send_multipart(frames, copy=len(frames) == 1)
-        deadline = time.monotonic() + limit
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
-                raise self._no_answer(limit)
-            reply = self._sock.recv_multipart(copy=False)
-            header = messages.unpack(reply[0].buffer)
-            if not isinstance(header, dict) or header.get("id") != request_id:
-                self._state.late_reply(header)   # the late answer of a call that timed out
-                continue
-            if not header.get("ok"):
-                raise error_of(header)
-            return header, [f.buffer for f in reply[1:]]
+        header, payload = self._channel.request(frames, request_id, limit)
+        if not header.get("ok"):
+            raise error_of(header)
+        return header, payload
 
     def _send(self, call: Call) -> tuple[dict, list]:
         return self._call(call.frames, call.rid, call.timeout)
@@ -65,13 +96,16 @@ class Client(ClientBase):
         st = self._state
         for attempt in range(2):
             if st.needs_hello(session):
-                run_sync(st.hello_flow(timeout), self._send)
+                with st.hello_lock:                  # one hello for every thread
+                    if st.needs_hello(session):
+                        run_sync(st.hello_flow(timeout), self._send, st.lock)
             if session:
                 st.require_session()
             try:
-                return run_sync(make_flow(), self._send)
+                return run_sync(make_flow(), self._send, st.lock)
             except SessionLost as lost:
-                st.session_lost(lost.token)
+                with st.lock:
+                    st.session_lost(lost.token)
                 if attempt:
                     raise lost.error from None
 
@@ -169,11 +203,14 @@ class Client(ClientBase):
     # -- lifetime
     def close(self, wait: float = GOODBYE_WAIT) -> None:
         """Say goodbye (returning everything lent to us) and close the socket.
+        Calls other threads still have in flight fail with CANCELLED.
         Outputs of a local session must not be used after this."""
         if not self._closer.detach():
             return                                   # closed already
-        call = self._state.goodbye_call(None)
-        self._state.close()
+        self._channel.close(GOODBYE_WAIT)            # from here this thread owns the socket
+        with self._state.lock:
+            call = self._state.goodbye_call(None)
+            self._state.close()
         linger = 0
         if call is not None:
             try:
@@ -189,8 +226,7 @@ class Client(ClientBase):
             except zmq.ZMQError:
                 pass
         self._sock.close(linger=linger)
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
+        self._watch.close()
 
     def __enter__(self) -> "Client":
         return self

@@ -1,0 +1,261 @@
+"""One DEALER socket shared by threads: the sync `Client`'s transport.
+
+A ZeroMQ socket must never be used by two threads at once, and a reply may
+belong to any of the calls in flight. So one waiting thread at a time owns
+the socket (the *reader*): it sends what the other threads queued, reads
+every reply and hands each to the thread that waits for its id. When its own
+answer is in, or its time is up, it hands the socket to another waiting
+thread. A thread alone never waits for anyone: it owns the socket, sends,
+and reads its own answer, as the client did before it could be shared.
+
+    thread A (reader)  send A ─ poll(socket, monitor, wake) ─ reply B ─ reply A ─ hand over to C
+    thread B           queue B, wake A ─ wait(B's deadline) ──┘ done
+    thread C           queue C, wake A ─ wait(C's deadline) ─────────── promoted: reader
+
+Every deadline fires in its own thread: the reader polls no longer than its
+own, the others wait on their own events. The reader also reads the
+socket's monitor (watch.py): a connection that drops fails every call in
+flight at once, instead of each waiting out its time.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional
+
+import zmq
+
+from ..protocol import errors, messages
+from ..protocol.errors import InferenceError
+from .types import NoAnswer
+from .watch import ConnectionWatch, Mark
+
+Reply = tuple[dict, list]
+# Reading the monitor costs a few us, too much for every call: a send right
+# after a poll (the hot path) trusts that poll. Anything that happened in so
+# short a gap is the daemon going away, which the request then hears about.
+_FRESH_S = 0.01
+
+
+class _Waiter:
+    """One call in flight: its frames until sent, then its answer or error."""
+
+    __slots__ = ("rid", "frames", "mark", "reply", "error", "promoted", "event")
+
+    def __init__(self, rid: Any, frames: list) -> None:
+        self.rid = rid
+        self.frames = frames
+        self.mark: Optional[Mark] = None        # the connection's story when it was sent
+        self.reply: Optional[Reply] = None
+        self.error: Optional[BaseException] = None
+        self.promoted = False                    # told to become the reader
+        self.event: Optional[threading.Event] = None   # only for a thread that waits on another
+
+
+def _closed_error() -> InferenceError:
+    return InferenceError(errors.CANCELLED, "client closed")
+
+
+class SharedSocket:
+    """Requests from any thread over one socket; replies routed by id.
+
+    `on_late(header)` gets each answer nobody waits for any more (a call
+    that timed out): it must give back what that request held."""
+
+    def __init__(self, sock: zmq.Socket, watch: ConnectionWatch, on_late: Callable[[Any], None]) -> None:
+        self._sock = sock
+        self._watch = watch
+        self._on_late = on_late
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)     # notified when nobody reads
+        self._waiting: dict[Any, _Waiter] = {}
+        self._outbox: collections.deque[_Waiter] = collections.deque()
+        self._reader: Optional[_Waiter] = None
+        self._closed = False
+        self._polled = 0.0            # when a poll last saw the monitor (as good as a drain)
+        # threads that queued a request wake the reader through this
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._wake_closer = weakref.finalize(self, os.close, self._wake)
+        self._poller = zmq.Poller()
+        for item in (sock, watch.socket, self._wake):
+            self._poller.register(item, zmq.POLLIN)
+
+    # -- a call
+    def request(self, frames: list, rid: Any, timeout: float) -> Reply:
+        """Send `frames` and return the reply to `rid`; NoAnswer when none
+        comes within `timeout` s (or the connection says none will)."""
+        deadline = time.monotonic() + timeout
+        me = _Waiter(rid, frames)
+        with self._lock:
+            if self._closed:
+                raise _closed_error()
+            self._waiting[rid] = me
+            reader = self._reader is None
+            if reader:
+                self._reader = me
+            else:
+                me.event = threading.Event()
+                self._outbox.append(me)
+                os.eventfd_write(self._wake, 1)
+        if reader:
+            self._transmit(me)
+            self._serve(me, deadline)
+        else:
+            self._wait(me, deadline)
+        if me.reply is not None:
+            return me.reply
+        if me.error is not None:
+            raise me.error
+        raise self._watch.no_answer(timeout)
+
+    def _wait(self, me: _Waiter, deadline: float) -> None:
+        """Wait for another thread to hand us our answer, or the socket."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining > 0:
+                me.event.wait(remaining)
+            with self._lock:
+                me.event.clear()
+                if me.reply is not None or me.error is not None:
+                    return
+                if not me.promoted:
+                    if time.monotonic() < deadline:
+                        continue
+                    if self._waiting.get(me.rid) is me:
+                        del self._waiting[me.rid]       # the reader skips it if still queued
+                    return
+                me.promoted = False
+            self._serve(me, deadline)
+            return
+
+    # -- the reader
+    def _serve(self, me: _Waiter, deadline: float) -> None:
+        """Own the socket until `me` is answered or its deadline passes,
+        sending and routing for everyone meanwhile; then hand it over."""
+        try:
+            while True:
+                if self._outbox:
+                    self._flush()
+                if me.reply is not None or me.error is not None:
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._watch.drain()            # the freshest story for the error
+                    return
+                ready = dict(self._poller.poll(max(1, int(remaining * 1000))))
+                self._polled = time.monotonic()
+                if self._sock in ready:
+                    self._read_one()
+                if self._watch.socket in ready:
+                    self._watch.drain()
+                    self._fail_lost()
+                if self._wake in ready:
+                    try:
+                        os.eventfd_read(self._wake)
+                    except BlockingIOError:
+                        pass
+        except zmq.ZMQError as exc:              # the socket was closed under us
+            with self._lock:
+                if me.reply is None and me.error is None:
+                    me.error = _closed_error() if self._closed else exc
+        finally:
+            self._hand_over(me)
+
+    def _transmit(self, w: _Waiter) -> None:
+        """Send one request (the reader's thread only)."""
+        watch = self._watch
+        if time.monotonic() - self._polled > _FRESH_S:
+            watch.drain()     # events from while nobody polled happened before this send
+        error = watch.before_send()
+        if error is None:
+            w.mark = watch.mark()
+            try:
+                self._sock.send_multipart(w.frames, flags=zmq.NOBLOCK, copy=len(w.frames) == 1)
+            except zmq.Again:
+                error = NoAnswer(errors.UNAVAILABLE, f"torchpool at {watch.url} takes no more "
+                                                     f"requests: too many wait to be sent (is the "
+                                                     f"daemon running?)", sent=False)
+        w.frames = None
+        if error is not None:
+            self._finish(w, error=error)
+
+    def _flush(self) -> None:
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    return
+                w = self._outbox.popleft()
+                if self._waiting.get(w.rid) is not w:
+                    continue                      # it gave up before it was sent
+            self._transmit(w)
+
+    def _read_one(self) -> None:
+        try:
+            reply = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        header = messages.unpack(reply[0].buffer)
+        rid = header.get("id") if isinstance(header, dict) else None
+        if not self._finish(self._waiting.get(rid), reply=(header, [f.buffer for f in reply[1:]])):
+            self._on_late(header)               # the late answer of a call that timed out
+
+    def _fail_lost(self) -> None:
+        """Fail every sent call the connection's events say will get no answer."""
+        watch = self._watch
+        with self._lock:
+            waiting = list(self._waiting.values())
+        for w in waiting:
+            if w.mark is not None:
+                error = watch.failure(w.mark)
+                if error is not None:
+                    self._finish(w, error=error)
+
+    def _finish(self, w: Optional[_Waiter], reply: Optional[Reply] = None,
+                error: Optional[BaseException] = None) -> bool:
+        """Give `w` its reply or error, under the lock (a waiter that timed
+        out either sees it or is gone); False if nobody waits for it."""
+        if w is None:
+            return False
+        with self._lock:
+            if self._waiting.get(w.rid) is not w:
+                return False
+            del self._waiting[w.rid]
+            w.reply, w.error = reply, error
+            if w.event is not None:
+                w.event.set()
+        return True
+
+    def _hand_over(self, me: _Waiter) -> None:
+        with self._lock:
+            if self._waiting.get(me.rid) is me:
+                del self._waiting[me.rid]          # our time is up
+            self._reader = None
+            for w in self._waiting.values():       # someone else waits: they read now
+                self._reader = w
+                w.promoted = True
+                w.event.set()
+                return
+            if self._closed:
+                self._idle.notify_all()            # close() waits for this
+
+    # -- the end
+    def close(self, wait: float) -> None:
+        """Calls in flight fail with CANCELLED; returns once no thread reads
+        (or after `wait` s), so the caller may use the socket itself."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for w in self._waiting.values():
+                w.error = _closed_error()
+                if w.event is not None:
+                    w.event.set()
+            self._waiting.clear()
+            if self._reader is not None:
+                os.eventfd_write(self._wake, 1)
+                self._idle.wait_for(lambda: self._reader is None, wait)
+            if self._reader is None:        # else a stuck reader may still poll it: the finalizer closes it
+                self._wake_closer()
