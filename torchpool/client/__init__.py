@@ -4,12 +4,19 @@
     with Client("ipc:///tmp/torchpool.sock") as c:
         out = c.infer("addsub", {"INPUT0": a, "INPUT1": b})
 
+A `Client` may be shared by threads; `Client([url, url])` spreads requests
+over several daemons. The whole API: docs/client.md.
+
 Both clients speak the same wire format (docs/protocol.md); the encoding,
 decoding, session and shared-memory logic is shared, only the transport
 differs. The package, one module per job:
 
-    sync.py    Client: one call at a time              } thin drivers: send,
+    sync.py    Client: calls from any thread           } thin drivers: send,
     aio.py     AsyncClient: many calls, one socket     } wait, run a flow
+    channel.py one socket shared by threads: replies routed to their callers
+    watch.py   the socket's monitor: why no answer came (DEADLINE_EXCEEDED,
+               UNAVAILABLE), failing at once when nothing is there
+    multi.py   MultiClient = Client([url, ...]): several daemons, failover
     common.py  what both share: socket + state ownership, errors, inline helpers
     flows.py   ClientState and the I/O-free flows (hello, infer, empty, regions)
     arena.py   the client's shared-memory arena and the lent-output mappings
@@ -55,10 +62,12 @@ from ..protocol.errors import InferenceError
 from .aio import AsyncClient
 from .arena import DEFAULT_ARENA_CAP
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, decode_infer, encode_control, encode_infer
+from .multi import MultiClient
 from .sync import Client
 from .types import (Classification, InferResult, NoAnswer, OutputRef, RawTensor, RegionOutput,
                     SharedMemoryRef)
 
 __all__ = ["AsyncClient", "Classification", "Client", "DEFAULT_ARENA_CAP", "DEFAULT_TIMEOUT",
-           "GOODBYE_WAIT", "InferResult", "InferenceError", "NoAnswer", "OutputRef", "RawTensor",
-           "RegionOutput", "SharedMemoryRef", "decode_infer", "encode_control", "encode_infer"]
+           "GOODBYE_WAIT", "InferResult", "InferenceError", "MultiClient", "NoAnswer", "OutputRef",
+           "RawTensor", "RegionOutput", "SharedMemoryRef", "decode_infer", "encode_control",
+           "encode_infer"]
