@@ -1,4 +1,4 @@
-"""Logging set-up, shared by the daemon and its workers.
+"""Logging set-up and process titles, shared by the daemon and its workers.
 
 Everything logs to stderr: journald captures it under systemd. Workers are
 forked from the daemon's fork server and inherit its stderr, so a worker's
@@ -6,6 +6,10 @@ records land in the same stream; `setup_logging` is called again in each
 worker with the daemon's level and format (they travel in `WorkerSpec`), so
 `--log-format json` gives one JSON object per line for the workers too, and
 every record carries the pid of the process that wrote it.
+
+`set_process_title` is how each process names itself in `ps` and top
+(`torchpool broker ipc://...`, `torchpool worker addsub v1 #0`): the same
+names the log lines use, so an operator can match a pid in one to the other.
 
 This module imports nothing of torchpool: the CLI, the broker and the workers
 all use it without pulling each other in.
@@ -51,4 +55,19 @@ def setup_logging(level: str | int, fmt: str = "text") -> int:
     return numeric
 
 
-__all__ = ["FORMATS", "JsonFormatter", "setup_logging"]
+def set_process_title(title: str) -> bool:
+    """Show `title` as this process's command line (ps, top, /proc/PID/cmdline)
+    when `setproctitle` is installed (optional: without it nothing changes);
+    True if it was set. SPT_NOENV keeps /proc/PID/environ intact (the title
+    then fits in the original command line's length): tools that read a
+    process's environment, our tests' leak checks among them, still can."""
+    os.environ.setdefault("SPT_NOENV", "1")
+    try:
+        from setproctitle import setproctitle
+    except ImportError:
+        return False
+    setproctitle(title)
+    return True
+
+
+__all__ = ["FORMATS", "JsonFormatter", "set_process_title", "setup_logging"]

@@ -40,7 +40,10 @@ class ServerOptions:
     log_format: str = "text"
     model_control_mode: str = "none"    # none | poll | explicit (Triton's)
     load_models: list[str] = field(default_factory=list)   # explicit mode: load these at start ("*" = all)
-    repository_poll_secs: float = 15.0
+    repository_poll_secs: float = 15.0  # poll mode: between rescans; 0 = only on SIGHUP (systemctl reload)
+    # Triton's --exit-on-error: a model failing to load at startup stops the daemon. Off by
+    # default (Triton's is on): one broken model must not take every other one down with it.
+    exit_on_error: bool = False
     # --- who may connect, and how much each may take (docs/security.md) ---
     local_socket: Optional[str] = None  # unix side channel of local sessions; None = auto, "" = off
     local_allow_users: list[str] = field(default_factory=list)   # names or uids; empty = any peer

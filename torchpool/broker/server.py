@@ -19,7 +19,8 @@
                                      views inputs in shm, runs the model, writes outputs once
 
 Who owns what:
-    server.py       startup / main loop / shutdown, signals, dispatch to idle instances
+    server.py       startup / main loop / shutdown, dispatch to idle instances
+    signals.py      signals recorded by their handlers, acted on by the loop
     intake.py       client requests: control calls routed, inferences validated and queued
     loop.py         the poller, fd handlers and timers everything runs on
     requests.py     validation of an infer request against the config; InferRequest
@@ -41,7 +42,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import time
 from collections import Counter
 from pathlib import Path
@@ -50,12 +50,13 @@ from typing import Any, Optional
 import zmq
 
 from ..config import scan_repository
+from ..logs import set_process_title
 from ..config.parameters import ParameterError, model_parameters
 from ..protocol import errors, internal, messages
 from ..protocol.errors import TorchpoolError
 from ..shm import Arena, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
 from .answers import Answers
-from .frontend import Frontend
+from .frontend import AddressInUse, Frontend
 from .instances import InstanceEvents, Instances
 from .intake import Intake
 from .local_channel import LocalChannel, resolve_path
@@ -65,13 +66,18 @@ from .gateways import GatewayProcess
 from .metrics import MetricsServer, configure_metrics
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
 from .options import ServerOptions
-from .registry import READY, ModelVersion, Registry
+from .registry import LOADING, READY, ModelVersion, Registry
 from .schedulers import make_scheduler
 from .sessions import SessionManager
+from .signals import SignalInbox
 from .supervisor import Supervisor
-from .systemd import Notifier
+from .systemd import Notifier, ServiceStatus
 
 log = logging.getLogger("torchpool.broker")
+
+
+class ModelLoadFailed(Exception):
+    """--exit-on-error: a model failed to load at startup (its one-line reason)."""
 
 
 class Server:
@@ -92,32 +98,35 @@ class Server:
         # bytes the broker copied vs. passed by descriptor, for benchmarks and tests
         self.transfer: Counter = Counter()
         self.answers: Optional[Answers] = None
-        self._signals: list[int] = []
-        self._wake_r: Optional[socket.socket] = None
-        self._wake_w: Optional[socket.socket] = None
-        self._old_handlers: dict[int, Any] = {}
+        self.signals = SignalInbox((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
         self.should_exit = False
         self.force_exit = False
         self._started = time.monotonic()
-        self.notifier = Notifier()
+        self.service = ServiceStatus(Notifier(), self.loop.call_later)   # systemd's view
         self.control: Optional[ModelControl] = None
         self.metrics: Optional[MetricsServer] = None
         self.gateway: Optional[GatewayProcess] = None
-        self._announced_ready = False
+        self._startup_versions: list[ModelVersion] = []   # what the start's READY=1 waits for
+        self.failure: Optional[ModelLoadFailed] = None
 
     # ------------------------------------------------------------------ run
 
     def run(self) -> int:
+        """Serve until SIGTERM or SIGINT: 0. After a clean shutdown, raises ModelLoadFailed
+        (--exit-on-error), AddressInUse, GatewayError or ConfigError when the start failed."""
+        set_process_title(f"torchpool broker {self.options.listen[0]}")
         try:
             self.startup()
             self.main_loop()
         finally:
             self.shutdown()
+        if self.failure is not None:
+            raise self.failure
         return 0
 
     def startup(self) -> None:
         metrics_config = configure_metrics(self.options.metrics_config)   # checked by the CLI already
-        self._install_signal_handlers()
+        self.loop.watch(self.signals.install(), self._on_signal)
         stale = remove_stale_segments(self.daemon)
         if stale:
             log.warning("removed %d shared-memory segments left by a dead daemon", len(stale))
@@ -136,7 +145,10 @@ class Server:
         self.answers.sessions = self.sessions
         self.frontend.on_stalled = self.sessions.disconnected   # a connection that stopped reading
         self.loop.call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
+        self._serve_metrics(metrics_config)     # bound before any model loads: a busy port fails at once
         entries = scan_repository(o.model_repository)
+        if not entries:
+            log.warning("model repository %s holds no models", o.model_repository)
         if o.model_control_mode == EXPLICIT and "*" not in o.load_models:
             entries = [e for e in entries if e.name in o.load_models]
         self.registry = Registry(entries)
@@ -156,22 +168,19 @@ class Server:
             model.fingerprint = fingerprint(model.entry.path)
             if model.error:
                 log.error("model '%s' is UNAVAILABLE: %s", model.name, model.error)
-        if o.model_control_mode == POLL:
+                if o.exit_on_error:
+                    self._stop_starting(f"model '{model.name}' failed to load: {model.error}")
+        if o.model_control_mode == POLL and o.repository_poll_secs > 0:
             self.loop.call_later(o.repository_poll_secs, self._poll_repository)
-        for mv in self.registry.all_versions():
-            self.start_version(mv)
+        self._startup_versions = self.registry.all_versions()
         log.info("listening on %s; loading %d model versions from %s", ", ".join(o.listen),
-                 len(self.registry.all_versions()), o.model_repository)
-        self.notifier.status(f"loading {len(self.registry.all_versions())} model versions")
-        if self.notifier.watchdog_interval:
-            self._watchdog()
-        if o.metrics_port is not None:
-            self.metrics = MetricsServer(o.metrics_host, o.metrics_port, self._metrics_snapshot,
-                                         lambda: not self.should_exit,
-                                         lambda: not self.should_exit and self.registry.server_ready(),
-                                         metrics_config)
-            self.metrics.start()
-            log.info("metrics and health on http://%s:%d/metrics", o.metrics_host, self.metrics.port)
+                 len(self._startup_versions), o.model_repository)
+        self.service.loading_started(len(self._startup_versions))
+        for mv in self._startup_versions:
+            if self.failure is None:    # --exit-on-error: the rest do not start
+                self.start_version(mv)
+        if self.failure is not None:
+            return                      # main_loop stops at once; run() raises it
         if o.http_port is not None or o.grpc_port is not None:
             self.gateway = GatewayProcess(o, logging.getLevelName(o.log_level).lower())
             self.gateway.start()        # GatewayError (a busy port...): the daemon does not start
@@ -191,7 +200,7 @@ class Server:
             if self.should_exit:
                 if drain_deadline is None:
                     drain_deadline = time.monotonic() + self.options.grace_period
-                    self.notifier.stopping()
+                    self.service.stop()
                     if self.gateway is not None:
                         self.gateway.begin_stop()
                     log.info("shutting down: finishing %d accepted requests (grace %.0f s)",
@@ -207,6 +216,21 @@ class Server:
                 last_activity = time.perf_counter()
             self.loop.run_timers()
             self._expire_queued()
+
+    def _serve_metrics(self, config: Any) -> None:
+        o = self.options
+        if o.metrics_port is None:
+            return
+        try:
+            self.metrics = MetricsServer(o.metrics_host, o.metrics_port, self._metrics_snapshot,
+                                         lambda: not self.should_exit,
+                                         lambda: not self.should_exit and self.registry is not None
+                                         and self.registry.server_ready(), config)
+        except OSError as exc:      # the CLI probed it: another process took it since
+            raise AddressInUse(f"--metrics-port {o.metrics_port}: cannot serve metrics on "
+                               f"{o.metrics_host}:{o.metrics_port}: {exc.strerror or exc}") from None
+        self.metrics.start()
+        log.info("metrics and health on http://%s:%d/metrics", o.metrics_host, self.metrics.port)
 
     def _check_gateway(self) -> None:
         if self.gateway is not None and not self.should_exit:
@@ -247,8 +271,8 @@ class Server:
         remove_segments_with_prefix(self.prefix)     # shared weights, the only named segments
         if self.metrics is not None:
             self.metrics.close()
-        self._restore_signal_handlers()
-        self.notifier.close()
+        self.signals.restore()
+        self.service.close()
         log.info("torchpool stopped")
 
     def _refuse_waiting(self) -> None:
@@ -270,48 +294,30 @@ class Server:
 
     # -------------------------------------------------------------- signals
 
-    def _install_signal_handlers(self) -> None:
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            self._old_handlers[sig] = signal.signal(sig, self._record_signal)
-        self.loop.watch(self._wake_r.fileno(), self._on_signal)
-
-    def _record_signal(self, signum: int, frame: Any) -> None:
-        self._signals.append(signum)   # only record: the loop acts on it
-
-    def _restore_signal_handlers(self) -> None:
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        self._old_handlers.clear()
-        if self._wake_w is not None:
-            signal.set_wakeup_fd(-1)
-            self._wake_w.close()
-            self._wake_r.close()
-            self._wake_w = self._wake_r = None
-
     def _on_signal(self) -> None:
-        try:
-            while self._wake_r.recv(512):
-                pass
-        except BlockingIOError:
-            pass
-        while self._signals:
-            sig = self._signals.pop(0)
+        for sig in self.signals.drain():
             if sig in (signal.SIGTERM, signal.SIGINT):
                 if self.should_exit and sig == signal.SIGINT:
                     log.warning("second SIGINT: stopping now")
                     self.force_exit = True
                 self.should_exit = True
             elif sig == signal.SIGHUP:
-                if self.control.mode == POLL:
-                    log.info("SIGHUP: rescanning the model repository")
-                    self.control.poll()
-                else:
-                    log.info("SIGHUP ignored: model control mode '%s' does not rescan the repository",
-                             self.options.model_control_mode)
+                self._reload()
+
+    def _reload(self) -> None:
+        """SIGHUP (systemctl reload): poll mode rescans the repository; systemd hears
+        RELOADING=1 now and READY=1 once what the rescan started has settled."""
+        rescan = self.control.mode == POLL
+        what = "rescanning the model repository" if rescan else f"nothing to reload ({self.control.mode} mode)"
+        log.info("SIGHUP: %s", what)
+        self.service.reload_started(what, loads=rescan)
+        if rescan:
+            self.control.poll()
+        self._reload_done_if_settled()
+
+    def _reload_done_if_settled(self) -> None:
+        if self.service.reloading and not self.registry.loading():
+            self.service.reload_settled(self._serving_status())
 
     # ------------------------------------------------------------- timers
 
@@ -339,11 +345,6 @@ class Server:
                 for req, err in scheduler.expire(now):
                     self.answers.fail(req, err)
                 self._dispatch(mv)
-
-    def _watchdog(self) -> None:
-        """WATCHDOG=1 from the main loop itself: a stuck loop stops the pings."""
-        self.notifier.watchdog()
-        self.loop.call_later(self.notifier.watchdog_interval, self._watchdog)
 
     def _expire_sessions(self) -> None:
         self.sessions.expire()
@@ -406,26 +407,44 @@ class Server:
         self.instances.start_version(mv)
 
     def _settled(self, mv: ModelVersion) -> None:
-        self._announce_if_ready()
+        if self.service.starting and mv in self._startup_versions:
+            if mv.state != READY and self.options.exit_on_error:
+                self._stop_starting(f"{mv.label} failed to load: {mv.reason}")
+            self.service.version_settled(sum(v.state != LOADING for v in self._startup_versions),
+                                         len(self._startup_versions), f"{mv.name} v{mv.version} {mv.state}")
+        if self.failure is None:
+            self._announce_if_ready()
         self.control.version_settled(mv)
+        self._reload_done_if_settled()
+
+    def _stop_starting(self, reason: str) -> None:     # --exit-on-error
+        if self.failure is None:
+            self.failure = ModelLoadFailed(reason)
+            self.should_exit = True
 
     def _metrics_snapshot(self) -> tuple[list, dict]:
         # pending: accepted, not yet handed to an instance (Triton's nv_inference_pending_request_count)
+        versions = list(self.registry.all_versions()) if self.registry is not None else []
         rows = [(mv.name, mv.version, mv.stats, len(mv.scheduler) if mv.scheduler is not None else 0)
-                for mv in list(self.registry.all_versions())]
+                for mv in versions]
         shm = {"input_mapped": self.arena.mapped_bytes, "input_used": self.arena.used_bytes,
                "client_arenas": sum(s.arena_bytes for s in list(self.sessions.sessions.values()))}
         return rows, shm
 
     def _announce_if_ready(self) -> None:
-        if self._announced_ready or self.registry.loading():
+        if not self.service.starting or self.registry.loading():
             return
-        self._announced_ready = True
-        versions = self.registry.all_versions()
+        counts, broken = self._ready_counts()
+        log.info("torchpool ready: %s READY%s, in %.2f s; listening on %s", counts, broken,
+                 time.monotonic() - self._started, ", ".join(self.options.listen))
+        self.service.ready(self._serving_status())
+
+    def _ready_counts(self) -> tuple[str, str]:
+        """('3 of 4 model versions', ', 1 models failed to load' or ''); reloads and retirees aside."""
+        versions = [mv for m in self.registry.models.values() for mv in m.versions.values()]
         ready = sum(1 for mv in versions if mv.state == READY)
         broken = sum(1 for m in self.registry.models.values() if m.error)
-        log.info("torchpool ready: %d of %d model versions READY%s, in %.2f s; listening on %s",
-                 ready, len(versions), f", {broken} models failed to load" if broken else "",
-                 time.monotonic() - self._started, ", ".join(self.options.listen))
-        self.notifier.ready(f"serving {ready} of {len(versions)} model versions"
-                            + (f"; {broken} models failed to load" if broken else ""))
+        return f"{ready} of {len(versions)} model versions", f", {broken} models failed to load" if broken else ""
+
+    def _serving_status(self) -> str:
+        return "serving {}{}".format(*self._ready_counts())

@@ -11,15 +11,30 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING
 
+from ..logs import set_process_title
+
 if TYPE_CHECKING:
     from .spec import WorkerSpec
 
 
+def worker_title(spec: "WorkerSpec") -> str:
+    """`torchpool worker addsub v1 #0` (+ the device when it is a GPU): what
+    `ps` shows for the worker, instead of the fork server's command line.
+    Instances are named `<group>_<index>` and groups after their model
+    (`addsub`, `addsub_1` for a second group): the model's prefix is not
+    repeated; a group with a name of its own shows it whole."""
+    prefix = f"{spec.model}_"
+    instance = "#" + (spec.instance[len(prefix):] if spec.instance.startswith(prefix) else spec.instance)
+    device = f" {spec.device}" if spec.device.startswith("cuda") else ""
+    return f"torchpool worker {spec.model} v{spec.version} {instance}{device}"
+
+
 def run_worker(spec: "WorkerSpec", sock: socket.socket) -> None:
     """The multiprocessing target: runs in the forked child."""
+    set_process_title(worker_title(spec))
     from .process import worker_main
 
     worker_main(spec, sock)
 
 
-__all__ = ["run_worker"]
+__all__ = ["run_worker", "worker_title"]

@@ -1,17 +1,24 @@
-"""Command line: `torchpool serve | infer | keygen | make-example-repo`."""
+"""Command line: `torchpool serve | infer | models | metadata | stats | keygen | make-example-repo | perf`.
+
+This module is the parser and `main`; each command runs in its own module
+(serve.py, client_commands.py, setup_commands.py), imported only when that
+command runs, so `torchpool --help` and the client commands never import the
+broker. A failure the user can fix is one line, `torchpool: error: ...`, with
+the exit status errors.py gives it (`torchpool serve --help` lists them).
+"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import importlib
 import logging
-import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from .broker.options import ServerOptions
-from .logs import FORMATS, setup_logging
+from ..broker.options import ServerOptions
+from ..logs import FORMATS
+from .errors import EXIT_STATUS_HELP, CliError, report
+from .urls import DEFAULT_LISTEN
 
-DEFAULT_LISTEN = "ipc:///tmp/torchpool.sock"
 _OPTION_FIELDS = {f.name: f for f in dataclasses.fields(ServerOptions)}
 
 
@@ -42,102 +49,45 @@ def _size(text: str) -> int:
     return int(text)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from .broker.auth import SecurityError, check_options
+def _boolean(text: str) -> bool:
+    """Triton's boolean flag values."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
-    level = setup_logging(args.log_level, args.log_format)
-    # every serve flag is named after its ServerOptions field
-    given = {name: getattr(args, name) for name in _OPTION_FIELDS if hasattr(args, name)}
-    given.update(listen=args.listen or [DEFAULT_LISTEN], log_level=level,
-                 load_models=args.load_model or [],
-                 metrics_config=args.metrics_config or [],
-                 local_allow_users=args.local_allow_users or [],
-                 local_allow_groups=args.local_allow_groups or [])
-    options = ServerOptions(**given)
-    try:
-        # key files and addresses are checked before anything starts (or torch is
-        # imported): a one-line error, exit status 2
-        check_options(options.listen, options.curve_secret_key, options.curve_authorized_keys,
-                      options.insecure_tcp)
-    except SecurityError as exc:
-        logging.getLogger("torchpool").error("%s", exc)
-        return 2
-    from .broker.metrics import MetricsConfigError, parse_metrics_config
 
-    try:    # a metrics setting torchpool does not know stops it before anything starts
-        parse_metrics_config(options.metrics_config)
-    except MetricsConfigError as exc:
-        logging.getLogger("torchpool").error("%s", exc)
-        return 2
-    from .broker.frontend import AddressInUse
-    from .broker.gateways import GatewayError
-    from .broker.server import Server
+def _run(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """A command's runner, imported when the command runs (not when the parser is built)."""
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), function)(args)
+    return run
+
+
+def version_text() -> str:
+    """`torchpool X.Y.Z (torch A.B.C)`: torch's version from its installed
+    metadata, so a client-only install (no torch) still answers at once."""
+    from importlib import metadata
+
+    from .. import __version__
 
     try:
-        return Server(options).run()
-    except (AddressInUse, SecurityError, GatewayError) as exc:
-        logging.getLogger("torchpool").error("%s", exc)
-        return 2
+        torch = f"torch {metadata.version('torch')}"
+    except metadata.PackageNotFoundError:
+        torch = "torch not installed"
+    return f"torchpool {__version__} ({torch})"
 
 
-def _keygen(args: argparse.Namespace) -> int:
-    from .broker.auth import SecurityError, keygen, read_certificate
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: Any = argparse.SUPPRESS, help: Optional[str] = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
 
-    try:
-        public_file, secret_file = keygen(args.directory, args.name)
-        public, _ = read_certificate(public_file, secret=False)
-    except (SecurityError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"public key {public.decode()}\n"
-          f"  {public_file}  (public: copy it into the daemon's --curve-authorized-keys directory,\n"
-          f"  or give it to clients as server_key)\n"
-          f"  {secret_file}  (secret, mode 600: --curve-secret-key, or a client's client_key)")
-    return 0
-
-
-def _parse_input(text: str) -> tuple[str, object]:
-    import numpy as np
-
-    name, sep, value = text.partition("=")
-    if not sep:
-        raise SystemExit(f"--input expects NAME=JSON or NAME=JSON:DTYPE, got {text!r}")
-    dtype = None
-    if ":" in value and value.rsplit(":", 1)[1].isalnum():
-        value, dtype = value.rsplit(":", 1)
-    data = json.loads(value)
-    if dtype is None and isinstance(data, list) and data and all(isinstance(x, str) for x in data):
-        return name, data
-    from .protocol.datatypes import numpy_dtype
-    return name, np.asarray(data, dtype=numpy_dtype(dtype.upper()) if dtype else np.float32)
-
-
-def _infer(args: argparse.Namespace) -> int:
-    from .client import Client
-    from .protocol.errors import InferenceError
-
-    inputs = dict(_parse_input(i) for i in args.input)
-    with Client(args.url, timeout=args.timeout) as client:
-        try:
-            result = client.infer(args.model, inputs, outputs=args.output or None, version=args.version)
-        except InferenceError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-    for name, value in result.items():
-        shown = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in value.reshape(-1).tolist()]
-        print(json.dumps({"name": name, "datatype": str(value.dtype), "shape": list(value.shape),
-                          "data": shown}))
-    return 0
-
-
-def _make_example_repo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from .examples import build_example_repository
-
-    names = build_example_repository(Path(args.directory))
-    print(f"built {len(names)} models in {args.directory}: {', '.join(names)}")
-    return 0
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(version_text())
+        parser.exit()
 
 
 def _add_security_flags(serve: argparse.ArgumentParser) -> None:
@@ -179,12 +129,85 @@ def _add_security_flags(serve: argparse.ArgumentParser) -> None:
                          help=f"limit: {what} (default {_shown(_default(name))})")
 
 
+def _add_client_flags(command: argparse.ArgumentParser) -> None:
+    """How a client command reaches the daemon."""
+    command.add_argument("--url", default=DEFAULT_LISTEN,
+                         help=f"the daemon's ipc:// or tcp:// address (default {DEFAULT_LISTEN})")
+    command.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the answer")
+    command.add_argument("--server-key", metavar="FILE",
+                         help="tcp:// with CURVE: the daemon's public key file (NAME.key)")
+    command.add_argument("--client-key", metavar="FILE",
+                         help="tcp:// with CURVE: this client's secret key file (NAME.key_secret)")
+
+
+def _add_client_commands(sub: Any) -> None:
+    infer = sub.add_parser(
+        "infer", help="send one request and print the outputs as JSON lines",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Send one request; print each output as a JSON line: "
+                    '{"name", "datatype" (Triton\'s: FP32, BYTES, ...), "shape", "data"}.',
+        epilog="inputs:\n"
+               "  NAME=JSON               the model's declared datatype, e.g. INPUT0='[[1,2,3]]'\n"
+               "  NAME=JSON:DATATYPE      Triton's datatype names, e.g. INPUT0='[[1,2,3]]':INT64\n"
+               "  NAME=@FILE.npy          a numpy file, its own dtype and shape\n"
+               "  NAME=@FILE.npy:DATATYPE ... converted, e.g. INPUT0=@x.npy:FP16\n"
+               "JSON strings make BYTES: TEXT='[\"a\",\"b\"]'\n"
+               "exit statuses: 0 done, 1 the server answered with an error or could not be reached, "
+               "2 bad arguments")
+    infer.add_argument("model")
+    infer.add_argument("--input", action="append", default=[], metavar="NAME=VALUE",
+                       help="an input tensor (forms below); repeat for each")
+    infer.add_argument("--output", action="append", metavar="NAME",
+                       help="only these outputs (default all); repeatable")
+    infer.add_argument("--version", help="the model version (default the highest ready one)")
+    _add_client_flags(infer)
+    infer.set_defaults(func=_run("client_commands", "run_infer"))
+
+    models = sub.add_parser("models", help="the repository index: every model version, its state "
+                                           "and why it is not ready")
+    models.add_argument("--json", action="store_true", help="the index as JSON")
+    _add_client_flags(models)
+    models.set_defaults(func=_run("client_commands", "run_models"))
+
+    metadata = sub.add_parser("metadata", help="a model's inputs and outputs: Triton datatypes and shapes")
+    metadata.add_argument("model")
+    metadata.add_argument("--version", help="the model version (default the highest ready one)")
+    metadata.add_argument("--json", action="store_true", help="the metadata as JSON")
+    _add_client_flags(metadata)
+    metadata.set_defaults(func=_run("client_commands", "run_metadata"))
+
+    stats = sub.add_parser("stats", help="inference statistics: counts and average queue and "
+                                         "compute times, per model version")
+    stats.add_argument("model", nargs="?", help="only this model (default all)")
+    stats.add_argument("--version", help="only this version of the model")
+    stats.add_argument("--json", action="store_true", help="Triton's statistics JSON")
+    _add_client_flags(stats)
+    stats.set_defaults(func=_run("client_commands", "run_stats"))
+
+
+def _add_perf(sub: Any) -> None:
+    """`torchpool perf`, when its package is there."""
+    try:
+        from ..perf.cli import add_parser as add_perf_parser
+    except ImportError:
+        return
+    add_perf_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchpool", description=__doc__)
+    parser = argparse.ArgumentParser(prog="torchpool", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve a Triton PyTorch model repository (foreground)")
+    serve = sub.add_parser("serve", help="serve a Triton PyTorch model repository (foreground)",
+                           description="Serve a Triton PyTorch model repository in the foreground.",
+                           epilog=EXIT_STATUS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--model-repository", required=True, help="the repository directory")
+    serve.add_argument("--exit-on-error", nargs="?", const=True, type=_boolean,
+                       default=_default("exit_on_error"), metavar="BOOL",
+                       help="Triton's: stop the daemon (exit status 5) when a model fails to load at "
+                            "startup; --exit-on-error or --exit-on-error=true (default false: the "
+                            "model is UNAVAILABLE and the others serve)")
     serve.add_argument("--listen", action="append", metavar="URL",
                        help=f"ipc:// or tcp:// address; repeat for several (default {DEFAULT_LISTEN})")
     serve.add_argument("--log-level", default=logging.getLevelName(_default("log_level")).lower(),
@@ -214,8 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--load-model", action="append", metavar="NAME",
                        help="explicit mode: load this model at start ('*' = all); repeatable")
     serve.add_argument("--repository-poll-secs", type=float, default=_default("repository_poll_secs"),
-                       help="poll mode: seconds between repository scans "
-                            f"(default {_shown(_default('repository_poll_secs'))})")
+                       help="poll mode: seconds between repository scans; 0 = only on SIGHUP "
+                            f"(systemctl reload) (default {_shown(_default('repository_poll_secs'))})")
     serve.add_argument("--execution-timeout", type=float, default=_default("execution_timeout"),
                        help="kill and restart a worker whose batch runs longer (seconds; 0 = never; "
                             f"default {_shown(_default('execution_timeout'))})")
@@ -247,31 +270,35 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds after which an idle client's session and shared memory are "
                             f"released (default {_shown(_default('client_lease'))})")
     _add_security_flags(serve)
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_run("serve", "run_serve"))
 
-    infer = sub.add_parser("infer", help="send one request and print the outputs as JSON lines")
-    infer.add_argument("model")
-    infer.add_argument("--url", default=DEFAULT_LISTEN)
-    infer.add_argument("--input", action="append", default=[], metavar="NAME=JSON[:DTYPE]",
-                       help='e.g. INPUT0="[[1,2,3]]":FP32 or TEXT=\'["a","b"]\'')
-    infer.add_argument("--output", action="append", metavar="NAME")
-    infer.add_argument("--version")
-    infer.add_argument("--timeout", type=float, default=60.0)
-    infer.set_defaults(func=_infer)
+    _add_client_commands(sub)
 
     keys = sub.add_parser("keygen", help="write a CURVE key pair for tcp:// (NAME.key public, "
                                          "NAME.key_secret secret)")
     keys.add_argument("directory", help="where to write the two files (created if missing)")
     keys.add_argument("--name", default="torchpool",
                       help="file name of the pair, e.g. server or the client's name (default torchpool)")
-    keys.set_defaults(func=_keygen)
+    keys.set_defaults(func=_run("setup_commands", "run_keygen"))
 
     example = sub.add_parser("make-example-repo", help="write the example model repository")
     example.add_argument("directory")
-    example.set_defaults(func=_make_example_repo)
+    example.set_defaults(func=_run("setup_commands", "run_make_example_repo"))
+    _add_perf(sub)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The `torchpool` command; returns its exit status."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except CliError as exc:
+        serving = getattr(args, "command", "") == "serve"
+        report(exc.message, getattr(args, "log_format", "text") if serving else "text")
+        return exc.status
+    except KeyboardInterrupt:
+        return 130        # Ctrl-C in a client command (serve handles its own signals)
+
+
+__all__ = ["DEFAULT_LISTEN", "build_parser", "main", "version_text"]

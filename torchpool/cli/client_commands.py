@@ -1,0 +1,150 @@
+"""The client commands: `torchpool infer | models | metadata | stats`.
+
+Each is a client of a running daemon (`--url`). Before the first call the
+address is tried with a plain connect, so a daemon that is not running is
+one line saying so at once, not a ZeroMQ call that waits out its timeout.
+An error the server answers is printed as the server wrote it (its code
+and message, naming the model and tensor). Exit status: 0 done, 1 the
+server answered with an error or could not be reached, 2 bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import socket
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+from .errors import FAILURE, CliError
+from .inputs import input_value, output_row, parse_specs
+from .preflight import reason
+from .urls import check_url, tcp_host_port
+
+CONNECT_TIMEOUT = 5.0
+
+
+def check_reachable(url: str) -> None:
+    """CliError(FAILURE) when nothing listens at `url` (checked as --url first)."""
+    check_url("--url", url)
+    hint = "is `torchpool serve` running there?"
+    if url.startswith("ipc://"):
+        path = url[len("ipc://"):]
+        if not os.path.exists(path):
+            raise CliError(FAILURE, f"no torchpool daemon at {url}: {path} does not exist ({hint})")
+        family, address = socket.AF_UNIX, path
+    else:
+        host, port = tcp_host_port(url)
+        if port is None:
+            raise CliError(FAILURE, f"--url {url}: a client needs the port number")
+        family, address = socket.AF_INET6 if ":" in host else socket.AF_INET, (host, port)
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.settimeout(CONNECT_TIMEOUT)
+            probe.connect(address)
+    except socket.timeout:
+        raise CliError(FAILURE, f"no torchpool daemon at {url}: no answer to a connect within "
+                                f"{CONNECT_TIMEOUT:g} s ({hint})") from None
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            raise CliError(FAILURE, f"no torchpool daemon at {url}: {reason(exc)} ({hint})") from None
+        raise CliError(FAILURE, f"cannot reach {url}: {reason(exc)}") from None
+
+
+@contextmanager
+def connected(args: argparse.Namespace) -> Iterator[Any]:
+    """A Client on --url; the server's errors (and ours) as CliError(FAILURE)."""
+    from ..client import Client
+    from ..protocol.errors import TorchpoolError
+
+    check_reachable(args.url)
+    try:
+        client = Client(args.url, timeout=args.timeout, server_key=args.server_key,
+                        client_key=args.client_key)
+    except (ValueError, OSError) as exc:
+        raise CliError(FAILURE, f"--url {args.url}: {exc}") from None
+    try:
+        with client:
+            yield client
+    except TorchpoolError as exc:
+        raise CliError(FAILURE, str(exc)) from None
+
+
+def run_infer(args: argparse.Namespace) -> int:
+    specs = parse_specs(args.input)           # the syntax, before anything is sent
+    with connected(args) as client:
+        declared: dict[str, str] = {}
+        if any(spec.needs_metadata for spec in specs):
+            meta = client.model_metadata(args.model, args.version)
+            declared = {t["name"]: t["datatype"] for t in meta.get("inputs", [])}
+        inputs = {spec.name: input_value(spec, declared) for spec in specs}
+        result = client.infer(args.model, inputs, outputs=args.output or None, version=args.version,
+                              copy=True)
+        rows = [output_row(name, value) for name, value in result.items()]
+    for row in rows:
+        print(json.dumps(row))
+    return 0
+
+
+def run_models(args: argparse.Namespace) -> int:
+    with connected(args) as client:
+        index = client.repository_index()
+    if args.json:
+        print(json.dumps(index, indent=2))
+        return 0
+    print(table(("MODEL", "VERSION", "STATE", "REASON"),
+                [(m["name"], m["version"] or "-", m["state"], m.get("reason", "")) for m in index]))
+    return 0
+
+
+def run_metadata(args: argparse.Namespace) -> int:
+    with connected(args) as client:
+        meta = client.model_metadata(args.model, args.version)
+    if args.json:
+        print(json.dumps(meta, indent=2))
+        return 0
+    versions = ", ".join(meta.get("versions", [])) or "none ready"
+    print(f"model {meta['name']} ({meta.get('platform', '')}), versions: {versions}")
+    rows = [(kind, t["name"], t["datatype"], json.dumps(t["shape"]))
+            for kind, key in (("input", "inputs"), ("output", "outputs")) for t in meta.get(key, [])]
+    print(table(("", "NAME", "DATATYPE", "SHAPE"), rows))
+    return 0
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    with connected(args) as client:
+        stats = client.statistics(args.model, args.version)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    rows = []
+    for s in stats.get("model_stats", []):
+        inference = s["inference_stats"]
+        computed = inference["compute_infer"]["count"]
+        compute_ns = sum(inference[k]["ns"] for k in ("compute_input", "compute_infer", "compute_output"))
+        rows.append((s["name"], s["version"], inference["success"]["count"], inference["fail"]["count"],
+                     s["inference_count"], s["execution_count"],
+                     average_us(inference["queue"]["ns"], inference["queue"]["count"]),
+                     average_us(compute_ns, computed)))
+    print(table(("MODEL", "VERSION", "SUCCESS", "FAIL", "INFERENCES", "EXECUTIONS", "AVG QUEUE",
+                 "AVG COMPUTE"), rows))
+    return 0
+
+
+def average_us(total_ns: int, count: int) -> str:
+    """An average duration for people: '-' when nothing was counted."""
+    if not count:
+        return "-"
+    us = total_ns / count / 1000
+    return f"{us / 1000:.2f} ms" if us >= 10_000 else f"{us:.0f} us"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned columns, two spaces apart; no trailing blanks."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+__all__ = ["average_us", "check_reachable", "run_infer", "run_metadata", "run_models", "run_stats", "table"]
