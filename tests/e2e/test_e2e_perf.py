@@ -103,15 +103,16 @@ def test_concurrency_sweep_table_csv_json_plot(perf_daemon: Daemon, tmp_path: Pa
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
 
-def test_batch_size_counts_inferences(perf_daemon: Daemon, tmp_path: Path) -> None:
+def test_batch_size_counts_inferences_with_a_shared_client(perf_daemon: Daemon, tmp_path: Path) -> None:
     out = tmp_path / "b4.json"
     r = perf("-m", "addsub", "-u", perf_daemon.url, "-b", "4", "--input-data", "zero", *SHORT,
-             "--json", str(out))
+             "--concurrency-range", "3", "--shared-client", "--json", str(out))
     assert r.returncode == 0, r.stderr
+    assert "a thread per outstanding request, one Client shared" in r.stdout
     (x,) = json.loads(out.read_text())["results"]
     # throughput is inferences (batch items) per second: 4 per request
     assert x["throughput_infer_per_s"] == pytest.approx(4 * x["requests"] / x["duration_s"], rel=0.01)
-    assert abs(x["server"]["inference_count"] - 4 * x["server"]["success_count"]) <= 4
+    assert abs(x["server"]["inference_count"] - 4 * x["server"]["success_count"]) <= 4 * 3
 
 
 def test_request_rate(perf_daemon: Daemon, tmp_path: Path) -> None:
@@ -188,6 +189,7 @@ def test_progress_line_when_asked(perf_daemon: Daemon) -> None:
     (["-m", "addsub", "--concurrency-range", "4:2"], 2, "END at least START"),
     (["-m", "addsub", "--request-rate-range", "fast"], 2, "--request-rate-range expects START"),
     (["-m", "addsub", "--input-data", "/nonexistent/file.json"], 2, "no such file or directory"),
+    (["-m", "addsub", "--async", "--shared-client"], 2, "--async already uses one client"),
 ])
 def test_errors_are_one_line(perf_daemon: Daemon, args: list, status: int, says: str) -> None:
     r = perf("-u", perf_daemon.url, *args, timeout=60)

@@ -20,7 +20,9 @@ DEFAULT_URL = "ipc:///tmp/torchpool.sock"
 DEFAULT_INTERVAL_MS = 5000
 DEFAULT_STABILITY = 10.0
 DEFAULT_MAX_TRIALS = 10
-DEFAULT_MAX_THREADS = 16
+# each sender thread is a client with its own local session, whose arena is the
+# daemon's --client-shm-size (64 MiB by default): a few are enough at this rate
+DEFAULT_MAX_THREADS = 4
 DEFAULT_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 5.0        # how long the first call waits for a daemon that may not be there
 
@@ -31,7 +33,7 @@ class UsageError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `perf`, named as perf_analyzer's where it has them."""
-    parser.add_argument("-m", "--model-name", dest="model", required=True, help="the model to load")
+    parser.add_argument("-m", "--model-name", dest="model", required=True, help="the model to measure")
     parser.add_argument("-x", "--model-version", dest="version", default=None,
                         help="its version (default: the latest)")
     parser.add_argument("-u", "--url", default=DEFAULT_URL,
@@ -59,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async", dest="use_async", action="store_true",
                         help="one asyncio client with a task per outstanding request, instead of "
                              "a thread with its own client each (see docs/perf.md)")
+    parser.add_argument("--shared-client", action="store_true",
+                        help="the threads share one Client: one session and shared-memory arena "
+                             "in all instead of one per thread")
     parser.add_argument("-p", "--measurement-interval", type=int, default=DEFAULT_INTERVAL_MS, metavar="MS",
                         help=f"length of a measurement window (default {DEFAULT_INTERVAL_MS} ms)")
     parser.add_argument("-s", "--stability-percentage", type=float, default=DEFAULT_STABILITY,
@@ -114,6 +119,8 @@ def _check_options(args: argparse.Namespace) -> tuple[str, list[float]]:
             raise UsageError(f"{option} must be at least {low}, got {value}")
     if not args.stability_percentage > 0 or not args.timeout > 0:
         raise UsageError("--stability-percentage and --timeout must be positive")
+    if args.shared_client and args.use_async:
+        raise UsageError("--shared-client is for the threads; --async already uses one client")
     if args.plot and not plot_available():
         raise UsageError(PLOT_MISSING)
     if args.request_rate_range is not None:
@@ -146,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
         return _error(exc, 2)
     except ServerError as exc:
         return _error(exc, 1)
+    except KeyboardInterrupt:               # before any level was measured: nothing to report
+        return 130
 
 
 def _error(message: Any, status: int) -> int:

@@ -5,7 +5,7 @@ Two drivers with one interface (`start(level)`, `stop()`, `close()`):
 
     ThreadLoad   one thread per outstanding request, each with its own
                  synchronous Client (the default: see docs/perf.md for the
-                 measurement that chose it)
+                 measurement that chose it), or all sharing one
     AsyncLoad    one AsyncClient on an event loop in one thread, one task
                  per outstanding request
 
@@ -285,8 +285,19 @@ class AsyncLoad:
 
 
 def make_load(use_async: bool, target: Target, recorder: Recorder, url: str, client_options: dict,
-              max_threads: int, poisson: bool) -> "ThreadLoad | AsyncLoad":
-    """The driver asked for, its clients made with `client_options` (timeout, keys)."""
+              max_threads: int, poisson: bool, shared_client: bool = False) -> "ThreadLoad | AsyncLoad":
+    """The driver asked for, its clients made with `client_options` (timeout,
+    keys). `shared_client`: the threads share one Client (it is thread-safe),
+    so one session and one arena instead of one per thread."""
     if use_async:
         return AsyncLoad(target, recorder, lambda: AsyncClient(url, **client_options), max_threads, poisson)
-    return ThreadLoad(target, recorder, lambda: Client(url, **client_options), max_threads, poisson)
+    shared: list[Client] = []
+
+    def make_client() -> Client:
+        if not shared_client:
+            return Client(url, **client_options)
+        if not shared:
+            shared.append(Client(url, **client_options))
+        return shared[0]                    # closing it once per thread is harmless: close() is idempotent
+
+    return ThreadLoad(target, recorder, make_client, max_threads, poisson)

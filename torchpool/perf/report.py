@@ -163,8 +163,9 @@ def warning_lines(results: Sequence[LevelResult], stability_percentage: float) -
                        "as unstable (a longer --measurement-interval helps)")
         if r.behind:
             out.append(f"warning: {what}: {r.window.late_share:.0%} of the requests were sent later than "
-                       "one gap (1/rate, at least 1 ms) after their time: the client could not keep up "
-                       "with the rate (more --max-threads, or a lower rate)")
+                       "one gap (1/rate, at least 1 ms) after their time: the load was not delivered "
+                       "at that rate (every sender busy: the server or this client is saturated; "
+                       "try more --max-threads or a lower rate)")
     return out
 
 

@@ -61,10 +61,14 @@ class PerfSession:
             "inputs": {s.name: s.datatype for s in self.inputs.specs},
             "mode": self.mode, "levels": levels,
             "request_distribution": a.request_distribution if self.mode == "request_rate" else None,
-            "client": "async" if a.use_async else "threads",
+            "client": self._client_kind(),
             "measurement_interval_ms": a.measurement_interval,
             "stability_percentage": a.stability_percentage, "max_trials": a.max_trials,
         }
+
+    def _client_kind(self) -> str:
+        a = self.args
+        return "async" if a.use_async else "threads, shared client" if a.shared_client else "threads"
 
     def _settings_shown(self, levels: list) -> dict:
         a = self.args
@@ -73,10 +77,11 @@ class PerfSession:
         else:
             load = (f"request rate {', '.join(f'{x:g}' for x in levels)}/s (open loop, "
                     f"{a.request_distribution}, at most {a.max_threads} outstanding)")
-        client = ("one AsyncClient, a task per outstanding request" if a.use_async
-                  else "a thread with its own Client per outstanding request")
+        client = {"async": "one AsyncClient, a task per outstanding request",
+                  "threads": "a thread with its own Client per outstanding request",
+                  "threads, shared client": "a thread per outstanding request, one Client shared"}
         return {"Model": f"{a.model} (version {a.version or 'latest'}) at {a.url}",
-                "Batch size": a.batch_size, "Input data": a.input_data, "Load": load, "Clients": client,
+                "Batch size": a.batch_size, "Input data": a.input_data, "Load": load, "Clients": client[self._client_kind()],
                 "Measurement window": f"{a.measurement_interval} ms",
                 "Stabilizing": f"3 windows within {a.stability_percentage:g}% on throughput and p99 "
                                f"latency, at most {a.max_trials} windows"}
@@ -86,7 +91,7 @@ class PerfSession:
         recorder = Recorder()
         target = Target(a.model, a.version, self.requests, a.timeout)
         load = make_load(a.use_async, target, recorder, a.url, self.client_options, a.max_threads,
-                         a.request_distribution == "poisson")
+                         a.request_distribution == "poisson", a.shared_client)
         progress = ProgressLine(err, a.progress or err.isatty())
         settings = Settings(a.measurement_interval / 1000.0, a.stability_percentage, a.max_trials,
                             a.batch_size)
