@@ -104,6 +104,17 @@ def test_an_ipc_socket_a_live_daemon_serves(small_repository: Path, tmp_path: Pa
         assert path.exists()
 
 
+def test_a_local_socket_a_live_daemon_serves(small_repository: Path, tmp_path: Path) -> None:
+    path = tmp_path / "side.local"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as live:
+        live.bind(str(path))
+        live.listen()
+        line = refused(errors.ADDRESS, "--model-repository", str(small_repository),
+                       "--listen", f"ipc://{tmp_path}/t.sock", "--local-socket", str(path))
+        assert line == f"--local-socket {path}: {path} is in use by a running process " \
+                       f"(is another torchpool serving it?)"
+
+
 # --- --exit-on-error ----------------------------------------------------------------------
 
 @pytest.fixture

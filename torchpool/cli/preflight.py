@@ -62,15 +62,31 @@ def check_listen(urls: Sequence[str]) -> None:
 
 
 def _claim_ipc(url: str) -> None:
-    from ..broker.frontend import AddressInUse, claim_socket_path, ipc_path
+    from ..broker.frontend import ipc_path
 
-    path = ipc_path(url)
+    _claim(f"--listen {url}", ipc_path(url), socket.SOCK_STREAM)
+
+
+def check_local_socket(option: Optional[str], listen: Sequence[str]) -> None:
+    """The local clients' side channel (--local-socket, by default beside the first ipc:// socket)."""
+    from ..broker.local_channel import resolve_path
+    from ..shm import daemon_id
+
+    path = resolve_path(option, list(listen), daemon_id(list(listen)))
+    if path is not None:
+        _claim(f"--local-socket {path}", path, socket.SOCK_SEQPACKET)
+
+
+def _claim(label: str, path: str, kind: int) -> None:
+    """A socket file as the daemon claims it: a live one refused, a dead one's removed."""
+    from ..broker.frontend import AddressInUse, claim_socket_path
+
     try:
-        claim_socket_path(path)
+        claim_socket_path(path, kind)
     except AddressInUse as exc:
-        raise CliError(ADDRESS, f"--listen {url}: {exc}") from None
+        raise CliError(ADDRESS, f"{label}: {exc}") from None
     except OSError as exc:
-        raise CliError(ADDRESS, f"--listen {url}: cannot use {path}: {reason(exc)}") from None
+        raise CliError(ADDRESS, f"{label}: cannot use {path}: {reason(exc)}") from None
 
 
 def check_ports(endpoints: Sequence[tuple[str, str, str, Optional[int]]]) -> None:
@@ -114,4 +130,4 @@ def _probe(label: str, host: str, port: int, what: str, resolve_only_literal: bo
             raise CliError(ADDRESS, f"{label}: {serve}{reason(exc)}") from None
 
 
-__all__ = ["check_listen", "check_ports", "check_repository", "reason"]
+__all__ = ["check_listen", "check_local_socket", "check_ports", "check_repository", "reason"]

@@ -16,7 +16,7 @@ from typing import Any
 from ..broker.options import ServerOptions
 from ..logs import setup_logging
 from .errors import ADDRESS, GATEWAY, MODEL_LOAD, REPOSITORY, USAGE, CliError
-from .preflight import check_listen, check_ports, check_repository
+from .preflight import check_listen, check_local_socket, check_ports, check_repository
 from .urls import DEFAULT_LISTEN
 OPTION_FIELDS = {f.name: f for f in dataclasses.fields(ServerOptions)}
 
@@ -46,6 +46,7 @@ def preflight(options: ServerOptions) -> None:
         raise CliError(USAGE, str(exc)) from None
     check_repository(options.model_repository)
     o = options
+    check_local_socket(o.local_socket, o.listen)
     check_ports([("--metrics-port", "metrics", o.metrics_host, o.metrics_port),
                  ("--http-port", "HTTP", o.http_host, o.http_port),
                  ("--grpc-port", "gRPC", o.grpc_host, o.grpc_port)])
@@ -63,9 +64,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     try:
         return Server(options).run()
-    except AddressInUse as exc:
-        message = str(exc)
-        raise CliError(ADDRESS, message if message.startswith("--") else f"--listen: {message}") from None
+    except AddressInUse as exc:         # taken since the preflight: the message names the address
+        raise CliError(ADDRESS, str(exc)) from None
     except ConfigError as exc:           # the repository went away after the preflight
         raise CliError(REPOSITORY, f"--model-repository {options.model_repository}: {exc}") from None
     except ModelLoadFailed as exc:
