@@ -71,7 +71,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ModelLoadFailed as exc:
         raise CliError(MODEL_LOAD, f"{exc} (--exit-on-error)") from None
     except GatewayError as exc:
-        raise CliError(GATEWAY, f"the HTTP/gRPC gateway did not start: {exc}") from None
+        raise CliError(GATEWAY, str(exc)) from None      # its own line says what did not start
     except SecurityError as exc:
         raise CliError(USAGE, str(exc)) from None
 
