@@ -1,4 +1,4 @@
-"""torchpool.worker.settings and .binding against real TorchScript models.
+"""torchpool.worker.settings, .binding and .torchscript against real TorchScript models.
 
 Every model here is scripted, saved into tmp_path and loaded back through
 `load_model`, so the tests see exactly what a worker sees.
@@ -15,14 +15,10 @@ import torch
 
 from torchpool.config.model_config import ModelConfig, TensorSpec
 from torchpool.worker import settings as settings_module
-from torchpool.worker.binding import (
-    Binding,
-    ExecutionError,
-    ModelLoadError,
-    NamingConvention,
-    bind,
-    load_model,
-)
+from torchpool.worker.binding import Binding, ExecutionError, ModelLoadError
+from torchpool.worker.formats import load_model as load_model_file
+from torchpool.worker.naming import NamingConvention
+from torchpool.worker.torchscript import bind
 from torchpool.worker.settings import (
     ExecutionSettings,
     after_execution,
@@ -66,6 +62,13 @@ def save(module: torch.nn.Module, directory: Path) -> Path:
     path = directory / "model.pt"
     scripted.save(str(path))
     return path
+
+
+def load_model(cfg: ModelConfig, path: Path, device: torch.device, instance: str,
+               settings: ExecutionSettings) -> tuple[Any, Binding]:
+    """What a worker loads: the runnable module and its binding."""
+    loaded = load_model_file(cfg, path, device, instance, settings)
+    return loaded.module, loaded.binding
 
 
 def load(module: torch.nn.Module, cfg: ModelConfig, tmp_path: Path) -> tuple[Any, Binding]:
@@ -322,7 +325,7 @@ def test_strict_config_ordering(tmp_path: Path, caplog) -> None:
 
 def test_non_integer_suffix_falls_back_to_strict_order_with_warnings(tmp_path: Path, caplog) -> None:
     cfg = config([spec("IN__0"), spec("IN__b")], [spec("OUT__x"), spec("OUT__1")])
-    with caplog.at_level(logging.WARNING, logger="torchpool.worker.binding"):
+    with caplog.at_level(logging.WARNING, logger="torchpool.worker.naming"):
         model, binding = load(AddSub(), cfg, tmp_path)
     assert binding.input_convention is NamingConvention.STRICT_CONFIG_ORDERING
     assert binding.output_convention is NamingConvention.STRICT_CONFIG_ORDERING

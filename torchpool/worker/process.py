@@ -1,7 +1,7 @@
 """The worker process: one per model instance.
 
     broker --[RUN descriptors]--> worker: view inputs in shm (zero copy)
-                                         -> TorchScript forward
+                                         -> the model (TorchScript, torch.export, AOTInductor)
                                          -> write outputs once into its own arena
     broker <--[DONE descriptors]-- worker
 
@@ -16,20 +16,16 @@ it dispatched other work).
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import logging
 import math
 import os
 import signal
 import socket
-import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from ..config.parameters import ModelParameters
 from ..logs import setup_logging
 from ..protocol import datatypes, errors, internal
 from ..protocol.errors import TorchpoolError
@@ -37,11 +33,12 @@ from ..shm.arena import Arena, Block, MappedSegments
 from ..shm.bulkcopy import copy_into
 from ..shm.fdpass import FdReceiver, close_all, send_with_fds
 from ..shm.segment import Segment
-from .binding import ExecutionError, ModelLoadError, load_model
-from .classify import Classified, Classifier
-from .settings import after_execution, apply_process_settings, grad_context, model_settings
+from .binding import ExecutionError, ModelLoadError
+from .classify import Classified
+from .loader import load_instance
+from .settings import after_execution, grad_context
 from .spec import WorkerSpec
-from .weights import share_weights
+from .texts import client_text
 from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_header
 from ..shm.regions import RegionMaps
 
@@ -72,70 +69,6 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     # the daemon's level and format, into the stderr inherited from it
     setup_logging(spec.log_level, spec.log_format)
     Worker(spec, sock).serve()
-
-
-def load_extensions(model: str, model_dir: Path, settings: ModelParameters) -> None:
-    """Custom operators a model needs, loaded in its own worker process only:
-    TORCHPOOL_OP_LIBRARIES (shared libraries, torch.ops.load_library) and
-    TORCHPOOL_PYTHON_MODULES (Python files registering ops with torch.library),
-    comma-separated paths relative to the model directory. Like the model
-    file itself, they run with the daemon's rights: trust the repository."""
-    for key, items in (("TORCHPOOL_OP_LIBRARIES", settings.op_libraries),
-                       ("TORCHPOOL_PYTHON_MODULES", settings.python_modules)):
-        for item in items:
-            path = (model_dir / item).resolve()
-            if not path.is_relative_to(model_dir.resolve()) or not path.is_file():
-                raise ModelLoadError(f"failed to load model '{model}': {key} names '{item}', which is "
-                                     f"not a file inside the model directory", errors.INVALID_ARG)
-            try:
-                if key == "TORCHPOOL_OP_LIBRARIES":
-                    torch.ops.load_library(str(path))
-                else:
-                    name = f"torchpool_ext_{model}_{path.stem}"
-                    module_spec = importlib.util.spec_from_file_location(name, path)
-                    module = importlib.util.module_from_spec(module_spec)
-                    sys.modules[name] = module
-                    module_spec.loader.exec_module(module)
-            except Exception as exc:
-                raise ModelLoadError(f"failed to load model '{model}': loading {key} '{item}' "
-                                     f"failed: {exc}") from None
-
-
-_TORCHSCRIPT_PREAMBLE = "The following operation failed in the TorchScript interpreter."
-
-
-def client_text(message: object) -> str:
-    """The part of an error text a client should see: one line, no traceback.
-
-    TorchScript errors embed the interpreter's preamble, two tracebacks with
-    the model's source and the server's file paths, and end with the Python
-    exception line (`builtins.RuntimeError: boom`). Keep what comes before
-    the preamble (e.g. "PyTorch execute failure: ") and that exception line;
-    of any other text keep its first line (torch's own errors list
-    registration sites with server paths on the lines after it). The whole
-    text goes to the daemon's log with the traceback. (Paths left in that
-    line are cut down where every error answer is made: messages.hide_paths.)
-    `message` may be an exception: its text is used.
-    """
-    message = str(message)
-    lines = message.splitlines()
-    if len(lines) <= 1:
-        return message
-    head = lines[0]
-    if not any(line.startswith("Traceback") for line in lines):
-        return head
-    prefix = head.partition(_TORCHSCRIPT_PREAMBLE)[0] if _TORCHSCRIPT_PREAMBLE in head else ""
-    in_traceback = False
-    found = ""
-    for line in lines:
-        if line.startswith("Traceback"):
-            in_traceback = True
-        elif in_traceback and line and not line[0].isspace():
-            found = line            # the first unindented line after a traceback
-            in_traceback = False
-    if not found:
-        return head if _TORCHSCRIPT_PREAMBLE not in head else prefix.rstrip() or head
-    return prefix + found.removeprefix("builtins.")
 
 
 def reuse_input(value: Any, reusable: list) -> Optional[tuple]:
@@ -185,8 +118,8 @@ class Worker:
     def serve(self) -> None:
         try:
             self.load()
-        except ModelLoadError as exc:
-            log.error("%s: %s", self.label, exc.message)
+        except ModelLoadError as exc:   # the cause's traceback (a warm-up's, a compile's) is the operator's
+            log.error("%s: %s", self.label, exc.message, exc_info=exc if exc.__cause__ else None)
             self.send(internal.LoadFailed(exc.code, exc.message))
             return
         except Exception as exc:  # a load must fail cleanly, whatever happened
@@ -205,26 +138,10 @@ class Worker:
             self.inputs_shm.close()
 
     def load(self) -> None:
-        spec = self.spec
-        self.settings = model_settings(spec.config)
-        apply_process_settings(self.settings)
-        if spec.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ModelLoadError(f"instance '{spec.instance}' of model '{spec.model}' needs "
-                                 f"{spec.device} (KIND_GPU) but no GPU is available",
-                                 errors.UNAVAILABLE)
-        self.device = torch.device("cpu" if spec.device == "model" else spec.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        load_extensions(spec.model, Path(spec.model_path).parent.parent, self.settings)
-        self.classifier = Classifier.load(spec.config, Path(spec.model_path).parent.parent)
-        map_location = None if spec.device == "model" else self.device
-        # Triton names the model where its "unable to find" message says
-        # "model instance"; users' tests look for that text.
-        self.module, self.binding = load_model(spec.config, spec.model_path, map_location,
-                                               spec.model, self.settings)
-        if spec.shared_weights and self.device.type == "cpu":
-            with grad_context(self.settings):   # the weights were loaded under it
-                self.weights = share_weights(self.module, spec.shared_weights, spec.model)
+        loaded = load_instance(self.spec)   # model, compile, warm-up: worker/loader.py
+        self.settings, self.device = loaded.settings, loaded.device
+        self.module, self.binding = loaded.model.module, loaded.model.binding
+        self.classifier, self.weights = loaded.classifier, loaded.weights
         # An output arena ready before the first request: its page faults are
         # paid now, not on the first answer.
         self.outputs.free(self.outputs.alloc(1))

@@ -17,9 +17,11 @@ that parameter parsing and model binding raise the same classes;
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, ContextManager, Mapping, Optional
 
 from torchpool.config.parameters import ModelParameters, ParameterError, model_parameters
+from torchpool.config.parameters import _boolean as read_boolean   # Triton's spellings, one owner
 from torchpool.config.parameters import parse_parameters as _parse
 from torchpool.protocol.errors import INTERNAL, INVALID_ARG, TorchpoolError
 
@@ -60,6 +62,38 @@ def model_settings(config: Any) -> ExecutionSettings:
         return model_parameters(config)
     except ParameterError as exc:
         raise ModelLoadError(exc.message, INVALID_ARG) from None
+
+
+# --- compiled execution (torchpool's own parameters) ---------------------------
+#   TORCH_COMPILE        bool, default false: run the model through torch.compile
+#   TORCH_COMPILE_MODE   torch.compile's mode; default "default"
+# They are read here rather than in config/parameters.py because only the
+# worker acts on them (the broker never compiles).
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    enabled: bool = False
+    mode: str = "default"
+
+
+def compile_settings(config: Any) -> CompileSettings:
+    """TORCH_COMPILE / TORCH_COMPILE_MODE of a `ModelConfig`; a bad value fails the load."""
+    parameters = config.parameters or {}
+    try:
+        enabled = read_boolean(config.name, "TORCH_COMPILE", parameters.get("TORCH_COMPILE", "false"))
+    except ParameterError as exc:
+        raise ModelLoadError(exc.message, INVALID_ARG) from None
+    mode = str(parameters.get("TORCH_COMPILE_MODE", "default")).strip() or "default"
+    if mode not in COMPILE_MODES:
+        raise ModelLoadError(f"parameter 'TORCH_COMPILE_MODE' of model '{config.name}' is '{mode}'; "
+                             f"expected one of {', '.join(COMPILE_MODES)}", INVALID_ARG)
+    if "TORCH_COMPILE_MODE" in parameters and not enabled:
+        logger.warning("model '%s' sets TORCH_COMPILE_MODE without TORCH_COMPILE: true; it is not "
+                       "compiled", config.name)
+    return CompileSettings(enabled, mode)
 
 
 def apply_process_settings(settings: ExecutionSettings) -> None:
@@ -134,6 +168,7 @@ def after_execution(settings: ExecutionSettings, device: Any) -> None:
 
 
 __all__ = [
-    "ExecutionError", "ExecutionSettings", "ModelLoadError", "after_execution",
-    "apply_process_settings", "grad_context", "model_settings", "parse_parameters",
+    "COMPILE_MODES", "CompileSettings", "ExecutionError", "ExecutionSettings", "ModelLoadError",
+    "after_execution", "apply_process_settings", "compile_settings", "grad_context",
+    "model_settings", "parse_parameters",
 ]
