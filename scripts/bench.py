@@ -25,7 +25,12 @@ ratios are meaningful even on a noisy 2-core machine.
      tritonclient over HTTP (binary tensors) and gRPC, and PyTriton (Triton's
      C++ frontends + Python backend, the same add/sub TorchScript) with the
      same client code, when $ANCHORS_VENV_ROOT/base/bin/python has pytriton
-     (../shared/anchors; --skip-pytriton leaves it out).
+     (../shared/anchors; --skip-pytriton leaves it out);
+  7. PyTorch 2 (bench_pt2.py): the MLP as TorchScript, ExportedProgram,
+     AOTInductor package, TorchScript + TORCH_COMPILE and ExportedProgram +
+     TORCH_COMPILE: in-worker compute per batch and round trip p50 at batch 1
+     and 32, in one daemon (`--only pt2` runs this section alone, --skip-pt2
+     leaves it out).
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateways import (PyTriton, bench_gateways, free_port, pytriton_python,  # noqa: E402
                             render_gateways, torchpool_pids)
 from bench_local import bench_local, render_local  # noqa: E402
+from bench_pt2 import bench_pt2, render_pt2  # noqa: E402
 from bench_sequences import add_sequence_models, bench_sequences, render_sequences  # noqa: E402
 from bench_timing import percentiles, time_calls  # noqa: E402
 
@@ -383,6 +389,8 @@ def main() -> int:
     parser.add_argument("--skip-startup", action="store_true")
     parser.add_argument("--skip-pytriton", action="store_true",
                         help="measure torchpool's HTTP/gRPC endpoints without PyTriton beside them")
+    parser.add_argument("--skip-pt2", action="store_true", help="leave out the PyTorch 2 section")
+    parser.add_argument("--only", choices=["pt2"], help="run this section alone")
     parser.add_argument("--out", default=str(ROOT / "bench-results"))
     args = parser.parse_args()
     n_small, n_big, secs = (300, 8, 2.0) if args.quick else (3000, 40, 5.0)
@@ -391,6 +399,9 @@ def main() -> int:
 
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
                      "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    if args.only == "pt2":
+        results["pt2"] = bench_pt2(args.quick)
+        return report(results, args.out)
     with tempfile.TemporaryDirectory(prefix="torchpool-bench-") as tmp:
         work = Path(tmp)
         repo = work / "repo"
@@ -423,9 +434,15 @@ def main() -> int:
         if not args.skip_startup:
             print("startup of 20 models ...", flush=True)
             results["startup"] = bench_startup(work, 20)
+    if not args.skip_pt2:
+        results["pt2"] = bench_pt2(args.quick)
+    return report(results, args.out)
 
+
+def report(results: dict, out_dir: str) -> int:
+    """Print the tables and keep the raw figures."""
     print(render(results))
-    out = Path(args.out)
+    out = Path(out_dir)
     out.mkdir(exist_ok=True)
     path = out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(results, indent=2))
@@ -434,8 +451,17 @@ def main() -> int:
 
 
 def render(r: dict) -> str:
+    lines = [f"machine: {r['machine']}, Python {r['python']}, {r['date']}"]
+    if "inprocess" in r:
+        lines += render_main(r)
+    if "pt2" in r:
+        lines += render_pt2(r["pt2"], us)
+    return "\n".join(lines)
+
+
+def render_main(r: dict) -> list[str]:
     ip = r["inprocess"]
-    lines = [f"machine: {r['machine']}, Python {r['python']}, {r['date']}", "",
+    lines = ["",
              "| case | in-process | raw ZeroMQ echo | torchpool | ratio to echo |",
              "|---|---|---|---|---|"]
     for t in ("ipc", "tcp"):
@@ -476,7 +502,7 @@ def render(r: dict) -> str:
         lines += ["", f"startup: {s['models']} single-instance models ready in {s['ready_s']:.2f} s; "
                       f"{s['processes']} processes, PSS {s['pss_total_mib']:.0f} MiB in all "
                       f"(broker {s['pss_broker_mib']:.0f} MiB, median other process {s['pss_median_other_mib']:.1f} MiB)"]
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

@@ -9,6 +9,17 @@
     identity    INPUT__0 FP32 [-1] (no batching)    -> OUTPUT__0 = INPUT__0 (big tensors)
     clone       INPUT__0 FP32 [-1] (no batching)    -> OUTPUT__0 = a new tensor equal to INPUT__0
 
+`build_example_repository(root, pt2=True)` adds the MLP in its PyTorch 2 forms
+(the same weights; docs/pytorch2.md):
+
+    mlp_exported  the MLP exported with torch.export (batch Dim 1..32), model.pt2
+    mlp_aoti      that program compiled by AOTInductor (tens of seconds on 2 cores)
+    mlp_compiled  the TorchScript MLP with TORCH_COMPILE: compiled when it loads
+
+They are optional (`scripts/make_example_repo --pt2`) because the
+AOTInductor compile would make every `scripts/run` and every test session
+that builds this repository tens of seconds slower.
+
 `addsub_repository(root, count)` writes `count` copies of `addsub` named
 `addsub_00`, `addsub_01`, ... (one KIND_CPU instance each) to measure the
 startup of many models.
@@ -243,8 +254,9 @@ def _mlp() -> MLP:
         return MLP().eval().requires_grad_(False)
 
 
-def build_example_repository(root: Path) -> list[str]:
-    """Write the example models under `root`; return their names."""
+def build_example_repository(root: Path, pt2: bool = False) -> list[str]:
+    """Write the example models under `root` (with `pt2` also the MLP's PyTorch 2
+    forms); return their names."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     models = {
@@ -258,7 +270,52 @@ def build_example_repository(root: Path) -> list[str]:
     }
     for name, (config, model) in models.items():
         write_model(root, name, config, model)
-    return list(models)
+    names = list(models)
+    if pt2:
+        names += build_pt2_examples(root, models["mlp"][1])
+    return names
+
+
+def _mlp_config(name: str, comment: str, extra: str) -> str:
+    config = MLP_CONFIG.replace('name: "mlp"', f'name: "{name}"')
+    config = config.replace("# 256 -> 1024 -> 1024 -> 10 MLP with fixed weights (torch.manual_seed(0)).",
+                            f"# The example MLP (same weights) {comment}.")
+    return config + extra
+
+
+def mlp_program() -> "torch.export.ExportedProgram":
+    """The MLP exported with a dynamic batch dimension of 1 to 32 (its max_batch_size)."""
+    import warnings
+
+    batch = torch.export.Dim("batch", min=1, max=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.export.export(_mlp(), (torch.zeros(2, 256),), dynamic_shapes=({0: batch},))
+
+
+def build_pt2_examples(root: Path, torchscript_mlp: bytes) -> list[str]:
+    """mlp_exported, mlp_aoti and mlp_compiled under `root`; returns their names."""
+    import tempfile
+    import warnings
+
+    program = mlp_program()
+    pt2_file = 'default_model_filename: "model.pt2"\n'
+    with tempfile.TemporaryDirectory() as work:
+        exported = Path(work) / "exported.pt2"
+        torch.export.save(program, str(exported))
+        write_model(root, "mlp_exported", _mlp_config(
+            "mlp_exported", "as a torch.export program (torch.export.save)", pt2_file), exported.read_bytes(),
+            filename="model.pt2")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            package = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(work) / "aoti.pt2"))
+        write_model(root, "mlp_aoti", _mlp_config(
+            "mlp_aoti", "compiled ahead of time by AOTInductor (aoti_compile_and_package)", pt2_file),
+            Path(package).read_bytes(), filename="model.pt2")
+    write_model(root, "mlp_compiled", _mlp_config(
+        "mlp_compiled", "as TorchScript, compiled by torch.compile when it loads",
+        'parameters { key: "TORCH_COMPILE" value: { string_value: "true" } }\n'), torchscript_mlp)
+    return ["mlp_exported", "mlp_aoti", "mlp_compiled"]
 
 
 def addsub_repository(root: Path, count: int) -> list[str]:
