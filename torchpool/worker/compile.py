@@ -139,8 +139,8 @@ class Compiled:
     cached: int = 0
 
 
-def compile_now(loaded: LoadedModel, config: ModelConfig) -> Compiled:
-    """Compile by running the synthetic warm-up batches.
+def compile_now(loaded: LoadedModel, config: ModelConfig, device: Optional[torch.device] = None) -> Compiled:
+    """Compile by running the synthetic warm-up batches (on `device`).
 
     The caller runs this under the model's grad mode: compiled code is
     specialised to it (a tensor made outside inference mode would compile
@@ -158,7 +158,7 @@ def compile_now(loaded: LoadedModel, config: ModelConfig) -> Compiled:
 
     before = dict(counters["inductor"])
     started = time.monotonic()
-    run_batches(config, loaded.module, loaded.binding, batches, "compiling (TORCH_COMPILE)")
+    run_batches(config, loaded.module, loaded.binding, batches, "compiling (TORCH_COMPILE)", device)
     seconds = time.monotonic() - started
     after = counters["inductor"]
     hits = after["fxgraph_cache_hit"] - before.get("fxgraph_cache_hit", 0)

@@ -70,13 +70,13 @@ def load_instance(spec: WorkerSpec) -> LoadedInstance:
     with grad_context(settings):    # the weights were loaded under it; requests run under it
         instance.weights = _share_weights(spec, model, device)
         if options.enabled:
-            done = compile_now(model, spec.config)
+            done = compile_now(model, spec.config, device)
             if done.seconds:
                 log.info("model '%s' instance '%s': compiled (%s) in %.1f s, %d graphs, %d from the "
                          "compile cache", spec.model, spec.instance, options.mode, done.seconds,
                          done.graphs, done.cached)
         started = time.monotonic()
-        ran = run_warmup(spec.config, model_dir, model.module, model.binding)
+        ran = run_warmup(spec.config, model_dir, model.module, model.binding, device)
         if ran:
             log.info("model '%s' instance '%s': %d warm-up batch%s in %.2f s", spec.model,
                      spec.instance, ran, "" if ran == 1 else "es", time.monotonic() - started)

@@ -42,8 +42,10 @@ _CONTROL_TYPES = {"int32_false_true": "TYPE_INT32", "fp32_false_true": "TYPE_FP3
                   "bool_false_true": "TYPE_BOOL"}
 
 
-def run_warmup(config: ModelConfig, model_dir: Path, module: Any, binding: Binding) -> int:
-    """Run the config's warm-up samples; returns how many batches ran.
+def run_warmup(config: ModelConfig, model_dir: Path, module: Any, binding: Binding,
+               device: Optional[torch.device] = None) -> int:
+    """Run the config's warm-up samples on `device` (None: CPU); returns how
+    many batches ran.
 
     The caller runs this under the model's grad mode. Raises ModelLoadError
     (naming the sample) when a sample cannot be built or fails.
@@ -56,7 +58,7 @@ def run_warmup(config: ModelConfig, model_dir: Path, module: Any, binding: Bindi
         except ModelLoadError as exc:
             raise _failed(config, what, exc.message) from None
         count = max(int(sample.count), 1)
-        run_batches(config, module, binding, [inputs] * count, what)
+        run_batches(config, module, binding, [inputs] * count, what, device)
         ran += count
     return ran
 
@@ -208,13 +210,26 @@ def _synthetic(spec: TensorSpec, binding: Binding, batch: Optional[int], mark: b
 
 
 def run_batches(config: ModelConfig, module: Any, binding: Binding,
-                batches: list[dict[str, Value]], what: str) -> None:
-    """Run each batch as a request's would run; the first failure fails the load."""
+                batches: list[dict[str, Value]], what: str,
+                device: Optional[torch.device] = None) -> None:
+    """Run each batch as a request's would run (its tensors on the worker's
+    `device`, as the worker puts a request's); the first failure fails the load."""
     for inputs in batches:
+        if device is not None and device.type != "cpu":
+            inputs = {name: _on(value, device) for name, value in inputs.items()}
         try:
             binding.run(module, inputs)
         except Exception as exc:
             raise _failed(config, what, getattr(exc, "message", None) or str(exc)) from exc
+
+
+def _on(value: Value, device: torch.device) -> Value:
+    if not isinstance(value, torch.Tensor):
+        return value
+    moved = value.to(device)
+    for axis in getattr(value, "_dynamo_dynamic_indices", ()):
+        torch._dynamo.mark_dynamic(moved, axis)      # the copy keeps the original's marks
+    return moved
 
 
 __all__ = ["compile_batches", "filler_inputs", "random_tensor", "run_batches", "run_warmup",
