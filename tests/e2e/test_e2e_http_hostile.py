@@ -56,7 +56,8 @@ def gateway_pid(d: Daemon) -> int:
     """The gateway process under the daemon (0 if none runs now)."""
     for pid in descendants(d.pid()):
         try:
-            if b"torchpool.gateway" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"torchpool.gateway" in cmd or b"torchpool gateway" in cmd:   # before / after its title
                 return pid
         except OSError:
             continue

@@ -179,3 +179,14 @@ def test_the_client_install_answers_a_real_daemon(client_python: Path, small_rep
     assert answer["difference"] == [[i - 0.5 for i in range(16)]]
     assert answer["words"] == ["TORCH", "POOL"]
     assert answer["torch"] is False
+
+
+def test_a_client_install_refuses_to_serve_in_one_line(client_python: Path, small_repository: Path,
+                                                       tmp_path: Path) -> None:
+    """`torchpool serve` without the server extra says what to install, before anything starts."""
+    done = subprocess.run([str(client_python), "-m", "torchpool", "serve", "--model-repository",
+                           str(small_repository), "--listen", f"ipc://{tmp_path}/t.sock"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=clean_environment())
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "torchpool: error: torch not installed: the daemon needs pip install 'torchpool[server]'"]

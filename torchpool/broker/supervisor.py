@@ -44,7 +44,7 @@ def _fork_context() -> multiprocessing.context.BaseContext:
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["torchpool.worker.process"])
+        _context.set_forkserver_preload(["torchpool.worker.process", "torchpool.worker.fork_server"])
     return _context
 
 

@@ -29,6 +29,18 @@ def reason(exc: OSError) -> str:
     return text[:1].lower() + text[1:]
 
 
+def check_server_dependencies(http: bool, grpc: bool) -> None:
+    """A client-only install (pip install torchpool) has no torch: say so
+    before anything starts, not as workers dying one by one."""
+    import importlib.util
+
+    wanted = ["torch"] + (["httptools"] if http else []) + (["grpc"] if grpc else [])
+    missing = [m for m in wanted if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CliError(USAGE, f"{', '.join(missing)} not installed: the daemon needs "
+                              "pip install 'torchpool[server]'")
+
+
 def check_repository(path: str) -> None:
     """The repository is a directory this process can list."""
     root = Path(path)

@@ -16,8 +16,10 @@ from typing import Any
 from ..broker.options import ServerOptions
 from ..logs import setup_logging
 from .errors import ADDRESS, GATEWAY, MODEL_LOAD, REPOSITORY, USAGE, CliError
-from .preflight import check_listen, check_local_socket, check_ports, check_repository
+from .preflight import (check_listen, check_local_socket, check_ports, check_repository,
+                        check_server_dependencies)
 from .urls import DEFAULT_LISTEN
+
 OPTION_FIELDS = {f.name: f for f in dataclasses.fields(ServerOptions)}
 
 
@@ -37,6 +39,7 @@ def preflight(options: ServerOptions) -> None:
     from ..broker.auth import SecurityError, check_options
     from ..broker.metrics import MetricsConfigError, parse_metrics_config
 
+    check_server_dependencies(options.http_port is not None, options.grpc_port is not None)
     check_listen(options.listen)     # the scheme first: 'Invalid argument' from ZeroMQ helps nobody
     try:
         check_options(options.listen, options.curve_secret_key, options.curve_authorized_keys,

@@ -20,7 +20,7 @@ import signal
 import sys
 from typing import Any, Optional
 
-from ..logs import FORMATS, setup_logging
+from ..logs import FORMATS, set_process_title, setup_logging
 
 log = logging.getLogger("torchpool.gateway")
 
@@ -124,6 +124,8 @@ def _run(coro: Any) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
+    set_process_title(" ".join(["torchpool gateway"] + [f"{kind}:{port}" for kind, port in
+                               (("http", args.http_port), ("grpc", args.grpc_port)) if port is not None]))
     if args.parent_pid:
         _die_with_parent(args.parent_pid)
     status = _Status(args.status_fd)
