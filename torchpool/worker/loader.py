@@ -60,7 +60,8 @@ def load_instance(spec: WorkerSpec) -> LoadedInstance:
     classifier = Classifier.load(spec.config, model_dir)
     map_location = None if spec.device == "model" else device
     options = compile_settings(spec.config)
-    configure_compile_cache()       # AOTInductor packages and TORCH_COMPILE use it
+    if options.enabled:
+        configure_compile_cache()   # before anything compiles; only a compiling worker makes it
     # Triton names the model where its "unable to find" message says
     # "model instance"; users' tests look for that text.
     model = load_model(spec.config, spec.model_path, map_location, spec.model, settings)
