@@ -13,7 +13,7 @@ from ..protocol import errors, messages, tensors
 from ..protocol.errors import InferenceError
 from .flows import Call, ClientState
 from .values import output_array, prepare_input
-from .watch import ConnectionWatch, timeout_error
+from .watch import ConnectionWatch, stop_monitor, timeout_error
 
 DEFAULT_TIMEOUT = 60.0   # seconds a call waits for the server before giving up
 GOODBYE_WAIT = 1.0       # seconds close() waits for the daemon to acknowledge goodbye
@@ -131,6 +131,8 @@ def send_goodbye_and_close(sock: zmq.Socket, state: ClientState,
             linger = int(GOODBYE_WAIT * 1000)
         except zmq.ZMQError:
             pass
+    if monitor is not None:
+        stop_monitor(sock)
     sock.close(linger=linger)
     if monitor is not None:
         monitor.close(linger=0)

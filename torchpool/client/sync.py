@@ -12,6 +12,7 @@ import zmq
 from ..protocol import messages
 from .arena import DEFAULT_ARENA_CAP
 from .channel import SharedSocket
+from .watch import stop_monitor
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control, error_of
 from .flows import ClientState, SessionLost, run_sync, sequence_field
 from .regions import needs_session
@@ -225,6 +226,7 @@ class Client(ClientBase):
                         break
             except zmq.ZMQError:
                 pass
+        stop_monitor(self._sock)
         self._sock.close(linger=linger)
         self._watch.close()
 

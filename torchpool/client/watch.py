@@ -79,6 +79,22 @@ def timeout_error(url: str, timeout: float, why: Optional[str] = None) -> NoAnsw
 Mark = tuple[int, int]      # (connections lost, connect attempts retried) when a request was sent
 
 
+def stop_monitor(sock: zmq.Socket) -> None:
+    """Stop `sock`'s monitor before the socket or the monitor's reader closes.
+
+    libzmq's I/O thread sends monitor events with a blocking send: a socket
+    that lingers after close (delivering a goodbye to a daemon that is gone,
+    retrying the connection) would otherwise send its events to a reader
+    that no longer exists and freeze the I/O thread, and with it every other
+    client of the process (found as a hang of the next client after one
+    whose daemon stopped)."""
+    if not sock.closed:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+
+
 class ConnectionWatch:
     """The monitor of one client socket and what it has said so far.
 
