@@ -77,7 +77,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def serve(repository: Path, workdir: Path, cache: Path) -> tuple[Daemon, float]:
     """A daemon on `repository` and the seconds until it is ready (every model loaded)."""
-    daemon = Daemon(repository, workdir, env={"TORCHPOOL_CACHE_DIR": str(cache)})
+    daemon = Daemon(repository, workdir, "--cache-dir", str(cache))
     started = time.monotonic()
     daemon.start(timeout=300)
     return daemon, time.monotonic() - started

@@ -27,6 +27,7 @@ class ServerOptions:
     client_shm_total: int = 8192 * MiB  # every local client's arena together
     client_lease: float = 60.0          # an idle client session is closed after this long
     execution_timeout: float = 0.0      # a batch running longer gets its worker killed; 0 = never
+    cache_dir: Optional[str] = None     # compile caches (TORCH_COMPILE); None = $TORCHPOOL_CACHE_DIR or ~/.cache/torchpool
     load_timeout: float = 600.0         # a worker not loaded by then is killed, its version fails; 0 = never
     metrics_port: Optional[int] = None  # Prometheus /metrics and /v2/health/* (None = off)
     metrics_host: str = "127.0.0.1"

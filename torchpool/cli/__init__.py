@@ -242,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--execution-timeout", type=float, default=_default("execution_timeout"),
                        help="kill and restart a worker whose batch runs longer (seconds; 0 = never; "
                             f"default {_shown(_default('execution_timeout'))})")
+    serve.add_argument("--cache-dir", default=_default("cache_dir"),
+                       help="directory for compiled-model caches (TORCH_COMPILE), shared by "
+                            "restarted workers and other instances; default $TORCHPOOL_CACHE_DIR, "
+                            "else ~/.cache/torchpool")
     serve.add_argument("--load-timeout", type=float, default=_default("load_timeout"),
                        help="a worker that has not loaded its model by then is killed and its "
                             "version fails (seconds; 0 = never; "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any
 
 from ..broker.options import ServerOptions
@@ -59,6 +60,9 @@ def run_serve(args: argparse.Namespace) -> int:
     level = setup_logging(args.log_level, args.log_format)
     options = server_options(args, level)
     preflight(options)
+    if options.cache_dir:
+        # workers inherit it through the fork server (worker/compile.py reads it)
+        os.environ["TORCHPOOL_CACHE_DIR"] = os.path.abspath(options.cache_dir)
     from ..broker.auth import SecurityError
     from ..broker.frontend import AddressInUse
     from ..broker.gateways import GatewayError
