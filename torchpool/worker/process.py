@@ -118,8 +118,12 @@ class Worker:
     def serve(self) -> None:
         try:
             self.load()
-        except ModelLoadError as exc:   # the cause's traceback (a warm-up's, a compile's) is the operator's
-            log.error("%s: %s", self.label, exc.message, exc_info=exc if exc.__cause__ else None)
+        except ModelLoadError as exc:
+            # the message says what failed in one line; the cause's traceback (a
+            # warm-up's, a compile's) is there for an operator who asks (--log-level debug)
+            log.error("%s: %s", self.label, exc.message)
+            if exc.__cause__ is not None:
+                log.debug("%s: the load failed here", self.label, exc_info=exc)
             self.send(internal.LoadFailed(exc.code, exc.message))
             return
         except Exception as exc:  # a load must fail cleanly, whatever happened
