@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from torchpool.client import AsyncClient, Client, NoAnswer
+from torchpool.client.watch import ConnectionWatch
 from torchpool.gateway.backend import grpc_status_name, http_status
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
@@ -238,6 +239,51 @@ def test_a_daemon_that_starts_later_is_reached(tmp_path: Path) -> None:
             answering.join(30)
         finally:
             peer.close()
+
+
+def test_an_unread_monitor_never_freezes_the_context(tmp_path: Path) -> None:
+    """libzmq blocks its I/O thread on a full monitor queue: a client that
+    keeps failing to connect, and is not called, must not stop every other
+    socket of the context. (Retries every 1 ms here: thousands of events.)"""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RECONNECT_IVL, 1)
+    watch = ConnectionWatch(ctx, sock, f"ipc://{tmp_path / 'nobody.sock'}", False)
+    sock.connect(f"ipc://{tmp_path / 'nobody.sock'}")
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        time.sleep(3)    # not a synchronisation: ~3,000 failed attempts pile up, unread
+        router.bind(f"ipc://{tmp_path / 'other.sock'}")
+        dealer.connect(f"ipc://{tmp_path / 'other.sock'}")
+        dealer.send(b"still alive")
+        assert router.poll(5000), "the context's I/O thread is blocked"
+        watch.drain()
+        assert watch.retries > 2000 and not watch.connected
+    finally:
+        watch.close(sock)
+        for s in (router, dealer, sock):
+            s.close(linger=0)
+        ctx.term()
+
+
+def test_clients_closed_while_they_retry_do_not_freeze_the_context(tmp_path: Path) -> None:
+    """A client closed while its socket keeps retrying a missing daemon: its
+    monitor must stop before the monitor's reader closes, or the next event
+    blocks libzmq's I/O thread and every later client hangs."""
+    for _ in range(50):
+        c = Client(f"ipc://{tmp_path / 'nobody.sock'}", local=False)
+        with pytest.raises(NoAnswer):
+            c.server_live()
+        c.close()
+    peer = Peer(f"ipc://{tmp_path / 'peer.sock'}")
+    try:
+        with Client(f"ipc://{tmp_path / 'peer.sock'}", timeout=5, local=False) as c:
+            answering = threading.Thread(target=lambda: answer_in_reverse(peer, 1))
+            answering.start()
+            assert c.model_metadata("m") == {"name": "m"}
+            answering.join(10)
+    finally:
+        peer.close()
 
 
 def test_gateway_statuses_for_deadline_exceeded() -> None:

@@ -216,7 +216,7 @@ class AsyncClient(ClientBase):
         if not self._closer.detach():
             return                        # closed already
         self._stop()
-        send_goodbye_and_close(self._sock, self._state, self._watch.socket)
+        send_goodbye_and_close(self._sock, self._state, self._watch)
 
     async def __aenter__(self) -> "AsyncClient":
         return self

@@ -13,10 +13,11 @@ from ..protocol import errors, messages, tensors
 from ..protocol.errors import InferenceError
 from .flows import Call, ClientState
 from .values import output_array, prepare_input
-from .watch import ConnectionWatch, stop_monitor, timeout_error
+from .watch import ConnectionWatch, timeout_error
 
 DEFAULT_TIMEOUT = 60.0   # seconds a call waits for the server before giving up
 GOODBYE_WAIT = 1.0       # seconds close() waits for the daemon to acknowledge goodbye
+RECONNECT_MAX_MS = 1000  # the longest wait between two attempts to reach a daemon that is gone
 
 
 # --- inline requests, with no session (kept for callers that build frames) ---------
@@ -114,8 +115,7 @@ def error_of(header: dict) -> InferenceError:
     return InferenceError(err.get("code", errors.UNKNOWN), err.get("message", "unknown error"))
 
 
-def send_goodbye_and_close(sock: zmq.Socket, state: ClientState,
-                           monitor: Optional[zmq.Socket] = None) -> None:
+def send_goodbye_and_close(sock: zmq.Socket, state: ClientState, watch: ConnectionWatch) -> None:
     """Close a client's session and socket without waiting: the goodbye (if
     there is a session) is handed to ZeroMQ, which gets GOODBYE_WAIT to
     deliver it. What `AsyncClient.close()` and a forgotten client's finalizer
@@ -131,11 +131,8 @@ def send_goodbye_and_close(sock: zmq.Socket, state: ClientState,
             linger = int(GOODBYE_WAIT * 1000)
         except zmq.ZMQError:
             pass
-    if monitor is not None:
-        stop_monitor(sock)
+    watch.close(sock)              # first: see watch.stop_monitor
     sock.close(linger=linger)
-    if monitor is not None:
-        monitor.close(linger=0)
 
 
 class ClientBase:
@@ -166,14 +163,16 @@ class ClientBase:
         self._sock = ctx.socket(zmq.DEALER)
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
+            # retry a missing daemon at 0.1, 0.2, 0.4, 0.8 s, then every second:
+            # each attempt is a monitor event that waits here until a call reads it
+            self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
             if url.startswith("tcp://") and keys is not None:
                 self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = keys
             self._watch = ConnectionWatch(ctx, self._sock, url, keys is not None)   # before connect
         except BaseException:
             self._sock.close(linger=0)
             raise
-        self._closer = weakref.finalize(self, send_goodbye_and_close, self._sock, self._state,
-                                        self._watch.socket)
+        self._closer = weakref.finalize(self, send_goodbye_and_close, self._sock, self._state, self._watch)
         self._sock.connect(url)
 
     def _no_answer(self, timeout: float) -> InferenceError:

@@ -113,6 +113,12 @@ class ConnectionWatch:
         endpoint = f"inproc://torchpool.client.monitor.{next(_monitor_ids)}"
         sock.monitor(endpoint, _EVENTS)
         self.socket = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
+        # libzmq sends monitor events from the context's I/O thread and blocks
+        # there when they are not read: an idle client that keeps failing to
+        # connect would freeze every socket of the context after ~2,000
+        # events. Our end takes them all instead (read at the next call), and
+        # RECONNECT_IVL_MAX (set by the client) keeps that to ~1 a second.
+        self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.connect(endpoint)
 
     def drain(self) -> None:
@@ -180,5 +186,8 @@ class ConnectionWatch:
                                                       f"still run)")
         return timeout_error(self.url, timeout, self.handshake)
 
-    def close(self) -> None:
+    def close(self, sock: zmq.Socket) -> None:
+        """Stop watching `sock`, then close our end (in that order: see
+        stop_monitor). Before `sock` itself closes."""
+        stop_monitor(sock)
         self.socket.close(linger=0)
