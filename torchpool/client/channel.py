@@ -38,6 +38,8 @@ Reply = tuple[dict, list]
 # after a poll (the hot path) trusts that poll. Anything that happened in so
 # short a gap is the daemon going away, which the request then hears about.
 _FRESH_S = 0.01
+# plain ints: pyzmq turns an enum flag back into an enum on every call (a few us)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class _Waiter:
@@ -81,7 +83,7 @@ class SharedSocket:
         self._wake_closer = weakref.finalize(self, os.close, self._wake)
         self._poller = zmq.Poller()
         for item in (sock, watch.socket, self._wake):
-            self._poller.register(item, zmq.POLLIN)
+            self._poller.register(item, int(zmq.POLLIN))
 
     # -- a call
     def request(self, frames: list, rid: Any, timeout: float) -> Reply:
@@ -101,10 +103,13 @@ class SharedSocket:
                 self._outbox.append(me)
                 os.eventfd_write(self._wake, 1)
         if reader:
-            self._transmit(me)
-            self._serve(me, deadline)
+            self._serve(me, deadline, send=True)
         else:
-            self._wait(me, deadline)
+            try:
+                self._wait(me, deadline)
+            except BaseException:            # interrupted: never leave the socket without a reader
+                self._abandon(me)
+                raise
         if me.reply is not None:
             return me.reply
         if me.error is not None:
@@ -119,23 +124,37 @@ class SharedSocket:
                 me.event.wait(remaining)
             with self._lock:
                 me.event.clear()
-                if me.reply is not None or me.error is not None:
-                    return
-                if not me.promoted:
+                promoted, me.promoted = me.promoted, False
+                done = me.reply is not None or me.error is not None
+                if not (promoted or done):
                     if time.monotonic() < deadline:
                         continue
                     if self._waiting.get(me.rid) is me:
                         del self._waiting[me.rid]       # the reader skips it if still queued
                     return
-                me.promoted = False
-            self._serve(me, deadline)
+            if promoted and done:                        # close() failed it as it was promoted
+                self._hand_over(me)
+            elif promoted:
+                self._serve(me, deadline)
             return
 
+    def _abandon(self, me: _Waiter) -> None:
+        with self._lock:
+            if self._waiting.get(me.rid) is me:
+                del self._waiting[me.rid]
+            if self._reader is not me:
+                return
+        self._hand_over(me)
+
     # -- the reader
-    def _serve(self, me: _Waiter, deadline: float) -> None:
+    def _serve(self, me: _Waiter, deadline: float, send: bool = False) -> None:
         """Own the socket until `me` is answered or its deadline passes,
-        sending and routing for everyone meanwhile; then hand it over."""
+        sending (`me` first if `send`) and routing for everyone meanwhile;
+        then hand it over."""
+        sock, monitor, poll = self._sock, self._watch.socket, self._poller.poll
         try:
+            if send:
+                self._transmit(me)
             while True:
                 if self._outbox:
                     self._flush()
@@ -145,18 +164,19 @@ class SharedSocket:
                 if remaining <= 0:
                     self._watch.drain()            # the freshest story for the error
                     return
-                ready = dict(self._poller.poll(max(1, int(remaining * 1000))))
+                ready = poll(max(1, int(remaining * 1000)))
                 self._polled = time.monotonic()
-                if self._sock in ready:
-                    self._read_one()
-                if self._watch.socket in ready:
-                    self._watch.drain()
-                    self._fail_lost()
-                if self._wake in ready:
-                    try:
-                        os.eventfd_read(self._wake)
-                    except BlockingIOError:
-                        pass
+                for item, _ in ready:
+                    if item is sock:
+                        self._read_one(me)
+                    elif item is monitor:
+                        self._watch.drain()
+                        self._fail_lost()
+                    else:
+                        try:
+                            os.eventfd_read(self._wake)
+                        except BlockingIOError:
+                            pass
         except zmq.ZMQError as exc:              # the socket was closed under us
             with self._lock:
                 if me.reply is None and me.error is None:
@@ -169,11 +189,11 @@ class SharedSocket:
         watch = self._watch
         if time.monotonic() - self._polled > _FRESH_S:
             watch.drain()     # events from while nobody polled happened before this send
-        error = watch.before_send()
+        error = None if watch.connected else watch.before_send()
         if error is None:
-            w.mark = watch.mark()
+            w.mark = (watch.losses, watch.retries)        # watch.mark(), inlined: the hot path
             try:
-                self._sock.send_multipart(w.frames, flags=zmq.NOBLOCK, copy=len(w.frames) == 1)
+                self._sock.send_multipart(w.frames, flags=_NOBLOCK, copy=len(w.frames) == 1)
             except zmq.Again:
                 error = NoAnswer(errors.UNAVAILABLE, f"torchpool at {watch.url} takes no more "
                                                      f"requests: too many wait to be sent (is the "
@@ -192,14 +212,20 @@ class SharedSocket:
                     continue                      # it gave up before it was sent
             self._transmit(w)
 
-    def _read_one(self) -> None:
+    def _read_one(self, me: _Waiter) -> None:
         try:
-            reply = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            reply = self._sock.recv_multipart(_NOBLOCK, copy=False)
         except zmq.Again:
             return
         header = messages.unpack(reply[0].buffer)
         rid = header.get("id") if isinstance(header, dict) else None
-        if not self._finish(self._waiting.get(rid), reply=(header, [f.buffer for f in reply[1:]])):
+        w = self._waiting.get(rid)
+        if w is me:
+            # the reader's own answer needs no lock: no other thread gives it
+            # anything (close() at most an error, and the answer wins)
+            self._waiting.pop(rid, None)
+            me.reply = (header, [f.buffer for f in reply[1:]])
+        elif not self._finish(w, reply=(header, [f.buffer for f in reply[1:]])):
             self._on_late(header)               # the late answer of a call that timed out
 
     def _fail_lost(self) -> None:
@@ -249,7 +275,7 @@ class SharedSocket:
             if self._closed:
                 return
             self._closed = True
-            for w in self._waiting.values():
+            for w in list(self._waiting.values()):    # a reader may pop its own meanwhile
                 w.error = _closed_error()
                 if w.event is not None:
                     w.event.set()

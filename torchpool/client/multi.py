@@ -46,7 +46,7 @@ from ..protocol import datatypes, errors
 from ..protocol.errors import InferenceError
 from .arena import DEFAULT_ARENA_CAP
 from .common import DEFAULT_TIMEOUT, ClientKey, ServerKey
-from .sync import Client
+from .sync import Client, register_several_daemons
 from .types import InferResult, NoAnswer
 
 DEFAULT_HEALTH_INTERVAL = 1.0   # seconds between checks of a daemon that is down
@@ -185,7 +185,11 @@ class MultiClient:
                 result = attempt(daemon)
             except BaseException as exc:
                 self._settle(daemon, exc)
-                if pinned is not None or not _went_away(exc) or len(tried) + 1 >= len(self._daemons):
+                if pinned is not None or not _went_away(exc):
+                    raise
+                if len(tried) + 1 >= len(self._daemons):
+                    if tried:
+                        raise self._none_left() from exc
                     raise
                 if exc.sent:
                     if left <= 0:
@@ -311,10 +315,10 @@ class MultiClient:
     def close(self) -> None:
         """Stop the health checks and close every daemon's client."""
         self._stopper()
-        if self._health.is_alive() and self._health is not threading.current_thread():
-            self._health.join()
         for d in self._daemons:
-            d.client.close()
+            d.client.close()            # a health check in flight ends with CANCELLED
+        if self._health is not threading.current_thread():
+            self._health.join()
 
     def __enter__(self) -> "MultiClient":
         return self
@@ -353,3 +357,6 @@ def _health_loop(daemons: list[_Daemon], lock: threading.Lock, interval: float,
                     d.up, d.why = True, ""
                 elif not ready and d.up:
                     d.up, d.down_since, d.why = False, time.monotonic(), why
+
+
+register_several_daemons(MultiClient)
