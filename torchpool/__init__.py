@@ -1,8 +1,9 @@
-"""torchpool: serve TorchScript models like Triton's PyTorch backend, from a
-pool of worker processes with a shared-memory data path."""
-from .client import (AsyncClient, Classification, Client, InferenceError, InferResult, OutputRef,
-                     RegionOutput, SharedMemoryRef)
+"""torchpool: serve PyTorch models (TorchScript, torch.export, AOTInductor) like
+Triton's PyTorch backend, from a pool of worker processes with a shared-memory
+data path. This package imports the client only (no torch)."""
+from .client import (AsyncClient, Classification, Client, InferenceError, InferResult, MultiClient,
+                     NoAnswer, OutputRef, RawTensor, RegionOutput, SharedMemoryRef)
 
 __version__ = "0.2.0"
-__all__ = ["AsyncClient", "Classification", "Client", "InferResult", "InferenceError", "OutputRef",
-           "RegionOutput", "SharedMemoryRef", "__version__"]
+__all__ = ["AsyncClient", "Classification", "Client", "InferResult", "InferenceError", "MultiClient",
+           "NoAnswer", "OutputRef", "RawTensor", "RegionOutput", "SharedMemoryRef", "__version__"]
