@@ -1,4 +1,4 @@
-"""`python -m torchpool.perf` against a real daemon: the table, CSV, JSON and
+"""`torchpool perf` against a real daemon: the table, CSV, JSON and
 plot of a concurrency sweep, an open-loop run, a BYTES model on the asyncio
 driver, input files, the progress line, and one-line errors.
 
@@ -37,7 +37,7 @@ def perf_daemon(small_repository: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def perf(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torchpool.perf", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "torchpool", "perf", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -171,7 +171,7 @@ def test_input_data_json_and_npy_directory(perf_daemon: Daemon, tmp_path: Path) 
 
 def test_progress_line_when_asked(perf_daemon: Daemon) -> None:
     # bytes: text mode would turn the carriage returns into newlines
-    r = subprocess.run([sys.executable, "-m", "torchpool.perf", "-m", "addsub", "-u", perf_daemon.url,
+    r = subprocess.run([sys.executable, "-m", "torchpool", "perf", "-m", "addsub", "-u", perf_daemon.url,
                         "-p", "200", "-r", "2", "--progress"], cwd=ROOT, capture_output=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert b"\rconcurrency 1: window 1: " in r.stderr and b"\rconcurrency 1: window 2: " in r.stderr
@@ -217,7 +217,7 @@ def test_daemon_stopping_mid_run_fails_the_run(small_repository: Path, tmp_path:
     d = Daemon(small_repository, tmp_path).start()
     proc = None
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "torchpool.perf", "-m", "addsub", "-u", d.url,
+        proc = subprocess.Popen([sys.executable, "-m", "torchpool", "perf", "-m", "addsub", "-u", d.url,
                                  "-p", "60000", "--timeout", "2"], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         # the load is running once the daemon has served requests beyond the trial one

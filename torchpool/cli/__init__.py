@@ -186,11 +186,9 @@ def _add_client_commands(sub: Any) -> None:
 
 
 def _add_perf(sub: Any) -> None:
-    """`torchpool perf`, when its package is there."""
-    try:
-        from ..perf.cli import add_parser as add_perf_parser
-    except ImportError:
-        return
+    """`torchpool perf` (torchpool/perf: a load generator like perf_analyzer)."""
+    from ..perf.cli import add_parser as add_perf_parser
+
     add_perf_parser(sub)
 
 
