@@ -30,7 +30,10 @@ ratios are meaningful even on a noisy 2-core machine.
      AOTInductor package, TorchScript + TORCH_COMPILE and ExportedProgram +
      TORCH_COMPILE: in-worker compute per batch and round trip p50 at batch 1
      and 32, in one daemon (`--only pt2` runs this section alone, --skip-pt2
-     leaves it out).
+     leaves it out);
+  8. CPU per tiny request by process and thread (bench_cpu.py): client,
+     broker, worker beside the raw echo, with and without busy polling
+     (`--only cpu` runs this section alone).
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateways import (PyTriton, bench_gateways, free_port, pytriton_python,  # noqa: E402
                             render_gateways, torchpool_pids)
 from bench_local import bench_local, render_local  # noqa: E402
+from bench_cpu import bench_cpu, render_cpu  # noqa: E402
 from bench_pt2 import bench_pt2, render_pt2  # noqa: E402
 from bench_sequences import add_sequence_models, bench_sequences, render_sequences  # noqa: E402
 from bench_timing import percentiles, time_calls  # noqa: E402
@@ -390,7 +394,7 @@ def main() -> int:
     parser.add_argument("--skip-pytriton", action="store_true",
                         help="measure torchpool's HTTP/gRPC endpoints without PyTriton beside them")
     parser.add_argument("--skip-pt2", action="store_true", help="leave out the PyTorch 2 section")
-    parser.add_argument("--only", choices=["pt2"], help="run this section alone")
+    parser.add_argument("--only", choices=["pt2", "cpu"], help="run this section alone")
     parser.add_argument("--out", default=str(ROOT / "bench-results"))
     args = parser.parse_args()
     n_small, n_big, secs = (300, 8, 2.0) if args.quick else (3000, 40, 5.0)
@@ -401,6 +405,9 @@ def main() -> int:
                      "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
     if args.only == "pt2":
         results["pt2"] = bench_pt2(args.quick)
+        return report(results, args.out)
+    if args.only == "cpu":
+        results["cpu"] = bench_cpu(1000 if args.quick else 5000)
         return report(results, args.out)
     with tempfile.TemporaryDirectory(prefix="torchpool-bench-") as tmp:
         work = Path(tmp)
@@ -436,6 +443,8 @@ def main() -> int:
             results["startup"] = bench_startup(work, 20)
     if not args.skip_pt2:
         results["pt2"] = bench_pt2(args.quick)
+    print("CPU per request by process ...", flush=True)
+    results["cpu"] = bench_cpu(1000 if args.quick else 5000)
     return report(results, args.out)
 
 
@@ -456,6 +465,8 @@ def render(r: dict) -> str:
         lines += render_main(r)
     if "pt2" in r:
         lines += render_pt2(r["pt2"], us)
+    if "cpu" in r:
+        lines += render_cpu(r["cpu"])
     return "\n".join(lines)
 
 

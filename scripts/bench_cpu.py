@@ -1,0 +1,197 @@
+"""Where one tiny request's CPU goes: client, broker, worker, beside a raw echo.
+
+    .venv/bin/python scripts/bench_cpu.py [--requests 5000]      (or scripts/bench --only cpu)
+
+Sends `--requests` add/sub requests (2x[1,16] FP32) one at a time and reads
+each process's CPU time from /proc/<pid>/task/*/schedstat (nanoseconds on a
+CPU, every thread) before and after, so a change shows which process it
+moved cost in. The raw ZeroMQ REQ/REP-style echo of the same bytes (a
+DEALER/ROUTER pair, no framework) is measured the same way, in the same run.
+Figures are per request, in microseconds; this machine is shared and noisy:
+compare within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from torchpool.client import Client  # noqa: E402
+from torchpool.examples import build_example_repository  # noqa: E402
+
+
+def cpu_ns(pid: int) -> dict[str, int]:
+    """CPU nanoseconds of each thread of `pid`, by thread name (summed per name)."""
+    found: dict[str, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except (OSError, ValueError):
+            continue                        # a thread that ended meanwhile
+        key = "main" if tid == str(pid) else name
+        found[key] = found.get(key, 0) + ns
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for tid in os.listdir(f"/proc/{parent}/task"):
+            try:
+                children = Path(f"/proc/{parent}/task/{tid}/children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.append(child)
+                    todo.append(child)
+    return found
+
+
+def title(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def measure(call, n: int, pids: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Run `call` n times; CPU µs per request of each named process, by thread."""
+    for _ in range(min(200, n // 10)):
+        call()
+    before = {name: cpu_ns(pid) for name, pid in pids.items()}
+    for _ in range(n):
+        call()
+    after = {name: cpu_ns(pid) for name, pid in pids.items()}
+    out = {}
+    for name in pids:
+        out[name] = {t: (after[name].get(t, 0) - before[name].get(t, 0)) / n / 1000
+                     for t in after[name]}
+    return out
+
+
+def echo_server(url: str) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(url)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if frames[1].bytes == b"quit":
+            break
+        sock.send_multipart(frames, copy=False)
+    sock.close(0)
+    ctx.term()
+
+
+def bench_echo(work: Path, n: int) -> dict:
+    url = f"ipc://{work}/echo.sock"
+    proc = mp.get_context("spawn").Process(target=echo_server, args=(url,))
+    proc.start()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(url)
+    payload = b"h" * 64 + np.ones(32, np.float32).tobytes()
+
+    def call() -> None:
+        sock.send(payload)
+        sock.recv(copy=False)
+
+    call()
+    res = measure(call, n, {"client": os.getpid(), "echo": proc.pid})
+    sock.send_multipart([b"quit"])
+    sock.close(0)
+    proc.join(10)
+    return res
+
+
+def bench_torchpool(work: Path, n: int, busy_poll_us: int | None) -> dict:
+    repo = work / "repo"
+    build_example_repository(repo)
+    url = f"ipc://{work}/tp.sock"
+    args = [sys.executable, "-m", "torchpool", "serve", "--model-repository", str(repo), "--listen", url]
+    if busy_poll_us is not None:
+        args += ["--busy-poll-us", str(busy_poll_us)]
+    log = open(work / "daemon.log", "wb")
+    daemon = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "torchpool ready" not in (work / "daemon.log").read_text(errors="replace"):
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit((work / "daemon.log").read_text())
+            time.sleep(0.05)
+        worker = next(p for p in descendants(daemon.pid) if "worker addsub" in title(p)
+                      or "addsub" in title(p))
+        a = np.ones((1, 16), np.float32)
+        out = {}
+        for local in (True, False):
+            with Client(url, local=local) as c:
+                inputs = {"INPUT0": a, "INPUT1": a}
+                out["local" if local else "inline"] = measure(
+                    lambda: c.infer("addsub", inputs, copy=True), n,
+                    {"client": os.getpid(), "broker": daemon.pid, "worker": worker})
+        return out
+    finally:
+        daemon.terminate()
+        daemon.wait(60)
+        log.close()
+
+
+def bench_cpu(requests: int) -> dict:
+    """The echo, and torchpool with the daemon's default busy polling and without it."""
+    with tempfile.TemporaryDirectory(prefix="torchpool-bench-cpu.") as tmp:
+        work = Path(tmp)
+        out = {"requests": requests, "echo": bench_echo(work, requests)}
+        for label, busy in (("default", None), ("busy_poll_0", 0)):
+            sub = work / label
+            sub.mkdir()
+            out[label] = bench_torchpool(sub, requests, busy)
+    return out
+
+
+def _block(name: str, res: dict) -> list[str]:
+    lines, total = [name], 0.0
+    for proc, threads in res.items():
+        s = sum(threads.values())
+        total += s
+        detail = ", ".join(f"{t} {v:.0f}" for t, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v >= 1)
+        lines.append(f"  {proc:<8} {s:7.0f} µs   ({detail})")
+    lines.append(f"  {'total':<8} {total:7.0f} µs")
+    return lines
+
+
+def _total(res: dict) -> float:
+    return sum(sum(t.values()) for t in res.values())
+
+
+def render_cpu(r: dict) -> list[str]:
+    lines = ["", f"CPU per tiny request, by process and thread (add/sub 2x[1,16] FP32, c=1, ipc, "
+                 f"{r['requests']} requests; schedstat)"]
+    lines += _block("raw ZeroMQ echo", r["echo"])
+    echo = _total(r["echo"])
+    for label, title_ in (("default", "daemon defaults"), ("busy_poll_0", "--busy-poll-us 0")):
+        for path in ("local", "inline"):
+            res = r[label][path]
+            lines += _block(f"torchpool, {title_}, {'local shared-memory path' if path == 'local' else 'inline frames'}"
+                            f" ({_total(res) / echo:.1f}x the echo)", res)
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=5000)
+    args = parser.parse_args()
+    print("\n".join(render_cpu(bench_cpu(args.requests))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
