@@ -27,8 +27,16 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.support.daemon import descendants  # noqa: E402
 from torchpool.client import Client  # noqa: E402
 from torchpool.examples import build_example_repository  # noqa: E402
+
+
+def echo_server(url: str) -> None:
+    # bench.py's echo (imported here, not at the top: bench.py imports this module)
+    from bench import echo_server as serve
+
+    serve(url)
 
 
 def cpu_ns(pid: int) -> dict[str, int]:
@@ -42,22 +50,6 @@ def cpu_ns(pid: int) -> dict[str, int]:
             continue                        # a thread that ended meanwhile
         key = "main" if tid == str(pid) else name
         found[key] = found.get(key, 0) + ns
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for tid in os.listdir(f"/proc/{parent}/task"):
-            try:
-                children = Path(f"/proc/{parent}/task/{tid}/children").read_text().split()
-            except OSError:
-                continue
-            for child in map(int, children):
-                if child not in found:
-                    found.append(child)
-                    todo.append(child)
     return found
 
 
@@ -78,19 +70,6 @@ def measure(call, n: int, pids: dict[str, int]) -> dict[str, dict[str, float]]:
         out[name] = {t: (after[name].get(t, 0) - before[name].get(t, 0)) / n / 1000
                      for t in after[name]}
     return out
-
-
-def echo_server(url: str) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.bind(url)
-    while True:
-        frames = sock.recv_multipart(copy=False)
-        if frames[1].bytes == b"quit":
-            break
-        sock.send_multipart(frames, copy=False)
-    sock.close(0)
-    ctx.term()
 
 
 def bench_echo(work: Path, n: int) -> dict:
@@ -128,8 +107,7 @@ def bench_torchpool(work: Path, n: int, busy_poll_us: int | None) -> dict:
             if daemon.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit((work / "daemon.log").read_text())
             time.sleep(0.05)
-        worker = next(p for p in descendants(daemon.pid) if "worker addsub" in title(p)
-                      or "addsub" in title(p))
+        worker = next(p for p in descendants(daemon.pid) if "addsub" in title(p))
         a = np.ones((1, 16), np.float32)
         out = {}
         for local in (True, False):
