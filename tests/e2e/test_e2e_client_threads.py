@@ -12,7 +12,7 @@ import gc
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +23,7 @@ from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon, free_tcp_port
 from ..support.model_repository import slow_iterations
+from ..support.threads import in_threads
 
 THREADS = 8
 SLACK = 1.5          # seconds a deadline may fire late on a loaded 2-core machine
@@ -34,26 +35,6 @@ def pool(small_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     d = Daemon(small_repository, tmp_path_factory.mktemp("threads"), tcp_port=free_tcp_port()).start()
     yield d
     assert d.stop() == 0, d.log()
-
-
-def in_threads(count: int, work: Callable[[int], Any]) -> list[Any]:
-    """work(0..count-1) in threads started together; each result or exception."""
-    results: list[Any] = [None] * count
-    start = threading.Barrier(count)
-
-    def run(i: int) -> None:
-        start.wait()
-        try:
-            results[i] = work(i)
-        except BaseException as exc:     # the test inspects it
-            results[i] = exc
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not any(t.is_alive() for t in threads), "a thread is still waiting"
-    return results
 
 
 def addsub_inputs(thread: int, i: int) -> dict:

@@ -21,6 +21,8 @@ from torchpool.gateway.backend import grpc_status_name, http_status
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
+from ..support.threads import in_threads
+
 THREADS = 8
 SLACK = 1.5      # seconds a deadline may fire late on a loaded 2-core machine
 
@@ -64,26 +66,6 @@ def peer(peer_url: str):
     p = Peer(peer_url)
     yield p
     p.close()
-
-
-def in_threads(count: int, work: Callable[[int], Any]) -> list[Any]:
-    """Run work(0..count-1) in threads started together; each one's result or exception."""
-    results: list[Any] = [None] * count
-    start = threading.Barrier(count)
-
-    def run(i: int) -> None:
-        start.wait()
-        try:
-            results[i] = work(i)
-        except BaseException as exc:     # the test inspects it
-            results[i] = exc
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a thread is still waiting"
-    return results
 
 
 def timed(call: Callable[[], Any]) -> tuple[Any, float]:
