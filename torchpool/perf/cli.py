@@ -12,11 +12,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from ..cli.urls import DEFAULT_LISTEN
 from .report import PLOT_MISSING, plot_available
 
-# the same address as torchpool.cli.DEFAULT_LISTEN (importing the CLI from
-# here would make an import cycle: the CLI imports this module)
-DEFAULT_URL = "ipc:///tmp/torchpool.sock"
+DEFAULT_URL = DEFAULT_LISTEN          # the daemon's own default address: one owner, cli/urls.py
 DEFAULT_INTERVAL_MS = 5000
 DEFAULT_STABILITY = 10.0
 DEFAULT_MAX_TRIALS = 10
