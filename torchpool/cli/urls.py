@@ -18,16 +18,16 @@ def url_problem(url: str) -> Optional[str]:
     """Why `url` is not a torchpool address, or None when it is one."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        path = url if url.startswith("/") else "/tmp/torchpool.sock"
-        return f"expected a URL such as ipc://{path} or {EXAMPLE_TCP}"
+        example = f"ipc://{url}" if url.startswith("/") else DEFAULT_LISTEN
+        return f"expected a URL such as {example} or {EXAMPLE_TCP}"
     if scheme == "ipc":
-        return None if rest else "expected a socket path after ipc://, e.g. ipc:///tmp/torchpool.sock"
+        return None if rest else f"expected a socket path after ipc://, e.g. {DEFAULT_LISTEN}"
     if scheme == "tcp":
         host, colon, port = rest.rpartition(":")
         if not colon or not host or not (port == "*" or (port.isdigit() and int(port) < 65536)):
             return f"expected tcp://HOST:PORT with a port number, e.g. {EXAMPLE_TCP}"
         return None
-    return f"only ipc:// and tcp:// addresses are served, e.g. ipc:///tmp/torchpool.sock or {EXAMPLE_TCP}"
+    return f"only ipc:// and tcp:// addresses are served, e.g. {DEFAULT_LISTEN} or {EXAMPLE_TCP}"
 
 
 def check_url(flag: str, url: str) -> None:
