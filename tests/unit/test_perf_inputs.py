@@ -138,6 +138,11 @@ def test_npy_directory(tmp_path: Path) -> None:
     (s,) = build_requests(STRINGS, 1, str(strings), {})
     assert datatypes.decode_bytes(s["INPUT__0"].data, 2) == [b"a", b"bc"]
 
+    # an object array is a pickle, which would run code as it loads: refused
+    np.save(strings / "INPUT__0.npy", np.array([b"a", None], dtype=object), allow_pickle=True)
+    with pytest.raises(InputError, match="cannot read input 'INPUT__0' of model 'strings'.*allow_pickle=False"):
+        build_requests(STRINGS, 1, str(strings), {})
+
 
 def test_batch_and_shape_errors() -> None:
     with pytest.raises(InputError, match="model 'strings' does not batch"):

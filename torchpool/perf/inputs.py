@@ -224,7 +224,9 @@ def _from_directory(inputs: ModelInputs, path: Path, batch: int) -> list[dict]:
         file = path / f"{spec.name}.npy"
         where = f"--input-data {file}"
         try:
-            array = np.load(file, allow_pickle=spec.datatype == "BYTES")
+            # never a pickle: loading one runs whatever code the file holds
+            # (BYTES come from numpy's own string dtypes, as torchpool infer takes them)
+            array = np.load(file, allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise InputError(f"{where}: cannot read input '{spec.name}' of model '{inputs.model}': "
                              f"{exc}") from None
