@@ -40,6 +40,9 @@ Reply = tuple[dict, list]
 _FRESH_S = 0.01
 # plain ints: pyzmq turns an enum flag back into an enum on every call (a few us)
 _NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
+# zmq_poll itself, not Poller.poll: one Python layer less on every wait
+_zmq_poll = zmq.zmq_poll
 
 
 class _Waiter:
@@ -81,15 +84,14 @@ class SharedSocket:
         # threads that queued a request wake the reader through this
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_closer = weakref.finalize(self, os.close, self._wake)
-        self._poller = zmq.Poller()
-        for item in (sock, watch.socket, self._wake):
-            self._poller.register(item, int(zmq.POLLIN))
+        self._poll_items = [(sock, _POLLIN), (watch.socket, _POLLIN), (self._wake, _POLLIN)]
 
     # -- a call
     def request(self, frames: list, rid: Any, timeout: float) -> Reply:
         """Send `frames` and return the reply to `rid`; NoAnswer when none
         comes within `timeout` s (or the connection says none will)."""
-        deadline = time.monotonic() + timeout
+        now = time.monotonic()
+        deadline = now + timeout
         me = _Waiter(rid, frames)
         with self._lock:
             if self._closed:
@@ -103,7 +105,7 @@ class SharedSocket:
                 self._outbox.append(me)
                 os.eventfd_write(self._wake, 1)
         if reader:
-            self._serve(me, deadline, send=True)
+            self._serve(me, deadline, sent_at=now)
         else:
             try:
                 self._wait(me, deadline)
@@ -147,25 +149,28 @@ class SharedSocket:
         self._hand_over(me)
 
     # -- the reader
-    def _serve(self, me: _Waiter, deadline: float, send: bool = False) -> None:
+    def _serve(self, me: _Waiter, deadline: float, sent_at: Optional[float] = None) -> None:
         """Own the socket until `me` is answered or its deadline passes,
-        sending (`me` first if `send`) and routing for everyone meanwhile;
-        then hand it over."""
-        sock, monitor, poll = self._sock, self._watch.socket, self._poller.poll
+        sending (`me` first, at `sent_at`, if given) and routing for
+        everyone meanwhile; then hand it over."""
+        sock, monitor, items = self._sock, self._watch.socket, self._poll_items
         try:
-            if send:
-                self._transmit(me)
+            if sent_at is not None:
+                self._transmit(me, sent_at)
             while True:
                 if self._outbox:
                     self._flush()
                 if me.reply is not None or me.error is not None:
                     return
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = deadline - now
                 if remaining <= 0:
                     self._watch.drain()            # the freshest story for the error
                     return
-                ready = poll(max(1, int(remaining * 1000)))
-                self._polled = time.monotonic()
+                ready = _zmq_poll(items, max(1, int(remaining * 1000)))
+                # the poll saw the monitor at least from `now` on (the
+                # earlier time errs towards draining once more)
+                self._polled = now
                 for item, _ in ready:
                     if item is sock:
                         self._read_one(me)
@@ -184,16 +189,21 @@ class SharedSocket:
         finally:
             self._hand_over(me)
 
-    def _transmit(self, w: _Waiter) -> None:
-        """Send one request (the reader's thread only)."""
+    def _transmit(self, w: _Waiter, now: Optional[float] = None) -> None:
+        """Send one request (the reader's thread only); `now`: the time, if
+        the caller just read it."""
         watch = self._watch
-        if time.monotonic() - self._polled > _FRESH_S:
+        if (time.monotonic() if now is None else now) - self._polled > _FRESH_S:
             watch.drain()     # events from while nobody polled happened before this send
         error = None if watch.connected else watch.before_send()
         if error is None:
             w.mark = (watch.losses, watch.retries)        # watch.mark(), inlined: the hot path
+            frames = w.frames
             try:
-                self._sock.send_multipart(w.frames, flags=_NOBLOCK, copy=len(w.frames) == 1)
+                if len(frames) == 1:       # a tiny request: one frame, no multipart loop
+                    self._sock.send(frames[0], _NOBLOCK)
+                else:                      # payload frames go without a copy
+                    self._sock.send_multipart(frames, flags=_NOBLOCK, copy=False)
             except zmq.Again:
                 error = NoAnswer(errors.UNAVAILABLE, f"torchpool at {watch.url} takes no more "
                                                      f"requests: too many wait to be sent (is the "
@@ -213,19 +223,25 @@ class SharedSocket:
             self._transmit(w)
 
     def _read_one(self, me: _Waiter) -> None:
+        sock = self._sock
         try:
-            reply = self._sock.recv_multipart(_NOBLOCK, copy=False)
+            first = sock.recv(_NOBLOCK, copy=False)
         except zmq.Again:
             return
-        header = messages.unpack(reply[0].buffer)
+        payload = []
+        frame = first
+        while frame.more:              # a message arrives whole: the rest is there
+            frame = sock.recv(_NOBLOCK, copy=False)
+            payload.append(frame.buffer)
+        header = messages.unpack(first)
         rid = header.get("id") if isinstance(header, dict) else None
         w = self._waiting.get(rid)
         if w is me:
             # the reader's own answer needs no lock: no other thread gives it
             # anything (close() at most an error, and the answer wins)
             self._waiting.pop(rid, None)
-            me.reply = (header, [f.buffer for f in reply[1:]])
-        elif not self._finish(w, reply=(header, [f.buffer for f in reply[1:]])):
+            me.reply = (header, payload)
+        elif not self._finish(w, reply=(header, payload)):
             self._on_late(header)               # the late answer of a call that timed out
 
     def _fail_lost(self) -> None:

@@ -99,14 +99,23 @@ class ClientState(OutputDecoding, RegionFlows):
 
     def session_fields(self) -> dict:
         """`session` and queued releases for the next request header."""
-        if self.session is None:
-            self.releases.clear()
-            return {}
-        fields: dict = {"session": self.session}
-        rel = self._take_releases()
-        if rel:
-            fields["release"] = rel
+        fields: dict = {}
+        self.add_session(fields)
         return fields
+
+    def add_session(self, header: dict) -> Optional[str]:
+        """Put `session` and queued releases into `header`; the session token."""
+        token = self.session
+        if token is None:
+            if self.releases:
+                self.releases.clear()
+            return None
+        header["session"] = token
+        if self.releases:
+            rel = self._take_releases()
+            if rel:
+                header["release"] = rel
+        return token
 
     def _take_releases(self) -> list:
         out, q, token = [], self.releases, self.session
@@ -244,6 +253,8 @@ class ClientState(OutputDecoding, RegionFlows):
     def encode_inputs(self, inputs: Mapping[str, Any], arena: Optional[ClientArena]) -> _Encoded:
         """Entries and payload frames; inputs go to the arena when there is one.
         Raises _NeedRoom (having freed what it took) when the arena is full."""
+        if arena is None:
+            return self._encode_inline(inputs)
         enc = _Encoded()
         need = 0
         try:
@@ -259,16 +270,16 @@ class ClientState(OutputDecoding, RegionFlows):
                 entry = tensors.tensor_entry(name, datatype, shape)
                 enc.entries.append(entry)
                 nbytes = nbytes_of(src)
-                if arena is not None and nbytes > 0:
-                    if isinstance(src, np.ndarray):   # built in place with empty(): never copied
-                        block = arena.lookup(src)
-                        if block is not None and block.in_flight == 0:
-                            tensors.put_shm(entry, *arena.hand_out(block, nbytes))
-                            block.in_flight += 1
-                            enc.lent.append(block)
-                            enc.stats[1] += nbytes
-                            continue
-                if arena is not None and tensors.worth_descriptor(nbytes):
+                # built in place with empty(): never copied
+                if arena.user_blocks and nbytes > 0 and isinstance(src, np.ndarray):
+                    block = arena.lookup(src)
+                    if block is not None and block.in_flight == 0:
+                        tensors.put_shm(entry, *arena.hand_out(block, nbytes))
+                        block.in_flight += 1
+                        enc.lent.append(block)
+                        enc.stats[1] += nbytes
+                        continue
+                if tensors.worth_descriptor(nbytes):
                     block = arena.alloc(nbytes) if need == 0 else None
                     if block is None:
                         need += block_size(nbytes)
@@ -290,6 +301,27 @@ class ClientState(OutputDecoding, RegionFlows):
             raise _NeedRoom(need)
         return enc
 
+    def _encode_inline(self, inputs: Mapping[str, Any]) -> _Encoded:
+        """`encode_inputs` without an arena: every tensor's bytes travel in the
+        request (inline or as frames); nothing to give back on failure."""
+        enc = _Encoded()
+        entries, frames, inline = enc.entries, enc.frames, 0
+        for name, value in inputs.items():
+            if isinstance(value, SharedMemoryRef):
+                if self.session is None:
+                    raise InferenceError(errors.INVALID_ARG, f"input '{name}': a region needs a "
+                                                             f"session (register the region first)")
+                entries.append(value.entry(name))
+                enc.stats[1] += value.byte_size
+                continue
+            datatype, shape, src = prepare_input(name, value)
+            entry = tensors.tensor_entry(name, datatype, shape)
+            entries.append(entry)
+            tensors.put_data(entry, src, frames)
+            inline += nbytes_of(src)
+        enc.stats[2] = inline
+        return enc
+
     def finish(self, enc: _Encoded, arena: Optional[ClientArena], answered: bool,
                rid: Any = None, token: Optional[str] = None) -> None:
         """The request is over (answered) or lost (no answer: keep its blocks
@@ -304,11 +336,8 @@ class ClientState(OutputDecoding, RegionFlows):
                 arena.flight_done(block)
         enc.blocks, enc.lent = [], []
 
-    def _encode(self, inputs: Mapping[str, Any], timeout: Optional[float]) -> Flow:
+    def _encode(self, inputs: Mapping[str, Any], arena: ClientArena, timeout: Optional[float]) -> Flow:
         """Encode into the arena, growing it once if needed; inline otherwise."""
-        arena = self.arena if self.local else None
-        if arena is None:
-            return self.encode_inputs(inputs, None), None
         try:
             return self.encode_inputs(inputs, arena), arena
         except _NeedRoom as room:
@@ -343,7 +372,11 @@ class ClientState(OutputDecoding, RegionFlows):
     def infer_flow(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
                    version: Any, timeout: Optional[float], copy: bool, priority: int = 0,
                    sequence: Optional[dict] = None) -> Flow:
-        enc, arena = yield from self._encode(inputs, timeout)
+        arena = self.arena if self.local else None
+        if arena is None:
+            enc = self._encode_inline(inputs)
+        else:
+            enc, arena = yield from self._encode(inputs, arena, timeout)
         wanted = None
         if outputs is not None:
             wanted = [o.wire() if isinstance(o, (OutputRef, Classification)) else o for o in outputs]
@@ -357,9 +390,7 @@ class ClientState(OutputDecoding, RegionFlows):
             header["sequence"] = sequence
         if self.local:
             header["output_shm"] = True
-        extra = self.session_fields()
-        header.update(extra)
-        token = extra.get("session")
+        token = self.add_session(header)
         rid, answered = header["id"], False
         try:
             try:

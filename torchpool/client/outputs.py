@@ -48,18 +48,18 @@ class OutputDecoding:
         for e in entries:
             try:
                 where = tensors.location(e)
-                if where == tensors.SHM:
-                    value = self._lent_output(e, copy, token)
-                elif where == tensors.OWN:
-                    value = _reused_output(e, copy, enc, arena, kept)
-                elif where == tensors.REGION:
-                    region, nbytes, offset = tensors.region_ref(e)
-                    value = RegionOutput(e[tensors.NAME], region, offset, nbytes,
-                                         e[tensors.DATATYPE], tuple(e[tensors.SHAPE]))
-                else:
+                if where == tensors.DATA:          # bytes in the answer: the common case first
                     value = output_array(e, frames)
                     if copy and isinstance(value, np.ndarray):
                         value = np.array(value)
+                elif where == tensors.SHM:
+                    value = self._lent_output(e, copy, token)
+                elif where == tensors.OWN:
+                    value = _reused_output(e, copy, enc, arena, kept)
+                else:
+                    region, nbytes, offset = tensors.region_ref(e)
+                    value = RegionOutput(e[tensors.NAME], region, offset, nbytes,
+                                         e[tensors.DATATYPE], tuple(e[tensors.SHAPE]))
                 result[e[tensors.NAME]] = value
             except BaseException as exc:   # keep going: every lent block must be released
                 error = error or exc

@@ -23,9 +23,14 @@ def _shm_key(key: str) -> str:
 
 def needs_session(inputs: Mapping[str, Any], outputs: Optional[Iterable[Any]]) -> bool:
     """Does this request name registered regions (so it cannot run without a session)?"""
-    if any(isinstance(v, SharedMemoryRef) for v in inputs.values()):
-        return True
-    return outputs is not None and any(isinstance(o, OutputRef) for o in outputs)
+    for value in inputs.values():          # a loop, not any(): no generator per call
+        if isinstance(value, SharedMemoryRef):
+            return True
+    if outputs is not None:
+        for o in outputs:
+            if isinstance(o, OutputRef):
+                return True
+    return False
 
 
 class RegionFlows:

@@ -100,13 +100,19 @@ class Client(ClientBase):
         return header, payload
 
     def _send(self, call: Call) -> tuple[dict, list]:
-        return self._call(call.frames, call.rid, call.timeout)
+        # _call, written out: every request passes here
+        timeout = call.timeout
+        header, payload = self._channel.request(call.frames, call.rid,
+                                                self.timeout if timeout is None else timeout)
+        if not header.get("ok"):
+            raise error_of(header)
+        return header, payload
 
     def _perform(self, make_flow: Callable, timeout: Optional[float], session: bool = False) -> Any:
         """Run a flow; say hello first when due; once more after a lost session."""
         st = self._state
         for attempt in range(2):
-            if st.needs_hello(session):
+            if st.session is None and st.needs_hello(session):
                 with st.hello_lock:                  # one hello for every thread
                     if st.needs_hello(session):
                         run_sync(st.hello_flow(timeout), self._send, st.lock)

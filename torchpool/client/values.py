@@ -18,11 +18,20 @@ from ..protocol.errors import InferenceError
 from .types import RawTensor
 
 
+# The wire datatype of each numpy dtype met so far that needs no conversion
+# (native byte order, fixed size): a numpy array input costs one lookup.
+_PLAIN_DTYPES: dict[np.dtype, str] = {}
+
+
 def prepare_input(name: str, value: Any) -> tuple[str, list[int], Any]:
     """(datatype, shape, source): source is a numpy array (maybe not
     contiguous, maybe not native byte order) or the encoded bytes of a BYTES
     tensor. Torch tensors are viewed through numpy (no copy when on the CPU);
     a RawTensor's bytes are taken as they are."""
+    if type(value) is np.ndarray:
+        datatype = _PLAIN_DTYPES.get(value.dtype)
+        if datatype is not None:
+            return datatype, list(value.shape), value
     if isinstance(value, RawTensor):
         return value.datatype, list(value.shape), memoryview(value.data).cast("B")
     module = type(value).__module__
@@ -50,6 +59,8 @@ def prepare_input(name: str, value: Any) -> tuple[str, list[int], Any]:
     except TypeError:
         raise InferenceError(errors.INVALID_ARG,
                              f"input '{name}': numpy dtype {value.dtype} is not supported") from None
+    if value.dtype.isnative:
+        _PLAIN_DTYPES[value.dtype] = datatype
     return datatype, list(value.shape), value
 
 

@@ -152,10 +152,14 @@ def region_ref(entry: dict) -> RegionRef:
 
 
 def location(entry: dict) -> str:
-    """Which form the entry's bytes take: SHM, OWN, REGION or DATA."""
-    for key in (SHM, OWN, REGION):
-        if key in entry:
-            return key
+    """Which form the entry's bytes take: SHM, OWN, REGION or DATA (checked
+    in that order)."""
+    if SHM in entry:
+        return SHM
+    if OWN in entry:
+        return OWN
+    if REGION in entry:
+        return REGION
     return DATA
 
 
@@ -179,6 +183,11 @@ def put_data(entry: dict, src: Any, frames: list,
     """Put the bytes of `src` into `entry`: inline when at most INLINE_LIMIT,
     else appended to `frames` (as `make_frame(data)` when given) and named by
     its 1-based index. Returns the appended frame, or None when inline."""
+    if type(src) is np.ndarray and src.nbytes <= INLINE_LIMIT:
+        dtype = src.dtype
+        if dtype.isnative and not dtype.hasobject:
+            entry[DATA] = src.tobytes()     # C order, one copy: what the general path makes
+            return None
     data = contiguous_bytes(src)
     if data.nbytes <= INLINE_LIMIT:
         entry[DATA] = bytes(data)
@@ -225,6 +234,8 @@ def classification_request(name: str, count: int) -> dict:
 def tensor_payload(entry: dict, frames: Sequence[Any]) -> Any:
     """The bytes of a tensor entry: inline bytes, or the payload frame it names."""
     data = entry.get(DATA)
+    if type(data) is bytes:             # inline: the common case first
+        return data
     if isinstance(data, int) and not isinstance(data, bool):
         if not 1 <= data < len(frames) + 1:
             raise TorchpoolError(INVALID_ARG, f"tensor '{entry.get(NAME)}' refers to payload "
