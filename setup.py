@@ -3,7 +3,9 @@
 Every extension is optional: without a C compiler torchpool installs and
 works. Large shared-memory copies then take the ordinary path, BYTES
 tensors are walked in Python (much slower for many elements), and workers
-refuse client-owned regions, which are safe only under the SIGBUS guard.
+refuse client-owned regions, which are safe only under the SIGBUS guard,
+and copy every output instead of answering large ones where the model made
+them (_outcapture).
 
 None needs torch or numpy headers: a client-only install (no extras) builds
 them too, and the client uses two of them (_streamcopy for large inputs into
@@ -15,4 +17,5 @@ setup(ext_modules=[
     Extension("torchpool.shm._streamcopy", ["torchpool/shm/_streamcopy.c"], optional=True),
     Extension("torchpool.shm._sigbus", ["torchpool/shm/_sigbus.c"], optional=True),
     Extension("torchpool.protocol._bytescan", ["torchpool/protocol/_bytescan.c"], optional=True),
+    Extension("torchpool.worker._outcapture", ["torchpool/worker/_outcapture.c"], optional=True),
 ])

@@ -2,7 +2,9 @@
 
     broker --[RUN descriptors]--> worker: view inputs in shm (zero copy)
                                          -> the model (TorchScript, torch.export, AOTInductor)
-                                         -> write outputs once into its own arena
+                                         -> outputs: answered where the model made them (its
+                                            capture region, capture.py), else written once
+                                            into its own arena
     broker <--[DONE descriptors]-- worker
 
 Workers are forked from a template process that already imported torch (see
@@ -11,11 +13,13 @@ The worker serves one batch at a time. It allocates output blocks in its own
 arena and frees them when the broker says it is done with them: the broker
 piggybacks those releases on the next RUN message, so freeing costs no round
 trip (the broker may still be sending a block to a client, zero-copy, after
-it dispatched other work).
+it dispatched other work). An output answered from the capture region is a
+tensor the worker holds until that release.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -30,10 +34,11 @@ from ..logs import setup_logging
 from ..protocol import datatypes, errors, internal
 from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, Block, MappedSegments
-from ..shm.bulkcopy import copy_into
+from ..shm.bulkcopy import STREAM_BYTES, STREAMING, copy_into
 from ..shm.fdpass import FdReceiver, close_all, send_with_fds
 from ..shm.segment import Segment
 from .binding import ExecutionError, ModelLoadError
+from .capture import OutputCapture
 from .classify import Classified
 from .loader import load_instance
 from .settings import after_execution, grad_context
@@ -78,9 +83,9 @@ def reuse_input(value: Any, reusable: list) -> Optional[tuple]:
     in place). `reusable` holds (address, nbytes, segment, offset) per such
     input. Only contiguous CPU tensors qualify; anything else is written out."""
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided \
-            or value.device.type != "cpu" or not value.is_contiguous():
+            or not value.is_cpu or not value.is_contiguous():
         return None
-    nbytes = value.numel() * value.element_size()
+    nbytes = value.nbytes
     if nbytes == 0:
         return None
     address = value.data_ptr()
@@ -107,6 +112,10 @@ class Worker:
         self.busy_poll_ns = spec.busy_poll_us * 1000
         self.weights = None           # the shared weights segment, if any (kept mapped)
         self.label = f"model '{spec.model}' version {spec.version} instance '{spec.instance}'"
+        self.capture: Optional[OutputCapture] = None   # outputs answered where the model made them
+        self.capture_name: Optional[str] = None
+        self.on_cpu, self.clean_cache = True, False      # read on every request: looked up once
+        self._arena_addresses: dict[str, int] = {}
 
     def send(self, msg: internal.Message) -> None:
         self.sock.send(internal.encode(msg))
@@ -138,6 +147,8 @@ class Worker:
             with grad_context(self.settings):
                 self.loop()
         finally:
+            if self.capture is not None:
+                self.capture.close()
             self.outputs.close()
             self.inputs_shm.close()
 
@@ -149,6 +160,10 @@ class Worker:
         # An output arena ready before the first request: its page faults are
         # paid now, not on the first answer.
         self.outputs.free(self.outputs.alloc(1))
+        self.on_cpu = self.device is None or torch.device(self.device).type == "cpu"
+        self.clean_cache = self.settings.enable_cache_cleaning
+        self.capture = OutputCapture.create(f"{self.spec.segment_prefix}capture", self.announce)
+        self.capture_name = self.capture.name if self.capture is not None else None
 
     def receive(self) -> tuple[memoryview, list[int]]:
         """The next message; after work, poll a while before sleeping.
@@ -215,44 +230,81 @@ class Worker:
                 self.inputs_shm.drop(lambda name, ref=ref: name == ref)
 
     def release(self, blocks: list) -> None:
+        """Output blocks the broker no longer reads: arena blocks are freed,
+        tensors lent from the capture region dropped (torch frees them)."""
+        captured = self.capture_name
         for segment, offset, size in blocks:
-            self.outputs.free(Block(segment, offset, size))
+            if segment == captured:
+                self.capture.release(offset)
+            else:
+                self.outputs.free(Block(segment, offset, size))
 
     def run(self, msg: internal.Run) -> None:
         t0 = time.perf_counter_ns()
+        out: list = []
+        reused: list = []
         try:
-            inputs, reusable = {}, []
+            inputs, reusable, regions = {}, None, False
             for d in msg.inputs:
                 value = inputs[d.name] = self.view_input(d)
-                if d.reuse is True and d.nbytes and isinstance(value, torch.Tensor) \
-                        and value.device.type == "cpu":
+                if d.segment.__class__ is list:
+                    regions = True
+                elif d.reuse is True and d.nbytes and self.on_cpu and value.__class__ is not list:
+                    reusable = reusable or []
                     reusable.append((value.data_ptr(), d.nbytes, d.segment, d.offset))
             t1 = time.perf_counter_ns()
-            requested = msg.outputs
-            names = [r if r.__class__ is str else r.name for r in requested]
-            targets = {r.name: r for r in requested if r.__class__ is not str}
-            results = self.binding.run(self.module, inputs, names or None)
-            after_execution(self.settings, self.device)
+            requested, targets = msg.outputs, None
+            names = [r if r.__class__ is str else r.name for r in requested] if requested else None
+            if requested and not all(r.__class__ is str for r in requested):
+                targets = {r.name: r for r in requested if r.__class__ is not str}
+            results = self.execute(inputs, names)
             t2 = time.perf_counter_ns()
             if targets:   # rare: outputs into regions, outputs asked as classes
                 targets = self.classifier.apply(results, targets)
-            out, reused = [], []
             for name, value in results.items():
-                target = targets.get(name)
-                found = reuse_input(value, reusable) if target is None and reusable else None
-                if found is not None:
-                    segment, offset, nbytes = found
-                    out.append(internal.OutputDescriptor(name, datatypes.wire_from_torch(value.dtype),
-                                                         list(value.shape), segment, offset, nbytes))
-                    reused.append(name)
-                else:
-                    out.append(self.write_output(name, value, target))
-            self.check_regions(msg)
+                target = targets.get(name) if targets else None
+                if target is None and isinstance(value, torch.Tensor):
+                    # answered where it already lies, with no copy: a view of a
+                    # reusable input block, or a tensor made in the capture region
+                    where = reuse_input(value, reusable) if reusable else None
+                    if where is not None:
+                        reused.append(name)
+                    elif self.capture is not None:
+                        where = self.capture.lend(value)
+                    if where is not None:
+                        out.append(internal.OutputDescriptor(name, _wire_name(value.dtype), list(value.shape),
+                                                             *where))
+                        continue
+                out.append(self.write_output(name, value, target))
+            if regions or targets:
+                self.check_regions(msg)
         except Exception as exc:  # never let one batch take the worker down
+            self.take_back(out, reused)
             self.send(self.failed(msg.batch_id, exc))
             return
         t3 = time.perf_counter_ns()
         self.send(internal.Done(msg.batch_id, out, (t1 - t0, t2 - t1, t3 - t2), reused))
+
+    def execute(self, inputs: dict, names: Optional[list]) -> dict:
+        """The model's outputs; large tensors it makes land in the capture region."""
+        capture = self.capture
+        if capture is None:
+            results = self.binding.run(self.module, inputs, names)
+        else:
+            capture.on()
+            try:
+                results = self.binding.run(self.module, inputs, names)
+            finally:
+                capture.off()     # never while outputs are copied
+        if self.clean_cache:
+            after_execution(self.settings, self.device)
+        return results
+
+    def take_back(self, out: list, reused: list) -> None:
+        """A batch failed after some outputs were placed: nobody will read
+        them, so their blocks (and lent tensors) come back now."""
+        self.release([[d.segment, d.offset, d.nbytes] for d in out
+                      if d.segment.__class__ is str and d.name not in reused])
 
     def check_regions(self, msg: internal.Run) -> None:
         """A client that shrank its region while the model read it (or while
@@ -287,50 +339,54 @@ class Worker:
             text = f"{text} (model '{self.spec.model}' instance '{self.spec.instance}')"
         return internal.Failed(batch_id, code, text)
 
-    def _buffer(self, ref: Any, offset: int, nbytes: int, generation: int, what: str) -> Any:
-        """The mapping that holds [offset, offset + nbytes): a daemon segment
-        (named) or a client's registered region ([key, inode])."""
-        if isinstance(ref, list):
-            return self.regions.get(ref, offset + nbytes, what)
+    def _buffer(self, ref: Any, offset: int, nbytes: int, generation: int, name: str) -> Any:
+        """The mapping that holds [offset, offset + nbytes) of input `name`: a
+        daemon segment (named) or a client's registered region ([key, inode])."""
+        if ref.__class__ is list:
+            return self.regions.get(ref, offset + nbytes, self._input_label(name))
         seg = self.inputs_shm.find(ref)
         if seg is None:
-            raise ExecutionError(f"{what}: segment {ref!r} was never handed to this worker",
-                                 errors.INTERNAL)
+            raise ExecutionError(f"{self._input_label(name)}: segment {ref!r} was never handed to this "
+                                 f"worker", errors.INTERNAL)
         buf = seg.buf
         if generation:
             # the client may have reused the block since the broker checked it
             magic, gen, size = read_block_header(buf, offset - BLOCK_HEADER_BYTES)
             if magic != BLOCK_MAGIC or gen != generation or size != nbytes:
-                raise ExecutionError(f"{what}: stale descriptor (the block was reused before the "
-                                     f"model ran)", errors.INVALID_ARG)
+                raise ExecutionError(f"{self._input_label(name)}: stale descriptor (the block was reused "
+                                     f"before the model ran)", errors.INVALID_ARG)
         return buf
 
+    def _input_label(self, name: str) -> str:
+        return f"input '{name}' for model '{self.spec.model}'"
+
     def view_input(self, d: internal.InputDescriptor) -> Any:
-        name, datatype, shape, segment, offset, nbytes, generation = d[:7]
-        buf = self._buffer(segment, offset, nbytes, generation,
-                           f"input '{name}' for model '{self.spec.model}'")
+        name, datatype, shape, segment, offset, nbytes, generation, _ = d
+        buf = self._buffer(segment, offset, nbytes, generation, name)
         if datatype == "BYTES":
-            try:
-                # the broker checked these bytes, but a client may rewrite its memory since
-                items = datatypes.decode_bytes(memoryview(buf)[offset:offset + nbytes], math.prod(shape))
-            except ValueError as exc:
-                raise ExecutionError(f"input '{name}' for model '{self.spec.model}': {exc} (the "
-                                     f"client changed its memory after sending)", errors.INVALID_ARG) from None
-            try:
-                return [item.decode("utf-8") for item in items]
-            except UnicodeDecodeError as exc:
-                raise ExecutionError(f"input '{name}' for model '{self.spec.model}' holds an "
-                                     f"element that is not valid UTF-8 ({exc.reason}); "
-                                     f"TorchScript strings must be UTF-8", errors.INVALID_ARG) from None
-        dtype = datatypes.torch_dtype(datatype)
+            return self._strings(name, memoryview(buf)[offset:offset + nbytes], math.prod(shape))
+        dtype, itemsize = _tensor_type(datatype)
         if nbytes == 0:
             tensor = torch.empty(shape, dtype=dtype)
         else:
-            count = nbytes // datatypes.element_size(datatype)
-            tensor = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
-        if self.device.type != "cpu":
+            tensor = torch.frombuffer(buf, dtype=dtype, count=nbytes // itemsize, offset=offset).view(shape)
+        if not self.on_cpu:
             tensor = tensor.to(self.device)
         return tensor
+
+    def _strings(self, name: str, data: memoryview, count: int) -> list[str]:
+        """A BYTES input as the List[str] TorchScript takes."""
+        try:
+            # the broker checked these bytes, but a client may rewrite its memory since
+            items = datatypes.decode_bytes(data, count)
+        except ValueError as exc:
+            raise ExecutionError(f"{self._input_label(name)}: {exc} (the client changed its memory "
+                                 f"after sending)", errors.INVALID_ARG) from None
+        try:
+            return [item.decode("utf-8") for item in items]
+        except UnicodeDecodeError as exc:
+            raise ExecutionError(f"{self._input_label(name)} holds an element that is not valid UTF-8 "
+                                 f"({exc.reason}); TorchScript strings must be UTF-8", errors.INVALID_ARG) from None
 
     def write_output(self, name: str, value: Any,
                      target: Optional[internal.OutputTarget] = None) -> internal.OutputDescriptor:
@@ -341,9 +397,9 @@ class Worker:
             shape = value.shape if value.__class__ is Classified else [len(value)]
             datatype, nbytes = "BYTES", len(data)
         else:
-            datatype, shape = datatypes.wire_from_torch(value.dtype), list(value.shape)
-            nbytes = value.numel() * value.element_size()
-            data = value.reshape(-1).view(torch.uint8) if nbytes else None
+            if not (value.is_cpu and value.is_contiguous()):
+                value = value.cpu().contiguous()
+            datatype, shape, nbytes, data = _wire_name(value.dtype), list(value.shape), value.nbytes, value
         if target is not None:
             _, ref, offset, capacity = target
             if nbytes > capacity:
@@ -353,10 +409,35 @@ class Worker:
             segment: Any = ref
         else:
             block = self.outputs.alloc(nbytes)
-            buf, segment, offset = self.outputs.segments[block.segment].buf, block.segment, block.offset
+            segment, offset = block.segment, block.offset
+            if nbytes and data is value and not (STREAMING and nbytes >= STREAM_BYTES):
+                # the arena is this worker's own memory: one memcpy from the
+                # tensor, without numpy views or buffer objects on the way
+                ctypes.memmove(self._arena_address(segment) + offset, value.data_ptr(), nbytes)
+                return internal.OutputDescriptor(name, datatype, shape, segment, offset, nbytes)
+            buf = self.outputs.segments[segment].buf
         if nbytes:
             # one copy, streamed when large (torch's multi-threaded copy_ into a
             # shared mapping measured 6x slower here: 8 ms vs 1.3 ms for 16 MiB)
             copy_into(memoryview(buf)[offset:offset + nbytes],
-                      data if isinstance(data, bytes) else data.numpy())
+                      data if isinstance(data, bytes) else data.reshape(-1).view(torch.uint8).numpy())
         return internal.OutputDescriptor(name, datatype, shape, segment, offset, nbytes)
+
+    def _arena_address(self, segment: str) -> int:
+        """Where an output arena segment is mapped (it stays so until the worker exits)."""
+        address = self._arena_addresses.get(segment)
+        if address is None:
+            view = ctypes.c_char.from_buffer(self.outputs.segments[segment].buf)
+            address = self._arena_addresses[segment] = ctypes.addressof(view)
+            del view          # no export left behind: the arena can still close its mapping
+        return address
+
+
+@functools.cache
+def _tensor_type(datatype: str) -> tuple[torch.dtype, int]:
+    """(torch dtype, bytes per element) of a wire datatype: read on every
+    request, looked up in protocol.datatypes (their owner) once."""
+    return datatypes.torch_dtype(datatype), datatypes.element_size(datatype)
+
+
+_wire_name = functools.cache(datatypes.wire_from_torch)

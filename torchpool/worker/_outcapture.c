@@ -1,0 +1,565 @@
+/* Output capture: torch's large CPU allocations served from one shared-memory
+ * region while a worker runs its model, so the output tensor `forward`
+ * returns already lies where the broker reads it and is never copied again.
+ *
+ * How: torch's CPU allocator (c10::alloc_cpu / c10::free_cpu, in libc10.so)
+ * calls posix_memalign and free through libc10's global offset table. We
+ * rewrite those GOT slots of libc10.so only (found with dl_iterate_phdr, by
+ * walking its dynamic section's relocations) to point at two hooks:
+ *
+ *   posix_memalign: while capturing is on and the size is at least the
+ *     threshold, a block of the region (first fit; when nothing fits, the
+ *     real posix_memalign). Otherwise the real one.
+ *   free: a pointer inside the region goes back to the region; anything
+ *     else to the real free (two compares on every free libc10 makes).
+ *
+ * Why GOT patching rather than the alternatives:
+ *   - LD_PRELOAD (or any process-wide malloc interposer) would see every
+ *     library's allocations, Python's and ZeroMQ's included, and must be set
+ *     before the worker's template process starts;
+ *   - a torch C++ extension (a c10::Allocator swapped in with
+ *     SetCPUAllocator) needs torch's headers at build time, and every
+ *     extension of this package builds without torch: a client-only install
+ *     builds the same extensions;
+ *   - only libc10's two slots change, in the worker process only, after the
+ *     model is loaded: weights and everything else torch allocated stay where
+ *     they were, and other libraries never see the hooks.
+ *
+ * The region's bookkeeping lives outside the region (two sorted arrays of
+ * ranges, fixed capacity), under one mutex: torch's intra-op threads
+ * allocate too. The capturing flag is process-wide. The region stays mapped
+ * for the life of the process (this module keeps a buffer export of it), so
+ * a tensor freed late can never touch unmapped memory. The hooks are never
+ * taken out: a pointer from the region may be freed at any time.
+ *
+ * Module:
+ *   Heap(size, min_block=64)   the allocator alone, over offsets (for tests):
+ *       .alloc(n, align=64) -> offset | None, .free(offset) -> bool,
+ *       .used_bytes, .free_bytes, .largest_free, .blocks
+ *   install(buffer, threshold) -> int   map the hooks onto `buffer` (page
+ *       aligned, writable); returns the number of GOT slots rewritten.
+ *       Raises OSError when libc10.so or its slots cannot be found.
+ *   capture(on)                turn capturing on or off (process-wide)
+ *   base() -> int              the region's address (0 before install)
+ *   stats() -> (used_bytes, blocks, misses)   misses: large allocations
+ *       made while capturing that did not fit
+ */
+#define PY_SSIZE_T_CLEAN
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <Python.h>
+#include <elf.h>
+#include <errno.h>
+#include <link.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define GRANULE 64              /* every block starts and ends on a cache line */
+#define MAX_ALIGN 4096          /* the region's base is page aligned */
+#define NONE ((size_t)-1)
+
+/* ------------------------------------------------------------ the allocator */
+
+typedef struct {
+    size_t start, size;
+} Range;
+
+typedef struct {
+    size_t size;                /* bytes managed: offsets [0, size) */
+    size_t min_block;           /* no block is smaller: bounds how many there are */
+    size_t capacity;            /* entries of each array */
+    Range *free_ranges;         /* sorted by start, never adjacent (coalesced) */
+    size_t nfree;
+    Range *used;                /* sorted by start */
+    size_t nused;
+    size_t used_bytes;
+} Heap;
+
+static size_t round_up(size_t n, size_t to) { return (n + to - 1) & ~(to - 1); }
+
+static int heap_init(Heap *h, size_t size, size_t min_block) {
+    h->size = size & ~(size_t)(GRANULE - 1);
+    h->min_block = round_up(min_block < GRANULE ? GRANULE : min_block, GRANULE);
+    /* used blocks are at least min_block each; free ranges lie between them */
+    h->capacity = h->size / h->min_block + 2;
+    h->free_ranges = malloc(h->capacity * sizeof(Range));
+    h->used = malloc(h->capacity * sizeof(Range));
+    if (h->free_ranges == NULL || h->used == NULL) {
+        free(h->free_ranges);
+        free(h->used);
+        h->free_ranges = h->used = NULL;
+        return -1;
+    }
+    h->nfree = h->size ? 1 : 0;
+    h->free_ranges[0].start = 0;
+    h->free_ranges[0].size = h->size;
+    h->nused = 0;
+    h->used_bytes = 0;
+    return 0;
+}
+
+static void heap_destroy(Heap *h) {
+    free(h->free_ranges);
+    free(h->used);
+    h->free_ranges = h->used = NULL;
+}
+
+/* First index whose start is >= start. */
+static size_t lower_bound(const Range *a, size_t n, size_t start) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (a[mid].start < start)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static void insert_at(Range *a, size_t *n, size_t i, size_t start, size_t size) {
+    memmove(a + i + 1, a + i, (*n - i) * sizeof(Range));
+    a[i].start = start;
+    a[i].size = size;
+    (*n)++;
+}
+
+static void remove_at(Range *a, size_t *n, size_t i) {
+    memmove(a + i, a + i + 1, (*n - i - 1) * sizeof(Range));
+    (*n)--;
+}
+
+/* The offset of a new block of n bytes aligned to `align` (a power of two,
+ * at most MAX_ALIGN), or NONE when nothing fits. */
+static size_t heap_alloc(Heap *h, size_t n, size_t align) {
+    if (n == 0 || n > h->size || align == 0 || (align & (align - 1)) || align > MAX_ALIGN)
+        return NONE;
+    if (align < GRANULE)
+        align = GRANULE;
+    size_t need = round_up(n < h->min_block ? h->min_block : n, GRANULE);
+    if (h->nused == h->capacity - 2)
+        return NONE;
+    for (size_t i = 0; i < h->nfree; i++) {
+        Range *r = &h->free_ranges[i];
+        size_t start = round_up(r->start, align);
+        size_t pad = start - r->start;
+        if (pad > r->size || r->size - pad < need)
+            continue;
+        size_t end = r->start + r->size;
+        size_t tail = end - (start + need);
+        if (pad == 0) {
+            if (tail == 0) {
+                remove_at(h->free_ranges, &h->nfree, i);
+            } else {
+                r->start = start + need;
+                r->size = tail;
+            }
+        } else {
+            r->size = pad;          /* the padding stays free, before the block */
+            if (tail)
+                insert_at(h->free_ranges, &h->nfree, i + 1, start + need, tail);
+        }
+        insert_at(h->used, &h->nused, lower_bound(h->used, h->nused, start), start, need);
+        h->used_bytes += need;
+        return start;
+    }
+    return NONE;
+}
+
+/* Give back the block that starts at `start`: 0, or -1 when no block does. */
+static int heap_free(Heap *h, size_t start) {
+    size_t i = lower_bound(h->used, h->nused, start);
+    if (i == h->nused || h->used[i].start != start)
+        return -1;
+    size_t size = h->used[i].size;
+    remove_at(h->used, &h->nused, i);
+    h->used_bytes -= size;
+    size_t j = lower_bound(h->free_ranges, h->nfree, start);
+    int merge_next = j < h->nfree && start + size == h->free_ranges[j].start;
+    int merge_prev = j > 0 && h->free_ranges[j - 1].start + h->free_ranges[j - 1].size == start;
+    if (merge_prev && merge_next) {
+        h->free_ranges[j - 1].size += size + h->free_ranges[j].size;
+        remove_at(h->free_ranges, &h->nfree, j);
+    } else if (merge_prev) {
+        h->free_ranges[j - 1].size += size;
+    } else if (merge_next) {
+        h->free_ranges[j].start = start;
+        h->free_ranges[j].size += size;
+    } else {
+        insert_at(h->free_ranges, &h->nfree, j, start, size);
+    }
+    return 0;
+}
+
+static size_t heap_largest_free(const Heap *h) {
+    size_t best = 0;
+    for (size_t i = 0; i < h->nfree; i++)
+        if (h->free_ranges[i].size > best)
+            best = h->free_ranges[i].size;
+    return best;
+}
+
+/* ------------------------------------------------------------ the region and its hooks */
+
+static Heap region;
+static char *region_base;                /* NULL until install() */
+static size_t region_size;
+static size_t threshold;
+static int capturing;                    /* read by every thread that allocates */
+static unsigned long misses;
+static pthread_mutex_t region_lock = PTHREAD_MUTEX_INITIALIZER;
+static Py_buffer region_view;            /* keeps the mapping alive for good */
+static int forked;                       /* this process is a fork of the one that installed */
+
+/* A process forked from a worker (a model that starts one) has a private copy
+ * of the bookkeeping but shares the region's pages: it must never allocate
+ * there. Its frees of inherited region pointers only update its own copy. */
+static void stop_capturing_in_child(void) {
+    __atomic_store_n(&capturing, 0, __ATOMIC_RELAXED);
+    forked = 1;
+}
+
+static int hooked_posix_memalign(void **out, size_t align, size_t size) {
+    if (__atomic_load_n(&capturing, __ATOMIC_RELAXED) && size >= threshold) {
+        pthread_mutex_lock(&region_lock);
+        size_t offset = heap_alloc(&region, size, align);
+        pthread_mutex_unlock(&region_lock);
+        if (offset != NONE) {
+            *out = region_base + offset;
+            return 0;
+        }
+        __atomic_add_fetch(&misses, 1, __ATOMIC_RELAXED);
+    }
+    return posix_memalign(out, align, size);
+}
+
+static void hooked_free(void *p) {
+    /* one unsigned compare: below the base wraps around to a huge number */
+    if ((uintptr_t)p - (uintptr_t)region_base < region_size) {
+        pthread_mutex_lock(&region_lock);
+        heap_free(&region, (size_t)((char *)p - region_base));
+        pthread_mutex_unlock(&region_lock);
+        return;
+    }
+    free(p);
+}
+
+/* ------------------------------------------------------------ rewriting libc10's GOT */
+
+#if defined(__x86_64__)
+#define R_JUMP_SLOT R_X86_64_JUMP_SLOT
+#define R_GLOB_DAT R_X86_64_GLOB_DAT
+#elif defined(__aarch64__)
+#define R_JUMP_SLOT R_AARCH64_JUMP_SLOT
+#define R_GLOB_DAT R_AARCH64_GLOB_DAT
+#endif
+
+typedef struct {
+    int found;                  /* libc10.so is loaded */
+    int memalign_slots, free_slots;
+    int error;                  /* errno of a failed mprotect */
+} PatchResult;
+
+#ifdef R_JUMP_SLOT
+/* Write one GOT slot. A slot inside the RELRO segment sits on a page the
+ * loader made read-only: it is made writable for the store and read-only
+ * again. The loader protects only whole pages (the start and the end of
+ * PT_GNU_RELRO rounded down, as glibc's _dl_protect_relro does): a slot on
+ * the last, partial page is already writable and its page is left alone. */
+static int write_slot(void **slot, void *value, uintptr_t relro_lo, uintptr_t relro_hi) {
+    uintptr_t page_size = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t page = (uintptr_t)slot & ~(page_size - 1);
+    int protected_page = page >= (relro_lo & ~(page_size - 1)) && page < (relro_hi & ~(page_size - 1));
+    if (protected_page && mprotect((void *)page, page_size, PROT_READ | PROT_WRITE) != 0)
+        return -1;
+    __atomic_store_n(slot, value, __ATOMIC_RELEASE);
+    if (protected_page)
+        mprotect((void *)page, page_size, PROT_READ);
+    return 0;
+}
+
+/* The loader has relocated most dynamic entries to addresses on glibc
+ * (x86-64, aarch64); some ports leave them as offsets from the load base. */
+static uintptr_t dyn_address(ElfW(Addr) value, uintptr_t base) {
+    return value < base ? value + base : value;
+}
+
+static int patch_relocations(uintptr_t base, const ElfW(Rela) *rela, size_t bytes, const ElfW(Sym) *symtab,
+                             const char *strtab, uintptr_t relro_lo, uintptr_t relro_hi, PatchResult *res) {
+    for (size_t i = 0; i < bytes / sizeof(ElfW(Rela)); i++) {
+        unsigned long type = ELF64_R_TYPE(rela[i].r_info);
+        if (type != R_JUMP_SLOT && type != R_GLOB_DAT)
+            continue;
+        const char *name = strtab + symtab[ELF64_R_SYM(rela[i].r_info)].st_name;
+        void *hook = NULL;
+        if (strcmp(name, "posix_memalign") == 0)
+            hook = (void *)hooked_posix_memalign;
+        else if (strcmp(name, "free") == 0)
+            hook = (void *)hooked_free;
+        if (hook == NULL)
+            continue;
+        if (write_slot((void **)(base + rela[i].r_offset), hook, relro_lo, relro_hi) != 0)
+            return -1;
+        if (hook == (void *)hooked_free)
+            res->free_slots++;
+        else
+            res->memalign_slots++;
+    }
+    return 0;
+}
+
+static int patch_libc10(struct dl_phdr_info *info, size_t info_size, void *data) {
+    (void)info_size;
+    PatchResult *res = data;
+    const char *name = info->dlpi_name ? info->dlpi_name : "";
+    const char *slash = strrchr(name, '/');
+    if (strcmp(slash ? slash + 1 : name, "libc10.so") != 0)
+        return 0;
+    res->found = 1;
+    uintptr_t base = info->dlpi_addr, relro_lo = 0, relro_hi = 0;
+    const ElfW(Dyn) *dyn = NULL;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        if (ph->p_type == PT_DYNAMIC)
+            dyn = (const ElfW(Dyn) *)(base + ph->p_vaddr);
+        else if (ph->p_type == PT_GNU_RELRO) {
+            relro_lo = base + ph->p_vaddr;
+            relro_hi = relro_lo + ph->p_memsz;
+        }
+    }
+    if (dyn == NULL)
+        return 1;
+    uintptr_t jmprel = 0, rela = 0, symtab = 0, strtab = 0;
+    size_t pltrelsz = 0, relasz = 0;
+    long pltrel = DT_RELA;
+    for (; dyn->d_tag != DT_NULL; dyn++) {
+        switch (dyn->d_tag) {
+        case DT_JMPREL: jmprel = dyn_address(dyn->d_un.d_ptr, base); break;
+        case DT_PLTRELSZ: pltrelsz = dyn->d_un.d_val; break;
+        case DT_PLTREL: pltrel = (long)dyn->d_un.d_val; break;
+        case DT_RELA: rela = dyn_address(dyn->d_un.d_ptr, base); break;
+        case DT_RELASZ: relasz = dyn->d_un.d_val; break;
+        case DT_SYMTAB: symtab = dyn_address(dyn->d_un.d_ptr, base); break;
+        case DT_STRTAB: strtab = dyn_address(dyn->d_un.d_ptr, base); break;
+        }
+    }
+    if (symtab == 0 || strtab == 0 || pltrel != DT_RELA)
+        return 1;
+    const ElfW(Sym) *syms = (const ElfW(Sym) *)symtab;
+    const char *strs = (const char *)strtab;
+    if ((jmprel && patch_relocations(base, (const ElfW(Rela) *)jmprel, pltrelsz, syms, strs,
+                                     relro_lo, relro_hi, res) != 0)
+        || (rela && patch_relocations(base, (const ElfW(Rela) *)rela, relasz, syms, strs,
+                                      relro_lo, relro_hi, res) != 0))
+        res->error = errno;
+    return 1;
+}
+#endif
+
+/* ------------------------------------------------------------ module functions */
+
+static PyObject *install(PyObject *self, PyObject *args) {
+    PyObject *buffer;
+    Py_ssize_t min_size;
+    if (!PyArg_ParseTuple(args, "On", &buffer, &min_size))
+        return NULL;
+#ifndef R_JUMP_SLOT
+    PyErr_SetString(PyExc_OSError, "output capture is not supported on this architecture");
+    return NULL;
+#else
+    if (region_base != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "output capture is already installed in this process");
+        return NULL;
+    }
+    if (min_size < GRANULE) {
+        PyErr_SetString(PyExc_ValueError, "the threshold must be at least 64 bytes");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(buffer, &view, PyBUF_WRITABLE) != 0)
+        return NULL;
+    if ((uintptr_t)view.buf % MAX_ALIGN != 0 || view.len < GRANULE) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "the region must be page aligned and at least 64 bytes");
+        return NULL;
+    }
+    if (heap_init(&region, (size_t)view.len, (size_t)min_size) != 0) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    threshold = (size_t)min_size;
+    region_size = region.size;
+    region_base = view.buf;     /* before the hooks: free() must know the region */
+    PatchResult res = {0, 0, 0, 0};
+    dl_iterate_phdr(patch_libc10, &res);
+    if (!res.found || res.error || res.memalign_slots == 0 || res.free_slots == 0) {
+        /* Slots already rewritten stay so, harmlessly: with capturing off and
+         * no region, the hooks pass every call straight on. */
+        region_base = NULL;
+        region_size = 0;
+        heap_destroy(&region);
+        PyBuffer_Release(&view);
+        if (res.error) {
+            errno = res.error;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        PyErr_SetString(PyExc_OSError, res.found ? "libc10.so imports no posix_memalign/free to redirect"
+                                                 : "libc10.so is not loaded (import torch first)");
+        return NULL;
+    }
+    region_view = view;         /* never released: the mapping outlives every tensor in it */
+    pthread_atfork(NULL, NULL, stop_capturing_in_child);
+    return PyLong_FromLong(res.memalign_slots + res.free_slots);
+#endif
+}
+
+static PyObject *capture(PyObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    if (on && (region_view.buf == NULL || forked)) {
+        PyErr_SetString(PyExc_RuntimeError, forked ? "output capture belongs to the process that installed it"
+                                                   : "output capture is not installed");
+        return NULL;
+    }
+    __atomic_store_n(&capturing, on, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+static PyObject *base(PyObject *self, PyObject *unused) {
+    return PyLong_FromVoidPtr(region_view.buf);
+}
+
+static PyObject *stats(PyObject *self, PyObject *unused) {
+    pthread_mutex_lock(&region_lock);
+    size_t used = region.used_bytes, blocks = region.nused;
+    pthread_mutex_unlock(&region_lock);
+    return Py_BuildValue("nnk", (Py_ssize_t)used, (Py_ssize_t)blocks,
+                         __atomic_load_n(&misses, __ATOMIC_RELAXED));
+}
+
+/* ------------------------------------------------------------ Heap: the allocator alone, for tests */
+
+typedef struct {
+    PyObject_HEAD
+    Heap heap;
+} HeapObject;
+
+static int Heap_init(HeapObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"size", "min_block", NULL};
+    Py_ssize_t size, min_block = GRANULE;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|n", names, &size, &min_block))
+        return -1;
+    if (size < GRANULE || min_block < 1) {
+        PyErr_SetString(PyExc_ValueError, "size must be at least 64 and min_block positive");
+        return -1;
+    }
+    heap_destroy(&self->heap);
+    if (heap_init(&self->heap, (size_t)size, (size_t)min_block) != 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void Heap_dealloc(HeapObject *self) {
+    heap_destroy(&self->heap);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Heap_alloc(HeapObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"n", "align", NULL};
+    Py_ssize_t n, align = GRANULE;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|n", names, &n, &align))
+        return NULL;
+    if (n < 0 || align < 1) {
+        PyErr_SetString(PyExc_ValueError, "n must be >= 0 and align positive");
+        return NULL;
+    }
+    size_t offset = heap_alloc(&self->heap, (size_t)n, (size_t)align);
+    if (offset == NONE)
+        Py_RETURN_NONE;
+    return PyLong_FromSize_t(offset);
+}
+
+static PyObject *Heap_free(HeapObject *self, PyObject *arg) {
+    Py_ssize_t offset = PyLong_AsSsize_t(arg);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(offset >= 0 && heap_free(&self->heap, (size_t)offset) == 0);
+}
+
+static PyObject *Heap_used_bytes(HeapObject *self, void *unused) { return PyLong_FromSize_t(self->heap.used_bytes); }
+static PyObject *Heap_free_bytes(HeapObject *self, void *unused) {
+    return PyLong_FromSize_t(self->heap.size - self->heap.used_bytes);
+}
+static PyObject *Heap_largest_free(HeapObject *self, void *unused) {
+    return PyLong_FromSize_t(heap_largest_free(&self->heap));
+}
+static PyObject *Heap_blocks(HeapObject *self, void *unused) { return PyLong_FromSize_t(self->heap.nused); }
+static PyObject *Heap_free_ranges(HeapObject *self, void *unused) { return PyLong_FromSize_t(self->heap.nfree); }
+
+static PyMethodDef Heap_methods[] = {
+    {"alloc", (PyCFunction)(void (*)(void))Heap_alloc, METH_VARARGS | METH_KEYWORDS,
+     "alloc(n, align=64) -> offset of a new block, or None when nothing fits"},
+    {"free", (PyCFunction)Heap_free, METH_O, "free(offset) -> whether a block started there"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Heap_getset[] = {
+    {"used_bytes", (getter)Heap_used_bytes, NULL, "bytes in blocks (rounded up to 64)", NULL},
+    {"free_bytes", (getter)Heap_free_bytes, NULL, "bytes in no block", NULL},
+    {"largest_free", (getter)Heap_largest_free, NULL, "the largest free range", NULL},
+    {"blocks", (getter)Heap_blocks, NULL, "blocks allocated", NULL},
+    {"free_ranges", (getter)Heap_free_ranges, NULL, "free ranges (neighbours are merged)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject HeapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "torchpool.worker._outcapture.Heap",
+    .tp_doc = "Heap(size, min_block=64): the region's first-fit allocator over offsets [0, size)",
+    .tp_basicsize = sizeof(HeapObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Heap_init,
+    .tp_dealloc = (destructor)Heap_dealloc,
+    .tp_methods = Heap_methods,
+    .tp_getset = Heap_getset,
+};
+
+static PyMethodDef methods[] = {
+    {"install", install, METH_VARARGS,
+     "install(buffer, threshold) -> slots rewritten: serve libc10's allocations of at least "
+     "`threshold` bytes from `buffer` while capturing"},
+    {"capture", capture, METH_O, "capture(on): turn capturing on or off for the whole process"},
+    {"base", base, METH_NOARGS, "the region's address, 0 before install"},
+    {"stats", stats, METH_NOARGS, "(used_bytes, blocks, misses) of the region"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_outcapture",
+    "Torch's large CPU allocations served from a shared-memory region (see the C source's comment).",
+    -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__outcapture(void) {
+    if (PyType_Ready(&HeapType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&HeapType);
+    if (PyModule_AddObject(m, "Heap", (PyObject *)&HeapType) < 0) {
+        Py_DECREF(&HeapType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

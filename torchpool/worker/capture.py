@@ -1,0 +1,144 @@
+"""Outputs made where they are sent: large tensors a model allocates while it
+runs are placed in a shared-memory region the broker reads, so an output
+tensor `forward` returns is answered in place, with no copy by the worker.
+
+    forward runs (capturing on) ──► torch allocates >= 256 KiB ──► the region
+    output tensor in the region ──► DONE names (region, offset): nothing copied
+                                    the worker holds the tensor ...
+    broker releases the block   ──► ... and drops it: torch's free puts the
+                                    block back in the region
+
+The region is one more output segment of the worker: a sealed memfd, handed
+to the broker (and lent to local clients) like its arena's segments. The C
+extension `_outcapture` (its comment says how and why) redirects libc10's
+posix_memalign / free: while capturing, torch's large CPU allocations come
+from the region; when it is full, from the heap as before, and the output
+is copied into the arena as it always was. Intermediates freed during
+`forward` go back to the region. Capturing is on only around the model call,
+never while outputs are copied.
+
+An output is answered in place only when nothing else can change it while
+it is read: a tensor that the model keeps (an attribute it assigns in
+`forward`, a view it holds) is copied, as is one that shares its memory with
+another output already answered. The region's pages stay resident once
+touched (shared memory is not given back to the kernel when a block is
+freed): the region costs at most its size, and only as much as outputs and
+intermediates ever used at once.
+
+TORCHPOOL_OUTPUT_CAPTURE_MIB (inherited from the daemon's environment) sizes
+the region; 0 turns capture off. Without the extension (no C compiler at
+install), workers copy every output, as before.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Optional
+
+import torch
+
+from ..shm.segment import Segment
+
+try:
+    from . import _outcapture
+except ImportError:       # built optionally (setup.py): outputs are then copied
+    _outcapture = None
+
+log = logging.getLogger("torchpool.worker")
+
+ENV = "TORCHPOOL_OUTPUT_CAPTURE_MIB"
+DEFAULT_MIB = 256
+# Smaller allocations stay on the heap: glibc serves them without page
+# faults, copying them costs microseconds, and most are intermediates.
+MIN_CAPTURED = 256 << 10
+
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def region_bytes(environ: Optional[dict] = None) -> int:
+    """The region's size from the environment: 0 when capture is off."""
+    value = (os.environ if environ is None else environ).get(ENV, "").strip()
+    if not value:
+        return DEFAULT_MIB << 20
+    try:
+        mib = int(value)
+        if mib < 0:
+            raise ValueError
+    except ValueError:
+        log.warning("%s=%r is not a whole number of MiB; using %d", ENV, value, DEFAULT_MIB)
+        return DEFAULT_MIB << 20
+    return mib << 20
+
+
+def _use_counts(value: torch.Tensor) -> tuple[int, int]:
+    """How many references hold the tensor, and its memory."""
+    return value._use_count(), _storage_use_count(value.untyped_storage()._cdata)
+
+
+class OutputCapture:
+    """The worker's capture region and the output tensors lent from it."""
+
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        self.name = segment.name
+        self.base = _outcapture.base()
+        self.size = segment.size
+        self.held: dict[int, torch.Tensor] = {}   # offset -> tensor the broker still reads
+        # what a tensor that nobody else holds looks like (measured, not assumed:
+        # the counts include the references made to read them)
+        self._alone = _use_counts(torch.empty(1))
+
+    @classmethod
+    def create(cls, name: str, announce: Callable[[Segment], None],
+               environ: Optional[dict] = None) -> Optional["OutputCapture"]:
+        """A region for this worker, or None: capture turned off, the
+        extension not built, or libc10 not hookable (the reason is logged)."""
+        size = region_bytes(environ)
+        if size == 0:
+            return None
+        if _outcapture is None or _storage_use_count is None:
+            log.debug("output capture unavailable (extension not built, or this torch lacks "
+                      "reference counts); outputs are copied")
+            return None
+        segment = Segment.create(name, size, prefault=False)
+        try:
+            _outcapture.install(segment.buf, MIN_CAPTURED)
+        except (OSError, RuntimeError, ValueError) as exc:
+            log.warning("output capture unavailable (%s); outputs are copied", exc)
+            segment.close()
+            return None
+        announce(segment)          # the broker maps it before any answer names it
+        return cls(segment)
+
+    def on(self) -> None:
+        """Large allocations come from the region (until `off`), on every thread."""
+        _outcapture.capture(True)
+
+    def off(self) -> None:
+        _outcapture.capture(False)
+
+    def lend(self, value: torch.Tensor) -> Optional[tuple[str, int, int]]:
+        """(segment, offset, nbytes) of `value` in the region when it can be
+        answered in place (it is then held until `release`); None: copy it."""
+        nbytes = value.nbytes
+        offset = value.data_ptr() - self.base
+        if not (0 <= offset and offset + nbytes <= self.size) or nbytes == 0 or offset in self.held \
+                or not value.is_contiguous() or _use_counts(value) != self._alone:
+            return None
+        self.held[offset] = value
+        return self.name, offset, nbytes
+
+    def release(self, offset: int) -> None:
+        """The broker is done reading the output at `offset`."""
+        if self.held.pop(offset, None) is None:
+            log.warning("the broker released a block of the capture region that is not lent "
+                        "(offset %d); ignored", offset)
+
+    def close(self) -> None:
+        """The worker is done: its fd goes. The mapping stays until the
+        process exits (the extension holds it: tensors may still be freed)."""
+        self.segment.close()
+
+    def stats(self) -> tuple[int, int, int]:
+        """(bytes in use, blocks, large allocations that did not fit)."""
+        return _outcapture.stats()
