@@ -34,6 +34,10 @@ from .auth import CurveAuth, SecurityError, check_options, is_loopback, is_tcp
 log = logging.getLogger("torchpool.broker")
 
 _MAX_MARKS = 4096     # connections remembered as stalled (or gone); the oldest are forgotten
+# send flags as plain ints: pyzmq's enum arithmetic (send_multipart ORs
+# SNDMORE into every frame's flags) costs microseconds per reply
+_MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
+_LAST = int(zmq.NOBLOCK)
 
 
 class AddressInUse(Exception):
@@ -237,7 +241,15 @@ class Frontend:
         read (its queue holds max_unread_replies) or is gone. Never blocks,
         never raises for a client's sake."""
         try:
-            sock.send_multipart([identity, messages.pack(header), *frames], flags=zmq.NOBLOCK, copy=True)
+            # a ROUTER refuses (EAGAIN, EHOSTUNREACH) on the first frame or not at all
+            sock.send(identity, _MORE)
+            if frames:
+                sock.send(messages.pack(header), _MORE)
+                last = len(frames) - 1
+                for i, frame in enumerate(frames):
+                    sock.send(frame, _MORE if i < last else _LAST)
+            else:
+                sock.send(messages.pack(header), _LAST)
         except zmq.Again:
             self._not_reading(sock, identity)
             return False

@@ -54,7 +54,7 @@ class Intake:
         try:
             for _ in range(64):
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = _recv_frames(sock)
                 except zmq.Again:
                     return
                 self._handle_request(sock, frames)
@@ -231,3 +231,18 @@ class Intake:
             self._burst.add(mv)              # dispatched once the burst is read
         else:
             self.dispatch(mv)
+
+
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+def _recv_frames(sock: zmq.Socket) -> list:
+    """One message's frames (zmq.Frame, not copied), or zmq.Again. pyzmq's
+    recv_multipart asks getsockopt(RCVMORE) after every frame, through its
+    enum layer; the frame itself knows."""
+    frame = sock.recv(_NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(_NOBLOCK, copy=False)
+        frames.append(frame)
+    return frames

@@ -108,6 +108,13 @@ class Server:
         self.gateway: Optional[GatewayProcess] = None
         self._startup_versions: list[ModelVersion] = []   # what the start's READY=1 waits for
         self.failure: Optional[ModelLoadFailed] = None
+        # Versions whose scheduler may have a deadline (a timeout, a batch's
+        # queue delay, an idle sequence). A scheduler only gains one through
+        # push / finished / expire, each followed by _dispatch, which adds its
+        # version here; the loop drops a version once it has none. The loop
+        # runs twice per request: scanning every version of every model there
+        # cost more than the rest of the request's scheduling.
+        self._timed: set[ModelVersion] = set()
 
     # ------------------------------------------------------------------ run
 
@@ -322,24 +329,39 @@ class Server:
     # ------------------------------------------------------------- timers
 
     def _poll_timeout(self, drain_deadline: Optional[float]) -> Optional[int]:
-        deadlines = [t for t in (self.loop.next_timer(), drain_deadline) if t is not None]
-        for mv in self.registry.all_versions():
-            if mv.scheduler is not None:
-                due = mv.scheduler.next_deadline()
-                if due is not None:
-                    deadlines.append(due)
-        if not deadlines:
+        due = self.loop.next_timer()
+        if drain_deadline is not None and (due is None or drain_deadline < due):
+            due = drain_deadline
+        for mv in self._scheduler_deadlines():
+            when = mv.scheduler.next_deadline()
+            if due is None or when < due:
+                due = when
+        if due is None:
             return None
-        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+        return max(0, int((due - time.monotonic()) * 1000) + 1)
+
+    def _scheduler_deadlines(self) -> list[ModelVersion]:
+        """The versions of `_timed` that still have a deadline (the others leave it)."""
+        timed = self._timed
+        if not timed:
+            return []
+        found = []
+        for mv in list(timed):
+            scheduler = mv.scheduler
+            if scheduler is None or scheduler.next_deadline() is None:
+                timed.discard(mv)
+            else:
+                found.append(mv)
+        return found
 
     def _expire_queued(self) -> None:
         """Schedulers whose deadline passed: fail what they give up on, then
         dispatch (a batch that waited for more requests may be due)."""
+        if not self._timed:
+            return
         now = time.monotonic()
-        for mv in self.registry.all_versions():
+        for mv in self._scheduler_deadlines():
             scheduler = mv.scheduler
-            if scheduler is None:
-                continue
             due = scheduler.next_deadline()
             if due is not None and due <= now:
                 for req, err in scheduler.expire(now):
@@ -358,6 +380,7 @@ class Server:
         """Idle instances of `mv` take the batches its scheduler has for them;
         the scheduler prepares the next one meanwhile."""
         scheduler = mv.scheduler
+        self._timed.add(mv)       # it may have a deadline now (see __init__)
         if not len(scheduler):
             return
         now = time.monotonic()

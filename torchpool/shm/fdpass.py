@@ -50,15 +50,20 @@ class FdReceiver:
         """One datagram (empty: the peer closed) and its fds (the caller owns
         them). Raises BlockingIOError as recv does under MSG_DONTWAIT."""
         n, ancdata, msg_flags, _ = sock.recvmsg_into([self._view], self._ancillary,
-                                                     flags | socket.MSG_CMSG_CLOEXEC)
+                                                     flags | _CLOEXEC)
         fds: list[int] = []
         for level, kind, data in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.extend(array.array("i", data[:len(data) - len(data) % 4]))
-        if msg_flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+        if msg_flags & _CUT_SHORT:
             close_all(fds)
             raise OSError("a message or its file descriptors were cut short in transit")
         return self._view[:n], fds
+
+
+# plain ints: socket's flags are IntFlag enums, whose | costs microseconds per message
+_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+_CUT_SHORT = int(socket.MSG_CTRUNC | socket.MSG_TRUNC)
 
 
 def close_all(fds: Sequence[int]) -> None:
