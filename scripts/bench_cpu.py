@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import zmq
@@ -57,14 +59,21 @@ def title(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
 
 
-def measure(call, n: int, pids: dict[str, int]) -> dict[str, dict[str, float]]:
-    """Run `call` n times; CPU µs per request of each named process, by thread."""
+def measure(call, n: int, pids: dict[str, int], latencies: Optional[list] = None) -> dict[str, dict[str, float]]:
+    """Run `call` n times; CPU µs per request of each named process, by
+    thread. Each call's latency (µs) is appended to `latencies` when given."""
     for _ in range(min(200, n // 10)):
         call()
+    clock = time.perf_counter_ns
+    took = []
     before = {name: cpu_ns(pid) for name, pid in pids.items()}
     for _ in range(n):
+        t0 = clock()
         call()
+        took.append(clock() - t0)
     after = {name: cpu_ns(pid) for name, pid in pids.items()}
+    if latencies is not None:
+        latencies.extend(t / 1000 for t in took)
     out = {}
     for name in pids:
         out[name] = {t: (after[name].get(t, 0) - before[name].get(t, 0)) / n / 1000
@@ -85,7 +94,9 @@ def bench_echo(work: Path, n: int) -> dict:
         sock.recv(copy=False)
 
     call()
-    res = measure(call, n, {"client": os.getpid(), "echo": proc.pid})
+    took: list[float] = []
+    res = measure(call, n, {"client": os.getpid(), "echo": proc.pid}, took)
+    res["p50_us"] = statistics.median(took)
     sock.send_multipart([b"quit"])
     sock.close(0)
     proc.join(10)
@@ -113,9 +124,11 @@ def bench_torchpool(work: Path, n: int, busy_poll_us: int | None) -> dict:
         for local in (True, False):
             with Client(url, local=local) as c:
                 inputs = {"INPUT0": a, "INPUT1": a}
-                out["local" if local else "inline"] = measure(
+                took: list[float] = []
+                res = out["local" if local else "inline"] = measure(
                     lambda: c.infer("addsub", inputs, copy=True), n,
-                    {"client": os.getpid(), "broker": daemon.pid, "worker": worker})
+                    {"client": os.getpid(), "broker": daemon.pid, "worker": worker}, took)
+                res["p50_us"] = statistics.median(took)
         return out
     finally:
         daemon.terminate()
@@ -128,7 +141,7 @@ def bench_cpu(requests: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="torchpool-bench-cpu.") as tmp:
         work = Path(tmp)
         out = {"requests": requests, "echo": bench_echo(work, requests)}
-        for label, busy in (("default", None), ("busy_poll_0", 0)):
+        for label, busy in (("default", None), ("busy_poll_500", 500)):
             sub = work / label
             sub.mkdir()
             out[label] = bench_torchpool(sub, requests, busy)
@@ -136,8 +149,8 @@ def bench_cpu(requests: int) -> dict:
 
 
 def _block(name: str, res: dict) -> list[str]:
-    lines, total = [name], 0.0
-    for proc, threads in res.items():
+    lines, total = [f"{name}, p50 {res['p50_us']:.0f} µs"], 0.0
+    for proc, threads in _procs(res).items():
         s = sum(threads.values())
         total += s
         detail = ", ".join(f"{t} {v:.0f}" for t, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v >= 1)
@@ -146,8 +159,13 @@ def _block(name: str, res: dict) -> list[str]:
     return lines
 
 
+def _procs(res: dict) -> dict[str, dict[str, float]]:
+    """The per-process entries of a result (not its p50_us)."""
+    return {k: v for k, v in res.items() if isinstance(v, dict)}
+
+
 def _total(res: dict) -> float:
-    return sum(sum(t.values()) for t in res.values())
+    return sum(sum(t.values()) for t in _procs(res).values())
 
 
 def render_cpu(r: dict) -> list[str]:
@@ -155,7 +173,7 @@ def render_cpu(r: dict) -> list[str]:
                  f"{r['requests']} requests; schedstat)"]
     lines += _block("raw ZeroMQ echo", r["echo"])
     echo = _total(r["echo"])
-    for label, title_ in (("default", "daemon defaults"), ("busy_poll_0", "--busy-poll-us 0")):
+    for label, title_ in (("default", "daemon defaults"), ("busy_poll_500", "--busy-poll-us 500")):
         for path in ("local", "inline"):
             res = r[label][path]
             lines += _block(f"torchpool, {title_}, {'local shared-memory path' if path == 'local' else 'inline frames'}"
