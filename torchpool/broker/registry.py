@@ -134,20 +134,23 @@ class Registry:
     def resolve(self, name: Any, version: Any) -> ModelVersion:
         """The version a request addresses; the highest ready one when unspecified."""
         model = self.model(name)
-        parse_version(name, version)            # malformed: INVALID_ARG before anything else
+        wanted = parse_version(name, version)   # malformed: INVALID_ARG before anything else
         if model.error:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
         if model.unloaded:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is unloaded")
-        wanted = self.version_of(model, version)
         if wanted is None:
-            ready = model.ready_versions()
-            if not ready:
+            best = None      # the highest ready version (a loop: this runs for every request)
+            for v, mv in model.versions.items():
+                if mv.state == READY and (best is None or v > best.version):
+                    best = mv
+            if best is None:
                 reasons = "; ".join(f"version {v}: {mv.state.lower()}{' - ' + mv.reason if mv.reason else ''}"
                                     for v, mv in sorted(model.versions.items()))
                 raise TorchpoolError(errors.UNAVAILABLE,
                                      f"model '{name}' has no ready version ({reasons})")
-            return model.versions[ready[-1]]
+            return best
+        self.version_of(model, version)         # NOT_FOUND when the model has no such version
         mv = model.versions[wanted]
         if mv.state != READY:
             why = f": {mv.reason}" if mv.reason else ""

@@ -88,17 +88,28 @@ def _shape_str(shape: Sequence[int]) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
-def _matches(dims: Sequence[int], shape: Sequence[int]) -> bool:
-    return len(dims) == len(shape) and all(d == -1 or d == s for d, s in zip(dims, shape))
-
-
 def _check_shape(entry: dict, model: str) -> list[int]:
     shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
-        raise _bad(f"input '{entry.get('name')}' for model '{model}' has an invalid shape "
-                   f"{shape!r}: expected a list of non-negative integers")
-    return shape
+    if shape.__class__ is list:
+        for d in shape:
+            # int exactly: msgpack gives int, and bool (an int) is no dimension
+            if d.__class__ is not int or d < 0:
+                break
+        else:
+            return shape
+    raise _bad(f"input '{entry.get('name')}' for model '{model}' has an invalid shape "
+               f"{shape!r}: expected a list of non-negative integers")
+
+
+def _shape_matches(dims: tuple[int, ...], shape: list[int], batching: bool) -> bool:
+    """`shape` (with its batch dimension when batching) against the config's dims."""
+    start = 1 if batching else 0
+    if len(shape) != len(dims) + start:
+        return False
+    for i, d in enumerate(dims, start):
+        if d != -1 and d != shape[i]:
+            return False
+    return True
 
 
 def _model_shape(spec: TensorSpec, shape: list[int], batching: bool) -> list[int]:
@@ -112,23 +123,24 @@ def _model_shape(spec: TensorSpec, shape: list[int], batching: bool) -> list[int
     return prefix + list(spec.reshape)
 
 
-def _payload(e: dict, frames: Sequence[Any], session: Any, sessions: Any, what: str,
+def _payload(e: dict, frames: Sequence[Any], session: Any, sessions: Any, name: str, model: str,
              regions: list) -> tuple[memoryview, Optional[list]]:
     """The input's bytes, and where a worker finds them when they are already
     in shared memory ([segment ref, offset, nbytes, generation], and `True`
     when the client lets the answer point into the block; None when inline
     bytes must be staged)."""
     where = tensors.location(e)
+    if where != tensors.SHM and where != tensors.REGION:       # inline bytes: the common case
+        return memoryview(tensors.tensor_payload(e, frames)).cast("B"), None
+    what = f"input '{name}' for model '{model}'"
     if where == tensors.SHM:
         view, location = sessions.arena_view(session, e[tensors.SHM], what)
         if e.get(tensors.REUSE) is True:
             location.append(True)        # the answer may point into this block
         return view, location
-    if where == tensors.REGION:
-        region, offset, nbytes = sessions.region(session, e[tensors.REGION], what)
-        regions.append(region)
-        return region.view(offset, nbytes), [region.worker_ref(), region.offset + offset, nbytes, 0]
-    return memoryview(tensors.tensor_payload(e, frames)).cast("B"), None
+    region, offset, nbytes = sessions.region(session, e[tensors.REGION], what)
+    regions.append(region)
+    return region.view(offset, nbytes), [region.worker_ref(), region.offset + offset, nbytes, 0]
 
 
 def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion, session: Any = None,
@@ -142,41 +154,42 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion, sessio
     cfg: ModelConfig = mv.config
     model = mv.name
     entries = header.get("inputs")
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+    if entries.__class__ is not list or not _all_dicts(entries):
         raise _bad(f"request for model '{model}' has no valid 'inputs' list")
+    specs = cfg.inputs_by_name
     batching = cfg.max_batch_size > 0
     seen: dict[str, dict] = {}
     for e in entries:
         name = e.get("name")
-        if not isinstance(name, str):
+        if name.__class__ is not str:
             raise _bad(f"request for model '{model}' has an input without a valid name: {name!r}")
         if name in seen:
             raise _bad(f"input '{name}' given more than once for model '{model}'")
-        if cfg.input(name) is None:
+        if name not in specs:
             raise _bad(f"unexpected inference input '{name}' for model '{model}'")
         seen[name] = e
-    required = [t.name for t in cfg.inputs if not t.optional]
-    missing = [n for n in required if n not in seen]
-    if missing:
-        raise _bad(f"expected {len(required)} inputs but got {len(seen)} inputs for model '{model}'. "
-                   f"Got input(s) {sorted(seen)}, but missing required input(s) {missing}. "
-                   f"Please provide all required input(s).")
+    if len(seen) != len(specs):          # every input given: none can be missing
+        required = [t.name for t in cfg.inputs if not t.optional]
+        missing = [n for n in required if n not in seen]
+        if missing:
+            raise _bad(f"expected {len(required)} inputs but got {len(seen)} inputs for model '{model}'. "
+                       f"Got input(s) {sorted(seen)}, but missing required input(s) {missing}. "
+                       f"Please provide all required input(s).")
 
     staged = []
     regions: list = []
     batch_size = None
     for name, e in seen.items():
-        spec = cfg.input(name)
+        spec = specs[name]
         datatype = e.get("datatype")
         if datatype != spec.datatype:
             raise _bad(f"inference input '{name}' data-type is '{datatype}', but model '{model}' "
                        f"expects '{spec.datatype}'")
         shape = _check_shape(e, model)
-        expected = ([-1] if batching else []) + list(spec.dims)
         if batching:
             if not shape:
                 raise _bad(f"input '{name}' for model '{model}' has no batch dimension; expected "
-                           f"shape {_shape_str(expected)}")
+                           f"shape {_shape_str([-1, *spec.dims])}")
             if shape[0] > cfg.max_batch_size:
                 raise _bad(f"inference request batch-size must be <= {cfg.max_batch_size} for "
                            f"'{model}', got {shape[0]} in input '{name}'")
@@ -185,7 +198,8 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion, sessio
             elif shape[0] != batch_size:
                 raise _bad(f"input '{name}' for model '{model}' has batch size {shape[0]}, but other "
                            f"inputs have {batch_size}: all inputs must share the batch size")
-        if not _matches(expected, shape):
+        if not _shape_matches(spec.dims, shape, batching):
+            expected = ([-1] if batching else []) + list(spec.dims)
             raise _bad(f"unexpected shape for input '{name}' for model '{model}'. "
                        f"Expected {_shape_str(expected)}, got {_shape_str(shape)}")
         count = math.prod(shape)
@@ -193,8 +207,7 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion, sessio
             # refused before its payload is even looked at
             raise _too_much(name, model, f"{count} BYTES elements", limits.max_bytes_elements,
                             "--max-bytes-elements")
-        payload, location = _payload(e, frames, session, sessions,
-                                     f"input '{name}' for model '{model}'", regions)
+        payload, location = _payload(e, frames, session, sessions, name, model, regions)
         if datatype == "BYTES":
             if len(payload) > limits.max_bytes_tensor_bytes:
                 raise _too_much(name, model, f"{len(payload)} bytes of BYTES elements",
@@ -211,16 +224,24 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion, sessio
                            f"Expected {want}, got {len(payload)}")
         staged.append((spec, shape, _model_shape(spec, shape, batching), payload, location))
 
-    present = {spec.name for spec, *_ in staged}
-    for entry in (*cfg.batch_inputs, *cfg.batch_outputs):
-        source = entry["source_input"][0]
-        if source not in present:
-            what = "batch input" if entry in cfg.batch_inputs else "batch output"
-            raise _bad(f"input '{source}' for model '{model}' is required: {what} "
-                       f"'{entry['target_name'][0]}' is computed from it")
+    if cfg.batch_inputs or cfg.batch_outputs:
+        present = {spec.name for spec, *_ in staged}
+        for entry in (*cfg.batch_inputs, *cfg.batch_outputs):
+            source = entry["source_input"][0]
+            if source not in present:
+                what = "batch input" if entry in cfg.batch_inputs else "batch output"
+                raise _bad(f"input '{source}' for model '{model}' is required: {what} "
+                           f"'{entry['target_name'][0]}' is computed from it")
     requested, region_outputs = _requested_outputs(header.get("outputs"), cfg, model, session,
                                                    sessions, regions)
     return staged, requested, batch_size or 1, regions, region_outputs
+
+
+def _all_dicts(entries: list) -> bool:
+    for e in entries:
+        if e.__class__ is not dict:
+            return False
+    return True
 
 
 def batch_layout(req: "InferRequest", staged: list[tuple], cfg: ModelConfig) -> None:
@@ -284,7 +305,7 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
     or maps {name, classification} that ask for its top-k classes. For the
     worker: a name, [name, region ref, offset, capacity] or [name, k]."""
     if requested is None:
-        return [t.name for t in cfg.outputs], {}
+        return list(cfg.outputs_by_name), {}
     if not isinstance(requested, list):
         raise _bad(f"'outputs' for model '{model}' must be a list of output names")
     worker_outputs, region_outputs, seen = [], {}, set()

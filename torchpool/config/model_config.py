@@ -98,12 +98,19 @@ class ModelConfig:
     batch_outputs: tuple[dict[str, Any], ...] = ()
     warmup: tuple[WarmupSample, ...] = ()   # the samples to run (batch_size > 0), in config order
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # by name, for the broker's per-request lookups (filled in __post_init__)
+    inputs_by_name: dict[str, TensorSpec] = field(init=False, compare=False, repr=False)
+    outputs_by_name: dict[str, TensorSpec] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs_by_name", {t.name: t for t in self.inputs})
+        object.__setattr__(self, "outputs_by_name", {t.name: t for t in self.outputs})
 
     def input(self, name: str) -> Optional[TensorSpec]:
-        return next((t for t in self.inputs if t.name == name), None)
+        return self.inputs_by_name.get(name)
 
     def output(self, name: str) -> Optional[TensorSpec]:
-        return next((t for t in self.outputs if t.name == name), None)
+        return self.outputs_by_name.get(name)
 
     def sequence_states(self) -> list["SequenceState"]:
         """The implicit states of `sequence_batching`, in config order."""
