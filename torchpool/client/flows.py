@@ -336,12 +336,10 @@ class ClientState(OutputDecoding, RegionFlows):
                 arena.flight_done(block)
         enc.blocks, enc.lent = [], []
 
-    def _encode(self, inputs: Mapping[str, Any], arena: ClientArena, timeout: Optional[float]) -> Flow:
-        """Encode into the arena, growing it once if needed; inline otherwise."""
-        try:
-            return self.encode_inputs(inputs, arena), arena
-        except _NeedRoom as room:
-            need = room.nbytes
+    def _encode_after_growing(self, inputs: Mapping[str, Any], arena: ClientArena, need: int,
+                              timeout: Optional[float]) -> Flow:
+        """The inputs did not fit the arena (`need` bytes more): grow it once
+        and encode into it; inline if it cannot grow or they still do not fit."""
         if (yield from self._grow(arena, need, timeout)):
             try:
                 return self.encode_inputs(inputs, arena), arena
@@ -376,7 +374,10 @@ class ClientState(OutputDecoding, RegionFlows):
         if arena is None:
             enc = self._encode_inline(inputs)
         else:
-            enc, arena = yield from self._encode(inputs, arena, timeout)
+            try:
+                enc = self.encode_inputs(inputs, arena)
+            except _NeedRoom as room:
+                enc, arena = yield from self._encode_after_growing(inputs, arena, room.nbytes, timeout)
         wanted = None
         if outputs is not None:
             wanted = [o.wire() if isinstance(o, (OutputRef, Classification)) else o for o in outputs]

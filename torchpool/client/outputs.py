@@ -17,7 +17,7 @@ from ..protocol import datatypes, errors, tensors
 from ..protocol.errors import InferenceError, TorchpoolError
 from .arena import ArenaBlock, ClientArena
 from .types import InferResult, RegionOutput
-from .values import as_value, output_array
+from .values import as_value
 
 
 class _Encoded:
@@ -49,7 +49,8 @@ class OutputDecoding:
             try:
                 where = tensors.location(e)
                 if where == tensors.DATA:          # bytes in the answer: the common case first
-                    value = output_array(e, frames)
+                    value = as_value(e[tensors.DATATYPE], e[tensors.SHAPE],
+                                     tensors.tensor_payload(e, frames))
                     if copy and isinstance(value, np.ndarray):
                         value = np.array(value)
                 elif where == tensors.SHM:

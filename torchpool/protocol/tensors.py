@@ -231,6 +231,11 @@ def classification_request(name: str, count: int) -> dict:
 
 # --- decoding ----------------------------------------------------------------------
 
+# datatypes.numpy_dtype of every wire datatype, looked up once (KeyError for
+# any other name, as numpy_dtype raises)
+_NUMPY_DTYPES = {name: datatypes.numpy_dtype(name) for name in datatypes.WIRE_DATATYPES}
+
+
 def tensor_payload(entry: dict, frames: Sequence[Any]) -> Any:
     """The bytes of a tensor entry: inline bytes, or the payload frame it names."""
     data = entry.get(DATA)
@@ -254,4 +259,4 @@ def decode_array(datatype: str, shape: Sequence[int], data: Any) -> np.ndarray:
         arr = np.empty(len(items), dtype=object)
         arr[:] = items
         return arr.reshape(shape)
-    return np.frombuffer(data, dtype=datatypes.numpy_dtype(datatype)).reshape(shape)
+    return np.frombuffer(data, dtype=_NUMPY_DTYPES[datatype]).reshape(shape)
