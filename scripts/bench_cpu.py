@@ -137,7 +137,7 @@ def bench_torchpool(work: Path, n: int, busy_poll_us: int | None) -> dict:
 
 
 def bench_cpu(requests: int) -> dict:
-    """The echo, and torchpool with the daemon's default busy polling and without it."""
+    """The echo, and torchpool with the daemon's defaults (no busy polling) and with --busy-poll-us 500."""
     with tempfile.TemporaryDirectory(prefix="torchpool-bench-cpu.") as tmp:
         work = Path(tmp)
         out = {"requests": requests, "echo": bench_echo(work, requests)}

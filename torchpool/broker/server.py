@@ -196,11 +196,11 @@ class Server:
 
     def main_loop(self) -> None:
         drain_deadline = None
-        # Waking a sleeping process costs tens of microseconds on a VM; a
-        # request's round trip has several such hops. Right after activity
-        # (a request in flight, or a client likely to send its next one) the
-        # loop keeps polling without sleeping, yielding the CPU to anyone who
-        # needs it, and sleeps once it has been idle for busy_poll_us.
+        # With --busy-poll-us, right after activity (a request in flight, or a
+        # client likely to send its next one) the loop keeps polling without
+        # sleeping, yielding the CPU to anyone who needs it, and sleeps once it
+        # has been idle that long: for hosts where waking a process costs more
+        # than the spin (off by default: options.py says why).
         busy_poll = self.options.busy_poll_us / 1e6
         last_activity = 0.0
         while True:

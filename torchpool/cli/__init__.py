@@ -259,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds SIGTERM waits for accepted requests "
                             f"(default {_shown(_default('grace_period'))})")
     serve.add_argument("--busy-poll-us", type=int, default=_default("busy_poll_us"),
-                       help="after activity, poll without sleeping this long (lower latency on "
-                            "VMs where waking a process is slow); 0 disables "
+                       help="after activity, poll without sleeping this long: trades the broker's "
+                            "CPU for latency where waking a process is slow; 0 disables "
                             f"(default {_shown(_default('busy_poll_us'))})")
     serve.add_argument("--worker-busy-poll-us", type=int, default=_default("worker_busy_poll_us"),
                        help="the same for each worker after a batch; trades CPU for latency "
