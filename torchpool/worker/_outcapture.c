@@ -218,10 +218,14 @@ static int forked;                       /* this process is a fork of the one th
 
 /* A process forked from a worker (a model that starts one) has a private copy
  * of the bookkeeping but shares the region's pages: it must never allocate
- * there. Its frees of inherited region pointers only update its own copy. */
+ * there. Its frees of inherited region pointers only update its own copy,
+ * which the lock, held across fork(), leaves consistent. */
+static void lock_for_fork(void) { pthread_mutex_lock(&region_lock); }
+static void unlock_after_fork(void) { pthread_mutex_unlock(&region_lock); }
 static void stop_capturing_in_child(void) {
     __atomic_store_n(&capturing, 0, __ATOMIC_RELAXED);
     forked = 1;
+    pthread_mutex_unlock(&region_lock);
 }
 
 static int hooked_posix_memalign(void **out, size_t align, size_t size) {
@@ -413,7 +417,7 @@ static PyObject *install(PyObject *self, PyObject *args) {
         return NULL;
     }
     region_view = view;         /* never released: the mapping outlives every tensor in it */
-    pthread_atfork(NULL, NULL, stop_capturing_in_child);
+    pthread_atfork(lock_for_fork, unlock_after_fork, stop_capturing_in_child);
     return PyLong_FromLong(res.memalign_slots + res.free_slots);
 #endif
 }
@@ -546,7 +550,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_outcapture",
     "Torch's large CPU allocations served from a shared-memory region (see the C source's comment).",
-    -1, methods,
+    -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__outcapture(void) {
