@@ -24,9 +24,13 @@ from typing import Any, Optional
 import msgpack
 
 from .errors import INVALID_ARG, TorchpoolError
+from . import tensors as _tensors
+
 # The tensor entry's rules live in tensors.py; these names stay importable here
-# for the broker until its answer path calls tensors.py directly.
-from .tensors import INLINE_LIMIT, LOCAL_MIN_BYTES, tensor_payload  # noqa: F401
+# for callers that still look for them in this module.
+INLINE_LIMIT = _tensors.INLINE_LIMIT
+LOCAL_MIN_BYTES = _tensors.LOCAL_MIN_BYTES
+tensor_payload = _tensors.tensor_payload
 
 PROTOCOL_VERSION = 1
 
