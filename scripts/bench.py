@@ -33,7 +33,10 @@ ratios are meaningful even on a noisy 2-core machine.
      leaves it out);
   8. CPU per tiny request by process and thread (bench_cpu.py): client,
      broker, worker beside the raw echo, with and without busy polling
-     (`--only cpu` runs this section alone).
+     (`--only cpu` runs this section alone);
+  9. TorchServe, PyTriton, the raw echo and the ZeroMQ+shm floor beside
+     torchpool on the same models (bench_anchors.py: ../shared/anchors, when
+     $ANCHORS_VENV_ROOT has its venvs; `--only anchors`, --skip-anchors).
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateways import (PyTriton, bench_gateways, free_port, pytriton_python,  # noqa: E402
                             render_gateways, torchpool_pids)
 from bench_local import bench_local, render_local  # noqa: E402
+from bench_anchors import bench_anchors, render_anchors  # noqa: E402
 from bench_cpu import bench_cpu, render_cpu  # noqa: E402
 from bench_pt2 import bench_pt2, render_pt2  # noqa: E402
 from bench_sequences import add_sequence_models, bench_sequences, render_sequences  # noqa: E402
@@ -394,7 +398,9 @@ def main() -> int:
     parser.add_argument("--skip-pytriton", action="store_true",
                         help="measure torchpool's HTTP/gRPC endpoints without PyTriton beside them")
     parser.add_argument("--skip-pt2", action="store_true", help="leave out the PyTorch 2 section")
-    parser.add_argument("--only", choices=["pt2", "cpu"], help="run this section alone")
+    parser.add_argument("--skip-anchors", action="store_true",
+                        help="leave out TorchServe/PyTriton/floors beside torchpool (bench_anchors.py)")
+    parser.add_argument("--only", choices=["pt2", "cpu", "anchors"], help="run this section alone")
     parser.add_argument("--out", default=str(ROOT / "bench-results"))
     args = parser.parse_args()
     n_small, n_big, secs = (300, 8, 2.0) if args.quick else (3000, 40, 5.0)
@@ -408,6 +414,9 @@ def main() -> int:
         return report(results, args.out)
     if args.only == "cpu":
         results["cpu"] = bench_cpu(1000 if args.quick else 5000)
+        return report(results, args.out)
+    if args.only == "anchors":
+        results["anchors"] = bench_anchors(Path(args.out), args.quick)
         return report(results, args.out)
     with tempfile.TemporaryDirectory(prefix="torchpool-bench-") as tmp:
         work = Path(tmp)
@@ -445,6 +454,9 @@ def main() -> int:
         results["pt2"] = bench_pt2(args.quick)
     print("CPU per request by process ...", flush=True)
     results["cpu"] = bench_cpu(1000 if args.quick else 5000)
+    if not args.skip_anchors:
+        print("TorchServe, PyTriton and the floors beside torchpool (anchors, ~15 min) ...", flush=True)
+        results["anchors"] = bench_anchors(Path(args.out), args.quick)
     return report(results, args.out)
 
 
@@ -467,6 +479,8 @@ def render(r: dict) -> str:
         lines += render_pt2(r["pt2"], us)
     if "cpu" in r:
         lines += render_cpu(r["cpu"])
+    if "anchors" in r:
+        lines += render_anchors(r["anchors"])
     return "\n".join(lines)
 
 
