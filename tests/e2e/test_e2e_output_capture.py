@@ -2,7 +2,7 @@
 returns a new large tensor is answered from the worker's capture region,
 with no copy by the worker.
 
-A local client sees where each output was lent: the segment its array lies
+A local client sees where each output was lent: the memfd its array lies
 in (the worker's capture region is named `...capture`, its arena `...0`,
 `...1`, ...). Real daemons: one with the default region, one whose region
 holds only 16 MiB (what does not fit is copied, as before), and one with
@@ -11,6 +11,7 @@ capture turned off.
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -103,15 +104,26 @@ def small_region(repository: Path, tmp_path_factory: pytest.TempPathFactory):
         assert d.stop() == 0, d.log()
 
 
-def lent_from(client: Client | AsyncClient, array: np.ndarray) -> str:
-    """Where a local client's output array lies: "capture" (the worker's
-    capture region), "arena" (another segment of the worker's), or "not lent"."""
+def lent_from(array: np.ndarray) -> str:
+    """Where an output array of a local client lies, as this process maps it
+    (/proc/self/maps): "capture" (a worker's capture region, the memfd
+    `torchpool.<id>.<pid>.w<n>.capture`), "arena" (a worker's arena segment
+    `....w<n>.<i>`), else the mapping's name."""
     address = array.__array_interface__["data"][0]
-    for name, mapping in client._state.outputs._maps.items():
-        start = np.frombuffer(mapping, np.uint8).__array_interface__["data"][0]
-        if start <= address < start + len(mapping):
-            return "capture" if name.endswith(".capture") else "arena"
-    return "not lent"
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                name = fields[5].strip() if len(fields) > 5 else "anonymous"
+                break
+        else:
+            return "not mapped"
+    if re.fullmatch(r"/memfd:torchpool\.\S+\.w\d+\.capture \(deleted\)", name):
+        return "capture"
+    if re.fullmatch(r"/memfd:torchpool\.\S+\.w\d+\.\d+ \(deleted\)", name):
+        return "arena"
+    return name
 
 
 def ramp(n: int, start: float = 0.0) -> np.ndarray:
@@ -124,7 +136,7 @@ def test_a_new_12mib_tensor_is_answered_from_the_capture_region(daemon: Daemon) 
         for _ in range(3):
             with c.infer("times_one", {"INPUT__0": x}) as out:
                 np.testing.assert_array_equal(out["OUTPUT__0"], x)
-                assert lent_from(c, out["OUTPUT__0"]) == "capture"
+                assert lent_from(out["OUTPUT__0"]) == "capture"
 
 
 def test_two_outputs_each_come_from_the_region(daemon: Daemon) -> None:
@@ -133,7 +145,7 @@ def test_two_outputs_each_come_from_the_region(daemon: Daemon) -> None:
         with c.infer("two_outputs", {"INPUT__0": x}) as out:
             np.testing.assert_array_equal(out["OUTPUT__0"], x)
             np.testing.assert_array_equal(out["OUTPUT__1"], 2 * x)
-            assert [lent_from(c, out[n]) for n in ("OUTPUT__0", "OUTPUT__1")] == ["capture", "capture"]
+            assert [lent_from(out[n]) for n in ("OUTPUT__0", "OUTPUT__1")] == ["capture", "capture"]
 
 
 def test_inline_frames_carry_the_same_values(daemon: Daemon) -> None:
@@ -154,7 +166,7 @@ def test_a_batch_is_answered_in_sub_ranges_of_the_region(daemon: Daemon) -> None
             seen = []
             for x, r in zip(inputs, results):
                 np.testing.assert_array_equal(r["OUTPUT__0"], x)
-                seen.append(lent_from(c, r["OUTPUT__0"]))
+                seen.append(lent_from(r["OUTPUT__0"]))
             return seen
 
     with Client(daemon.url, timeout=10, local=False) as c:
@@ -172,7 +184,7 @@ def test_an_output_the_model_keeps_is_copied(daemon: Daemon) -> None:
         for _ in range(2):
             with c.infer("keeps", {"INPUT__0": x}) as out:
                 np.testing.assert_array_equal(out["OUTPUT__0"], x + 1)
-                assert lent_from(c, out["OUTPUT__0"]) == "arena"
+                assert lent_from(out["OUTPUT__0"]) == "arena"
 
 
 def test_blocks_come_back_request_after_request(small_region: Daemon) -> None:
@@ -188,7 +200,7 @@ def test_blocks_come_back_request_after_request(small_region: Daemon) -> None:
             with c.infer("times_one", {"INPUT__0": x}) as out:
                 np.testing.assert_array_equal(out["OUTPUT__0"], x)
                 # (the first may find the last inline block still being sent)
-                assert i == 0 or lent_from(c, out["OUTPUT__0"]) == "capture", f"request {i}"
+                assert i == 0 or lent_from(out["OUTPUT__0"]) == "capture", f"request {i}"
 
 
 def test_an_output_larger_than_the_region_is_copied(small_region: Daemon) -> None:
@@ -196,11 +208,11 @@ def test_an_output_larger_than_the_region_is_copied(small_region: Daemon) -> Non
     with Client(small_region.url, timeout=60) as c:
         with c.infer("times_one", {"INPUT__0": x}) as out:
             np.testing.assert_array_equal(out["OUTPUT__0"], x)
-            assert lent_from(c, out["OUTPUT__0"]) == "arena"
+            assert lent_from(out["OUTPUT__0"]) == "arena"
         y = ramp(FLOATS_12MIB, 5.0)        # and the next one that fits is not
         with c.infer("times_one", {"INPUT__0": y}) as out:
             np.testing.assert_array_equal(out["OUTPUT__0"], y)
-            assert lent_from(c, out["OUTPUT__0"]) == "capture"
+            assert lent_from(out["OUTPUT__0"]) == "capture"
 
 
 def test_a_client_that_keeps_its_outputs_does_not_wedge_the_worker(small_region: Daemon) -> None:
@@ -213,7 +225,7 @@ def test_a_client_that_keeps_its_outputs_does_not_wedge_the_worker(small_region:
             out = c.infer("times_one", {"INPUT__0": x})
             np.testing.assert_array_equal(out["OUTPUT__0"], x)
             kept.append((x, out))
-        where = [lent_from(c, out["OUTPUT__0"]) for _, out in kept]
+        where = [lent_from(out["OUTPUT__0"]) for _, out in kept]
         assert where == ["capture", "capture", "arena", "arena"]
         for x, out in kept:                # nothing was overwritten meanwhile
             np.testing.assert_array_equal(out["OUTPUT__0"], x)
@@ -224,7 +236,7 @@ def test_a_client_that_keeps_its_outputs_does_not_wedge_the_worker(small_region:
         for _ in range(2):                 # the releases travel with the first of these
             with c.infer("times_one", {"INPUT__0": x}) as out:
                 np.testing.assert_array_equal(out["OUTPUT__0"], x)
-                last = lent_from(c, out["OUTPUT__0"])
+                last = lent_from(out["OUTPUT__0"])
         assert last == "capture"
 
 
@@ -235,6 +247,6 @@ def test_with_capture_off_outputs_are_copied_as_before(repository: Path, tmp_pat
         with Client(d.url, timeout=60) as c:
             with c.infer("times_one", {"INPUT__0": x}) as out:
                 np.testing.assert_array_equal(out["OUTPUT__0"], x)
-                assert lent_from(c, out["OUTPUT__0"]) == "arena"
+                assert lent_from(out["OUTPUT__0"]) == "arena"
     finally:
         assert d.stop() == 0, d.log()
