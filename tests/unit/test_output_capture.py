@@ -308,3 +308,13 @@ def test_the_environment_sizes_or_turns_off_the_region() -> None:
     assert region_bytes({"TORCHPOOL_OUTPUT_CAPTURE_MIB": " 32 "}) == 32 * MiB
     assert region_bytes({"TORCHPOOL_OUTPUT_CAPTURE_MIB": "lots"}) == DEFAULT_MIB * MiB
     assert region_bytes({"TORCHPOOL_OUTPUT_CAPTURE_MIB": "-1"}) == DEFAULT_MIB * MiB
+
+
+def test_without_the_extension_or_with_capture_off_there_is_no_region(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchpool.worker import capture
+
+    announced: list = []
+    assert capture.OutputCapture.create("off", announced.append, {"TORCHPOOL_OUTPUT_CAPTURE_MIB": "0"}) is None
+    monkeypatch.setattr(capture, "_outcapture", None)        # as on an install without a C compiler
+    assert capture.OutputCapture.create("unbuilt", announced.append, {}) is None
+    assert announced == []                                    # the worker copies every output
