@@ -17,5 +17,7 @@ setup(ext_modules=[
     Extension("torchpool.shm._streamcopy", ["torchpool/shm/_streamcopy.c"], optional=True),
     Extension("torchpool.shm._sigbus", ["torchpool/shm/_sigbus.c"], optional=True),
     Extension("torchpool.protocol._bytescan", ["torchpool/protocol/_bytescan.c"], optional=True),
-    Extension("torchpool.worker._outcapture", ["torchpool/worker/_outcapture.c"], optional=True),
+    Extension("torchpool.worker._outcapture",
+              ["torchpool/worker/_outcapture.c", "torchpool/worker/outcapture_heap.c"],
+              depends=["torchpool/worker/outcapture_heap.h"], optional=True),
 ])
