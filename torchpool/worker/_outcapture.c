@@ -27,10 +27,11 @@
  *
  * The region's bookkeeping lives outside the region (two sorted arrays of
  * ranges, fixed capacity: outcapture_heap.c), under one mutex: torch's
- * intra-op threads allocate too. The capturing flag is process-wide. The region stays mapped
- * for the life of the process (this module keeps a buffer export of it), so
- * a tensor freed late can never touch unmapped memory. The hooks are never
- * taken out: a pointer from the region may be freed at any time.
+ * intra-op threads allocate too. The capturing flag is process-wide. The
+ * region stays mapped for the life of the process (this module keeps a
+ * buffer export of it), so a tensor freed late can never touch unmapped
+ * memory. The hooks are never taken out: a pointer from the region may be
+ * freed at any time.
  *
  * Module:
  *   Heap(size, min_block=64)   the allocator alone, over offsets (for tests):
