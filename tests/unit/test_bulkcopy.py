@@ -9,19 +9,30 @@ from torchpool.shm import bulkcopy
 from torchpool.shm.segment import Segment
 
 MiB = 1 << 20
+STREAM_AT = 12 * MiB      # a threshold an operator may set (TORCHPOOL_STREAM_COPY_BYTES)
 
 
-def test_the_streaming_extension_is_built() -> None:
-    # scripts/test installs torchpool with its C extension; without it large
-    # copies silently take the slow path, so a missing build must fail here
+def test_the_streaming_extension_is_built_and_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    # scripts/test installs torchpool with its C extension; without it
+    # TORCHPOOL_STREAM_COPY_BYTES would silently do nothing, so a missing build must fail here
     assert bulkcopy._streamcopy is not None
-    assert bulkcopy.STREAMING and bulkcopy.STREAM_BYTES == bulkcopy.DEFAULT_STREAM_BYTES
+    monkeypatch.delenv("TORCHPOOL_STREAM_COPY_BYTES", raising=False)
+    assert bulkcopy._stream_threshold() == 0
+    monkeypatch.setenv("TORCHPOOL_STREAM_COPY_BYTES", str(STREAM_AT))
+    assert bulkcopy._stream_threshold() == STREAM_AT
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 63, 64, 4095, 4096 * 4 + 17, bulkcopy.DEFAULT_STREAM_BYTES - 1,
-                                    bulkcopy.DEFAULT_STREAM_BYTES, bulkcopy.DEFAULT_STREAM_BYTES + 4097])
+@pytest.fixture(params=["ordinary", "streamed from 12 MiB"])
+def streaming(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    on = request.param != "ordinary"
+    monkeypatch.setattr(bulkcopy, "STREAMING", on)
+    monkeypatch.setattr(bulkcopy, "STREAM_BYTES", STREAM_AT if on else 0)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 63, 64, 4095, 4096 * 4 + 17, STREAM_AT - 1, STREAM_AT, STREAM_AT + 4097])
 @pytest.mark.parametrize("dst_offset", [0, 8, 64 + 24])
-def test_copy_into_shared_memory_is_exact_at_every_size_and_alignment(nbytes: int, dst_offset: int) -> None:
+def test_copy_into_shared_memory_is_exact_at_every_size_and_alignment(nbytes: int, dst_offset: int,
+                                                                       streaming: None) -> None:
     seg = Segment.create(f"torchpool.test-bulkcopy-{nbytes}-{dst_offset}", nbytes + 2 * 4096)
     try:
         src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)

@@ -1,18 +1,18 @@
 """Copies of tensor bytes into shared memory, the fastest way for their size.
 
-Small and medium copies are ordinary ones (a memoryview assignment is one
-memcpy): what they write is still in the CPU caches when the next process
-reads it. Large ones go through the `_streamcopy` extension, which stores
-around the caches, four pages at a time; see `_streamcopy.c` for why and
-for the figures. Where the extension could not be built (no compiler at
-install time) every copy is an ordinary one: slower for large tensors, never
-wrong.
-
-TORCHPOOL_STREAM_COPY_BYTES sets the size from which copies stream (0: never).
-The default, 12 MiB, is where streaming started to win when one process
-copied a tensor into shared memory and another copied it on, on the
-development VM: at 8 MiB ordinary copies were still faster (1.6 vs 1.9 ms for
-both), at 16 MiB streaming took 3.4 ms against 6.0 ms.
+Copies are ordinary ones (a memoryview assignment is one memcpy): what they
+write is still in the CPU caches when the next process reads it. The
+`_streamcopy` extension can instead store around the caches, four pages at a
+time (`_streamcopy.c` says why), for copies from TORCHPOOL_STREAM_COPY_BYTES
+up (0, the default: never). Whether that pays depends on the machine: on the
+VM this was first measured on, a 16 MiB copy between processes took 3.4 ms
+streamed against 6.0 ms ordinary (each destination line was read from memory
+first) and 12 MiB was where streaming started to win; on today's development
+VM (AMD EPYC, 2 vCPUs) streaming is the slow one: a 12 MiB `x*1` over the
+local path took 11.6 ms p50 with streaming copies against 5.3 ms with
+ordinary ones (the ZeroMQ-control + POSIX-shm floor: 4.9 ms), alternating in
+one run. Where the extension could not be built (no compiler at install
+time) every copy is an ordinary one.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ try:
 except ImportError:          # pragma: no cover - built on every supported install
     _streamcopy = None
 
-DEFAULT_STREAM_BYTES = 12 << 20
+DEFAULT_STREAM_BYTES = 0     # off; 12 << 20 where streaming pays (see above)
 
 
 def _stream_threshold() -> int:
