@@ -28,6 +28,7 @@ from torchpool.protocol import errors
 
 from ..support.daemon import free_tcp_port
 from ..support.daemon import ROOT, Daemon, cpu_ticks, daemon_segments, memfds, wait_for, worker_pids
+from ..support.mappings import mapped_file
 from ..support.model_repository import slow_iterations
 
 MiB = 1 << 20
@@ -74,18 +75,6 @@ def worker_output_bytes(d: Daemon) -> int:
 def released_by(d: Daemon):
     """A predicate: the daemon no longer holds any of these segments."""
     return lambda names: not set(names) & set(memfds(d.proc.pid))
-
-
-def mapped_file(arr: np.ndarray) -> str:
-    """The file this process maps at the array's first byte ('' if anonymous)."""
-    address = arr.__array_interface__["data"][0]
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi:
-                return fields[5].strip() if len(fields) > 5 else ""
-    return ""
 
 
 def backing(arr: np.ndarray) -> object:

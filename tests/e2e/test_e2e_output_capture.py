@@ -24,6 +24,7 @@ from torchpool.client import AsyncClient, Client
 from torchpool.examples import IDENTITY_CONFIG, serialize, write_model
 
 from ..support.daemon import Daemon, free_tcp_port
+from ..support.mappings import mapped_file
 
 pytest.importorskip("torchpool.worker._outcapture", reason="the _outcapture extension is not built")
 
@@ -109,16 +110,7 @@ def lent_from(array: np.ndarray) -> str:
     (/proc/self/maps): "capture" (a worker's capture region, the memfd
     `torchpool.<id>.<pid>.w<n>.capture`), "arena" (a worker's arena segment
     `....w<n>.<i>`), else the mapping's name."""
-    address = array.__array_interface__["data"][0]
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi:
-                name = fields[5].strip() if len(fields) > 5 else "anonymous"
-                break
-        else:
-            return "not mapped"
+    name = mapped_file(array) or "not mapped"
     if re.fullmatch(r"/memfd:torchpool\.\S+\.w\d+\.capture \(deleted\)", name):
         return "capture"
     if re.fullmatch(r"/memfd:torchpool\.\S+\.w\d+\.\d+ \(deleted\)", name):
