@@ -16,7 +16,8 @@
                                                   ▼                         │
                                      worker (one per model instance, forked from the torch
                                      template by the Supervisor; its lifecycle is Instances'):
-                                     views inputs in shm, runs the model, writes outputs once
+                                     views inputs in shm, runs the model (large outputs made
+                                     in shm: worker/capture.py), writes the others once
 
 Who owns what:
     server.py       startup / main loop / shutdown, dispatch to idle instances
@@ -25,6 +26,7 @@ Who owns what:
     loop.py         the poller, fd handlers and timers everything runs on
     requests.py     validation of an infer request against the config; InferRequest
     schedulers/     one Scheduler per version (base.py is the interface the loop uses)
+    deadlines.py    which schedulers have a deadline the loop must wake for
     batch.py        Batch, and the tensors the broker computes for one (batch_input)
     instances.py    worker lifecycle: ready, run, done, crash backoff, execution and load timeouts
     supervisor.py   worker processes: fork from the template, reap, stop
@@ -66,6 +68,7 @@ from .gateways import GatewayProcess
 from .metrics import MetricsServer, configure_metrics
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
 from .options import ServerOptions
+from .deadlines import SchedulerDeadlines
 from .registry import LOADING, READY, ModelVersion, Registry
 from .schedulers import make_scheduler
 from .sessions import SessionManager
@@ -108,13 +111,7 @@ class Server:
         self.gateway: Optional[GatewayProcess] = None
         self._startup_versions: list[ModelVersion] = []   # what the start's READY=1 waits for
         self.failure: Optional[ModelLoadFailed] = None
-        # Versions whose scheduler may have a deadline (a timeout, a batch's
-        # queue delay, an idle sequence). A scheduler only gains one through
-        # push / finished / expire, each followed by _dispatch, which adds its
-        # version here; the loop drops a version once it has none. The loop
-        # runs twice per request: scanning every version of every model there
-        # cost more than the rest of the request's scheduling.
-        self._timed: set[ModelVersion] = set()
+        self.deadlines = SchedulerDeadlines()    # _dispatch touches every version it schedules
 
     # ------------------------------------------------------------------ run
 
@@ -329,44 +326,22 @@ class Server:
     # ------------------------------------------------------------- timers
 
     def _poll_timeout(self, drain_deadline: Optional[float]) -> Optional[int]:
-        due = self.loop.next_timer()
-        if drain_deadline is not None and (due is None or drain_deadline < due):
-            due = drain_deadline
-        for mv in self._scheduler_deadlines():
-            when = mv.scheduler.next_deadline()
-            if due is None or when < due:
+        due = None
+        for when in (self.loop.next_timer(), drain_deadline, self.deadlines.earliest()):
+            if when is not None and (due is None or when < due):
                 due = when
         if due is None:
             return None
         return max(0, int((due - time.monotonic()) * 1000) + 1)
 
-    def _scheduler_deadlines(self) -> list[ModelVersion]:
-        """The versions of `_timed` that still have a deadline (the others leave it)."""
-        timed = self._timed
-        if not timed:
-            return []
-        found = []
-        for mv in list(timed):
-            scheduler = mv.scheduler
-            if scheduler is None or scheduler.next_deadline() is None:
-                timed.discard(mv)
-            else:
-                found.append(mv)
-        return found
-
     def _expire_queued(self) -> None:
         """Schedulers whose deadline passed: fail what they give up on, then
         dispatch (a batch that waited for more requests may be due)."""
-        if not self._timed:
-            return
         now = time.monotonic()
-        for mv in self._scheduler_deadlines():
-            scheduler = mv.scheduler
-            due = scheduler.next_deadline()
-            if due is not None and due <= now:
-                for req, err in scheduler.expire(now):
-                    self.answers.fail(req, err)
-                self._dispatch(mv)
+        for mv in self.deadlines.due(now):
+            for req, err in mv.scheduler.expire(now):
+                self.answers.fail(req, err)
+            self._dispatch(mv)
 
     def _expire_sessions(self) -> None:
         self.sessions.expire()
@@ -380,7 +355,7 @@ class Server:
         """Idle instances of `mv` take the batches its scheduler has for them;
         the scheduler prepares the next one meanwhile."""
         scheduler = mv.scheduler
-        self._timed.add(mv)       # it may have a deadline now (see __init__)
+        self.deadlines.touch(mv)      # it may have a deadline now
         if not len(scheduler):
             return
         now = time.monotonic()
