@@ -21,6 +21,7 @@ import pytest
 from torchpool.client import Client, OutputRef, RegionOutput, SharedMemoryRef
 from torchpool.client import arena as ca
 from torchpool.client import flows
+from torchpool.client.outputs import _Encoded
 from torchpool.protocol import errors, messages, tensors
 from torchpool.protocol.errors import InferenceError
 from torchpool.shm import NamedSegment, Segment
@@ -329,7 +330,7 @@ def test_an_output_in_memory_never_handed_is_refused(fake_daemon, prefix) -> Non
 def test_late_reply_releases_lent_outputs() -> None:
     st = flows.ClientState("ipc:///nowhere", local=False)
     st.session = "tok"
-    st.finish(flows._Encoded(), None, answered=False, rid=3, token="tok")      # timed out
+    st.finish(_Encoded(), None, answered=False, rid=3, token="tok")      # timed out
     st.late_reply({"id": 4, "ok": True, "outputs": [{"name": "O", "shm": ["seg", 0, 8, 1]}]})
     assert st.session_fields() == {"session": "tok"}                      # not a request of ours
     st.late_reply({"id": 3, "ok": True, "outputs": [{"name": "O", "shm": ["seg", 64, 8, 2]}]})
