@@ -63,6 +63,24 @@ class Binding:
     flat_outputs: bool = False
     shapes: Optional["ShapeRules"] = field(default=None, repr=False, compare=False)
     explain: Optional[Callable[[str], Optional[ExecutionError]]] = field(default=None, repr=False, compare=False)
+    # Facts derived once from the fields above, so that `run` does per
+    # request only what depends on the request (filled in __post_init__).
+    _bound_inputs: frozenset[str] = field(init=False, repr=False, compare=False)
+    _output_count: int = field(init=False, repr=False, compare=False)
+    _output_checks: tuple[tuple[str, int, Any], ...] = field(init=False, repr=False, compare=False)
+    _all_outputs: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # What an output must be to pass `_check_output` without a look at
+        # its wire name: a tensor of exactly this dtype (or a list for
+        # BYTES); anything else goes the slow way, which decides.
+        checks = tuple((name, index, _expected_kind(self.output_datatype[name]))
+                       for name, index in self.output_index.items())
+        object.__setattr__(self, "_bound_inputs", frozenset(self.input_index))
+        object.__setattr__(self, "_output_count", 1 + max(self.output_index.values(), default=-1))
+        object.__setattr__(self, "_output_checks", checks)
+        object.__setattr__(self, "_all_outputs",
+                           tuple((name, self.output_index[name]) for name in self.output_names))
 
     def run(
         self,
@@ -77,8 +95,13 @@ class Binding:
         Returned tensors are contiguous CPU tensors; string outputs stay
         `list[str]`. `requested` None means every config output.
         """
-        wanted = self.output_names if requested is None else self._check_requested(requested)
-        self._check_inputs(inputs)
+        if requested is None:
+            wanted = self._all_outputs
+        else:
+            index = self.output_index
+            wanted = tuple((name, index[name]) for name in self._check_requested(requested))
+        if not (self._bound_inputs.issuperset(inputs) and inputs.keys() >= self.required_inputs):
+            self._check_inputs(inputs)   # raises the error that fits
         if self.shapes is not None:
             self.shapes.check(inputs)
         try:
@@ -88,7 +111,16 @@ class Binding:
             raise explained or ExecutionError(EXECUTE_FAILURE + str(exc), INTERNAL) from exc
         values = self._unpack(result)
         self._check_outputs(values)
-        return {name: _to_host(values[self.output_index[name]]) for name in wanted}
+        outputs: dict[str, Value] = {}
+        for name, position in wanted:
+            value = values[position]
+            if isinstance(value, torch.Tensor):
+                # contiguous CPU tensors leave as they are (no copy)
+                value = value.contiguous()
+                if not value.is_cpu:
+                    value = value.cpu()
+            outputs[name] = value
+        return outputs
 
     # -- inputs --
 
@@ -135,14 +167,17 @@ class Binding:
 
     # -- outputs --
 
-    def _unpack(self, result: Any) -> list[Value]:
-        """The model's return value as a list of Tensors and string lists."""
+    def _unpack(self, result: Any) -> Sequence[Value]:
+        """The model's return value as a sequence of Tensors and string lists."""
         if self.flat_outputs:
-            return list(result)
+            return result if type(result) is list else list(result)
         if isinstance(result, torch.Tensor):
-            return [result]
+            return (result,)
         if isinstance(result, tuple):
-            return [self._tuple_element(i, value) for i, value in enumerate(result)]
+            for value in result:
+                if not isinstance(value, torch.Tensor):
+                    return [self._tuple_element(i, value) for i, value in enumerate(result)]
+            return result   # all tensors: nothing to look at element by element
         if isinstance(result, list):
             element = _list_element_name(result, _static_list_element(self.return_type))
             if element != "str":
@@ -176,8 +211,25 @@ class Binding:
             INTERNAL,
         )
 
-    def _check_outputs(self, values: list[Value]) -> None:
-        """Triton's checks on every bound output: index, datatype, not a scalar."""
+    def _check_outputs(self, values: Sequence[Value]) -> None:
+        """Triton's checks on every bound output: index, datatype, not a scalar.
+
+        An output that is plainly right (a non-scalar tensor of the expected
+        dtype, a list for BYTES) passes at once; any other goes through
+        `_check_output`, which owns the rules and the texts.
+        """
+        if len(values) < self._output_count:
+            self._check_output_indexes(values)
+        for name, index, kind in self._output_checks:
+            value = values[index]
+            if kind is list:
+                if isinstance(value, list):
+                    continue
+            elif isinstance(value, torch.Tensor) and value.dtype is kind and value.dim() != 0:
+                continue
+            self._check_output(name, value)
+
+    def _check_output_indexes(self, values: Sequence[Value]) -> None:
         for name, index in self.output_index.items():
             if index >= len(values):
                 raise ExecutionError(
@@ -185,8 +237,6 @@ class Binding:
                     f"index which doesn't exist. This model has {len(values)} outputs",
                     INVALID_ARG,
                 )
-        for name, index in self.output_index.items():
-            self._check_output(name, values[index])
 
     def _check_output(self, name: str, value: Value) -> None:
         expected = self.output_datatype[name]
@@ -203,12 +253,14 @@ class Binding:
             )
 
 
-def _to_host(value: Value) -> Value:
-    """Outputs leave as contiguous CPU tensors (no copy when already so)."""
-    if isinstance(value, torch.Tensor):
-        value = value.contiguous()
-        return value if value.is_cpu else value.cpu()
-    return value
+def _expected_kind(wire: str) -> Any:
+    """`list` for BYTES, else the torch dtype of `wire` (None when it has none)."""
+    if wire == "BYTES":
+        return list
+    try:
+        return datatypes.torch_dtype(wire)
+    except KeyError:
+        return None
 
 
 def _wire_name(value: Any) -> str:
