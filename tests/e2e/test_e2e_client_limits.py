@@ -44,9 +44,8 @@ class Zeros(nn.Module):
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("limits")
-    repository = root / "repository"
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repository = tmp_path_factory.mktemp("limits") / "repository"
     write_model(repository, "addsub", ADDSUB_CONFIG.format(name="addsub", extra=""), serialize(AddSub()))
     write_model(repository, "identity", IDENTITY_CONFIG, serialize(Identity()))
     write_model(repository, "clone", IDENTITY_CONFIG.replace('"identity"', '"clone"'), serialize(Identity()))
@@ -59,9 +58,29 @@ def daemon(tmp_path_factory: pytest.TempPathFactory):
     f4 = tensor("INPUT__0", "FP32", [4]), tensor("OUTPUT__0", "FP32", [4])
     _write(repository, "raise", model=serialize(RaiseOnNegative()),
            config_text=config("raise", inputs=[f4[0]], outputs=[f4[1]], max_batch_size=8))
-    d = Daemon(repository, root, "--max-in-flight-per-client", str(IN_FLIGHT),
-               "--max-unread-replies", str(UNREAD), "--model-control-mode", "explicit", "--load-model", "*",
-               "--log-level", "debug", tcp_port=free_tcp_port()).start()
+    return repository
+
+
+def start(repository: Path, root: Path, *limits: str) -> Daemon:
+    return Daemon(repository, root, "--max-in-flight-per-client", str(IN_FLIGHT), *limits,
+                  "--model-control-mode", "explicit", "--load-model", "*", "--log-level", "debug",
+                  tcp_port=free_tcp_port()).start()
+
+
+@pytest.fixture(scope="module")
+def daemon(repository: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Both limits small: a connection is cut off after UNREAD unread replies."""
+    d = start(repository, tmp_path_factory.mktemp("limits_daemon"), "--max-unread-replies", str(UNREAD))
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+@pytest.fixture(scope="module")
+def in_flight_daemon(repository: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The in-flight limit with the default unread limit (1024 >= IN_FLIGHT, as
+    by default): IN_FLIGHT answers come in a burst, and a client that reads
+    them as they come may still find more than UNREAD waiting for it."""
+    d = start(repository, tmp_path_factory.mktemp("in_flight_daemon"))
     yield d
     assert d.stop() == 0, d.log()
 
@@ -146,7 +165,8 @@ def fill_to_the_limit(conn: RawConnection, first_id: int) -> list[int]:
 
 # --- in flight --------------------------------------------------------------------------
 
-def test_in_flight_limit_per_connection(daemon: Daemon) -> None:
+def test_in_flight_limit_per_connection(in_flight_daemon: Daemon) -> None:
+    daemon = in_flight_daemon
     with RawConnection(daemon.url) as busy, RawConnection(tcp(daemon)) as other:
         ids = fill_to_the_limit(busy, 1)
         started = time.monotonic()
@@ -161,20 +181,23 @@ def test_in_flight_limit_per_connection(daemon: Daemon) -> None:
         assert code(header) == "ok"
         other.send(slow(2, 1))
         # every accepted request is answered; then the connection has its room again
-        answered = replies(busy, IN_FLIGHT)
+        try:
+            answered = replies(busy, IN_FLIGHT)
+        except AssertionError as exc:     # which answer is missing, and why: the daemon says
+            raise AssertionError(f"{exc}; the daemon's log ends:\n{daemon.log()[-4000:]}") from None
         assert sorted(answered) == ids and all(code(h) == "ok" for h in answered.values()), answered
         assert code(other.recv(30)[0]) == "ok"
         header, _ = busy.call(addsub(100), timeout=10)
         assert code(header) == "ok"
 
 
-def test_the_in_flight_count_never_leaks(daemon: Daemon) -> None:
+def test_the_in_flight_count_never_leaks(in_flight_daemon: Daemon) -> None:
     """2,000 requests through every answer path (outputs, a model error,
     refused at validation, unknown model, timed out in the queue), pipelined;
     then IN_FLIGHT requests are all accepted at once again and one more is
     refused: the connection's count went back to exactly 0."""
     negative = -np.ones((1, 4), np.float32)
-    with RawConnection(daemon.url) as conn:
+    with RawConnection(in_flight_daemon.url) as conn:
         rid = 0
         for round_ in range(240):
             want = {rid + 1: "ok", rid + 2: "ok", rid + 3: errors.INVALID_ARG, rid + 4: errors.NOT_FOUND,

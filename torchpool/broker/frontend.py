@@ -38,6 +38,7 @@ _MAX_MARKS = 4096     # connections remembered as stalled (or gone); the oldest 
 # SNDMORE into every frame's flags) costs microseconds per reply
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
 
 
 class AddressInUse(Exception):
@@ -242,7 +243,15 @@ class Frontend:
         never raises for a client's sake."""
         try:
             # a ROUTER refuses (EAGAIN, EHOSTUNREACH) on the first frame or not at all
-            sock.send(identity, _MORE)
+            try:
+                sock.send(identity, _MORE)
+            except zmq.Again:
+                # The queue looks full, but libzmq learns that the peer's side
+                # took messages only from commands its send() reads at most once
+                # a millisecond: a reading client answered in a burst can look
+                # full. ZMQ_EVENTS reads them now; then one more try decides.
+                sock.get(_EVENTS)
+                sock.send(identity, _MORE)
             if frames:
                 sock.send(messages.pack(header), _MORE)
                 last = len(frames) - 1
