@@ -41,8 +41,9 @@ def pt2_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def pt2_daemon(pt2_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     workdir = tmp_path_factory.mktemp("pt2_daemon")
+    (workdir / "tmp").mkdir()     # the daemon's TMPDIR: what it leaves there is seen
     d = Daemon(pt2_repository, workdir, "--log-level", "debug",
-               env={"TORCHPOOL_CACHE_DIR": str(workdir / "cache")})
+               env={"TORCHPOOL_CACHE_DIR": str(workdir / "cache"), "TMPDIR": str(workdir / "tmp")})
     try:
         d.start(timeout=180)
         yield d
@@ -148,6 +149,14 @@ def test_an_aotinductor_package_serves_batches(client: Client) -> None:
     assert err.code == "INVALID_ARG" and "batch-size must be <= 8" in err.message
     stats = client.statistics("pt2_aoti")["model_stats"][0]
     assert stats["inference_count"] >= 9 and stats["inference_stats"]["compute_infer"]["count"] >= 2
+
+
+def test_a_loaded_aotinductor_package_leaves_no_extracted_copy(pt2_daemon: Daemon, client: Client) -> None:
+    # torch's loader extracts each package under TMPDIR and never removes it
+    # (6.6 MB per load); the worker removes it once the library is loaded
+    assert client.model_ready("pt2_aoti")
+    tmp = pt2_daemon.socket_path.parent / "tmp"
+    assert sorted(p.name for p in tmp.iterdir() if "aoti" in p.name) == []
 
 
 def test_a_sequence_keeps_its_state_in_an_exported_program(client: Client) -> None:

@@ -26,10 +26,14 @@ them between instances (each instance holds its own copy).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
 import re
+import shutil
 import sys
+import tempfile
 import zipfile
 from dataclasses import replace
 from pathlib import Path
@@ -107,9 +111,11 @@ def load_aoti(config: ModelConfig, model_path: Path, device: Optional[torch.devi
                              f"'{model_path.name}': {exc}", INVALID_ARG) from None
     check_compatible(config.name, metadata, device)
     index = device.index if device is not None and device.index is not None else -1
+    on_cpu = device is None or device.type == "cpu"
     try:
-        compiled = torch._inductor.aoti_load_package(str(model_path), run_single_threaded=True,
-                                                     device_index=index)
+        with _extraction_removed_after_load() if on_cpu else contextlib.nullcontext():
+            compiled = torch._inductor.aoti_load_package(str(model_path), run_single_threaded=True,
+                                                         device_index=index)
         in_json, out_json = compiled.loader.get_call_spec()
     except Exception as exc:
         raise ModelLoadError(f"failed to load model '{config.name}': {WHAT} '{model_path.name}' "
@@ -124,6 +130,27 @@ def load_aoti(config: ModelConfig, model_path: Path, device: Optional[torch.devi
         shapes.check_config(config)
     binding = replace(binding, shapes=shapes, explain=_explainer(config.name, binding))
     return AotiRunner(compiled.loader), binding
+
+
+@contextlib.contextmanager
+def _extraction_removed_after_load() -> Any:
+    """torch's package loader extracts the package into a directory under
+    TMPDIR and never removes it (a day of tests left 72 such directories of
+    6.6 MB in /tmp here, one per load). Here it extracts into a directory of
+    ours, removed once the CPU library is loaded: dlopen has mapped it, and
+    Linux keeps a removed file's pages while they are mapped. (A CUDA package
+    may load kernel files later, at its first call: it keeps torch's way.)"""
+    own = tempfile.mkdtemp(prefix="torchpool-aoti-")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = own
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def _shape_rules(model_name: str, model_path: Path, binding: Binding) -> Optional[ShapeRules]:
