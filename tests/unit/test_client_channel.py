@@ -207,6 +207,14 @@ def test_a_socket_file_nobody_accepts_on_fails_at_once(tmp_path: Path) -> None:
         stale.close()
 
 
+def assert_answered_once(c: Client, peer: Peer) -> None:
+    """One call of `c` answered by `peer` (from another thread)."""
+    answering = threading.Thread(target=lambda: answer_in_reverse(peer, 1))
+    answering.start()
+    assert c.model_metadata("m") == {"name": "m"}
+    answering.join(30)
+
+
 def test_a_daemon_that_starts_later_is_reached(tmp_path: Path) -> None:
     """The check is made at each call, not once: the daemon may come later."""
     url = f"ipc://{tmp_path / 'later.sock'}"
@@ -215,10 +223,7 @@ def test_a_daemon_that_starts_later_is_reached(tmp_path: Path) -> None:
             c.server_live()
         peer = Peer(url)
         try:
-            answering = threading.Thread(target=lambda: answer_in_reverse(peer, 1))
-            answering.start()
-            assert c.model_metadata("m") == {"name": "m"}
-            answering.join(30)
+            assert_answered_once(c, peer)
         finally:
             peer.close()
 
@@ -260,10 +265,7 @@ def test_clients_closed_while_they_retry_do_not_freeze_the_context(tmp_path: Pat
     peer = Peer(f"ipc://{tmp_path / 'peer.sock'}")
     try:
         with Client(f"ipc://{tmp_path / 'peer.sock'}", timeout=5, local=False) as c:
-            answering = threading.Thread(target=lambda: answer_in_reverse(peer, 1))
-            answering.start()
-            assert c.model_metadata("m") == {"name": "m"}
-            answering.join(10)
+            assert_answered_once(c, peer)
     finally:
         peer.close()
 

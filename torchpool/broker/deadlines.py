@@ -25,30 +25,24 @@ class SchedulerDeadlines:
 
     def earliest(self) -> Optional[float]:
         """The earliest deadline of any scheduler (time.monotonic()), or None."""
-        due = None
-        for mv in self._with_deadlines():
-            when = mv.scheduler.next_deadline()
-            if due is None or when < due:
-                due = when
-        return due
+        return min((when for _, when in self._deadlines()), default=None)
 
     def due(self, now: float) -> list[ModelVersion]:
         """The versions whose scheduler has a deadline at or before `now`."""
-        if not self._timed:
-            return []
-        return [mv for mv in self._with_deadlines() if mv.scheduler.next_deadline() <= now]
+        return [mv for mv, when in self._deadlines() if when <= now]
 
-    def _with_deadlines(self) -> list[ModelVersion]:
+    def _deadlines(self) -> list[tuple[ModelVersion, float]]:
+        """(version, its scheduler's next deadline); a version without one leaves the set."""
         timed = self._timed
         if not timed:
             return []
         found = []
         for mv in list(timed):
-            scheduler = mv.scheduler
-            if scheduler is None or scheduler.next_deadline() is None:
+            when = mv.scheduler.next_deadline() if mv.scheduler is not None else None
+            if when is None:
                 timed.discard(mv)
             else:
-                found.append(mv)
+                found.append((mv, when))
         return found
 
 

@@ -147,29 +147,16 @@ class VersionStats:
         self.execution_count += 1
         self.inference_count += batch_size
         self.last_inference_ms = int(time.time() * 1000)
-        # Triton counts compute durations per request; each request of the batch
-        # shares them. (Written out: this runs once per execution on the hot path.)
-        d = self.compute_input
-        d.count += requests
-        d.ns += input_ns * requests
-        d = self.compute_infer
-        d.count += requests
-        d.ns += infer_ns * requests
-        d = self.compute_output
-        d.count += requests
-        d.ns += output_ns * requests
+        # Triton counts compute durations per request; each request of the batch shares them
+        self.compute_input.add(input_ns * requests, requests)
+        self.compute_infer.add(infer_ns * requests, requests)
+        self.compute_output.add(output_ns * requests, requests)
         b = self.batches.get(batch_size)
-        if b is None:
+        if b is None:        # (not setdefault: that would build a BatchStats on every execution)
             b = self.batches[batch_size] = BatchStats()
-        d = b.compute_input
-        d.count += 1
-        d.ns += input_ns
-        d = b.compute_infer
-        d.count += 1
-        d.ns += infer_ns
-        d = b.compute_output
-        d.count += 1
-        d.ns += output_ns
+        b.compute_input.add(input_ns)
+        b.compute_infer.add(infer_ns)
+        b.compute_output.add(output_ns)
         self.batch_sizes[batch_size] += 1
         windows = self.windows
         if windows is not None:

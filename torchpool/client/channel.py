@@ -105,10 +105,7 @@ class SharedSocket:
                 self._outbox.append(me)
                 os.eventfd_write(self._wake, 1)
         if reader:
-            if self._send_alone(me, now):
-                self._serve(me, deadline)
-            else:
-                self._serve(me, deadline, sent_at=now)
+            self._serve(me, deadline, sent_at=now)
         else:
             try:
                 self._wait(me, deadline)
@@ -194,23 +191,6 @@ class SharedSocket:
         finally:
             self._hand_over(me)
 
-    def _send_alone(self, me: _Waiter, now: float) -> bool:
-        """The hot path of `_transmit`, written out: a one-frame request of
-        the reader's own, nothing queued before it, connected and polled
-        moments ago. False (nothing sent) for anything else: `_transmit`
-        then sends it, or says why not."""
-        watch = self._watch
-        frames = me.frames
-        if len(frames) != 1 or self._outbox or not watch.connected or now - self._polled > _FRESH_S:
-            return False
-        me.mark = (watch.losses, watch.retries)
-        try:
-            self._sock.send(frames[0], _NOBLOCK)
-        except zmq.ZMQError:
-            return False
-        me.frames = None
-        return True
-
     def _transmit(self, w: _Waiter, now: Optional[float] = None) -> None:
         """Send one request (the reader's thread only); `now`: the time, if
         the caller just read it."""
@@ -219,7 +199,7 @@ class SharedSocket:
             watch.drain()     # events from while nobody polled happened before this send
         error = None if watch.connected else watch.before_send()
         if error is None:
-            w.mark = (watch.losses, watch.retries)        # watch.mark(), inlined: the hot path
+            w.mark = watch.mark()
             frames = w.frames
             try:
                 if len(frames) == 1:       # a tiny request: one frame, no multipart loop

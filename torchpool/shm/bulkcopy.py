@@ -40,6 +40,11 @@ STREAM_BYTES = _stream_threshold()
 STREAMING = _streamcopy is not None and STREAM_BYTES > 0
 
 
+def streams(nbytes: int) -> bool:
+    """Whether a copy of `nbytes` goes through the streaming stores."""
+    return STREAMING and nbytes >= STREAM_BYTES
+
+
 def copy_into(dst: memoryview, src: Any) -> None:
     """Copy every byte of `src` (a C-contiguous buffer: bytes, memoryview,
     numpy array) into the start of `dst` (a writable byte memoryview at
@@ -48,7 +53,7 @@ def copy_into(dst: memoryview, src: Any) -> None:
     nbytes = view.nbytes
     if nbytes == 0:
         return
-    if STREAMING and nbytes >= STREAM_BYTES:
+    if streams(nbytes):
         _streamcopy.copy(dst, view)
     elif view.ndim == 1 and view.format == "B":
         dst[:nbytes] = view

@@ -34,7 +34,7 @@ from ..logs import setup_logging
 from ..protocol import datatypes, errors, internal
 from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, Block, MappedSegments
-from ..shm.bulkcopy import STREAM_BYTES, STREAMING, copy_into
+from ..shm.bulkcopy import copy_into, streams
 from ..shm.fdpass import FdReceiver, close_all, send_with_fds
 from ..shm.segment import Segment
 from .binding import ExecutionError, ModelLoadError
@@ -410,7 +410,7 @@ class Worker:
         else:
             block = self.outputs.alloc(nbytes)
             segment, offset = block.segment, block.offset
-            if nbytes and data is value and not (STREAMING and nbytes >= STREAM_BYTES):
+            if nbytes and data is value and not streams(nbytes):
                 # the arena is this worker's own memory: one memcpy from the
                 # tensor, without numpy views or buffer objects on the way
                 ctypes.memmove(self._arena_address(segment) + offset, value.data_ptr(), nbytes)
