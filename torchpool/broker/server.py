@@ -57,6 +57,7 @@ from ..config.parameters import ParameterError, model_parameters
 from ..protocol import errors, internal, messages
 from ..protocol.errors import TorchpoolError
 from ..shm import Arena, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
+from ..shm.reaper import Reaper
 from .answers import Answers
 from .frontend import AddressInUse, Frontend
 from .instances import InstanceEvents, Instances
@@ -101,6 +102,7 @@ class Server:
         # bytes the broker copied vs. passed by descriptor, for benchmarks and tests
         self.transfer: Counter = Counter()
         self.answers: Optional[Answers] = None
+        self.reaper: Optional[Reaper] = None     # closes segments off the loop thread
         self.signals = SignalInbox((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
         self.should_exit = False
         self.force_exit = False
@@ -139,10 +141,12 @@ class Server:
         self.arena.free(self.arena.alloc(1))   # first segment created and pre-faulted now
         self.ctx = zmq.Context()
         self.frontend = Frontend.from_options(self.ctx, o)
-        self.answers = Answers(self.frontend, self.arena, self.transfer)
+        reaper = self.reaper = Reaper()
+        self.answers = Answers(self.frontend, self.arena, self.transfer, close_segment=reaper.close)
         local_path = resolve_path(o.local_socket, o.listen, self.daemon)
         self.sessions = SessionManager(self.prefix, o, self.answers.end_loans, self._forget, local_path,
-                                       close_channel=lambda conn: self.local_channel.close_channel(conn))
+                                       close_channel=lambda conn: self.local_channel.close_channel(conn),
+                                       close_segment=reaper.close)
         if local_path is not None:
             self.local_channel = LocalChannel(local_path, self.loop, self.sessions, o.local_allow_users,
                                               o.local_allow_groups, o.max_sessions, o.max_sessions_per_peer)
@@ -270,6 +274,8 @@ class Server:
             self.ctx.destroy(linger=1000)   # closes any socket still open, then terminates
         if self.answers is not None:
             self.answers.close()
+        if self.reaper is not None:
+            self.reaper.stop()
         if self.arena is not None:
             self.arena.close()
         remove_segments_with_prefix(self.prefix)     # shared weights, the only named segments

@@ -142,8 +142,9 @@ class Arena:
 class MappedSegments:
     """Segments of other processes, by name, mapped when their fd arrives."""
 
-    def __init__(self) -> None:
+    def __init__(self, close: Callable[[Segment], None] = Segment.close) -> None:
         self._segments: dict[str, Segment] = {}
+        self._close = close          # how a dropped segment is closed (a reaper's, in the broker)
 
     def add(self, name: str, fd: int, writable: bool = True, keep_fd: bool = False) -> Segment:
         """Map a segment we were handed (taking its fd); replaces one of the same name."""
@@ -165,7 +166,7 @@ class MappedSegments:
 
     def drop(self, predicate: Callable[[str], bool]) -> None:
         for name in [n for n in self._segments if predicate(n)]:
-            self._segments.pop(name).close()
+            self._close(self._segments.pop(name))
 
     def close(self) -> None:
         self.drop(lambda _: True)

@@ -37,6 +37,7 @@ from ..shm.arena import Arena, Block, MappedSegments
 from ..shm.bulkcopy import copy_into, streams
 from ..shm.fdpass import FdReceiver, close_all, send_with_fds
 from ..shm.segment import Segment
+from ..shm.reaper import Reaper
 from .binding import ExecutionError, ModelLoadError
 from .capture import OutputCapture
 from .classify import Classified
@@ -99,7 +100,10 @@ class Worker:
     def __init__(self, spec: WorkerSpec, sock: socket.socket) -> None:
         self.spec = spec
         self.sock = sock
-        self.inputs_shm = MappedSegments()     # the broker hands us each segment's fd
+        # the broker hands us each segment's fd; unmapping one may free its pages
+        # (when the client and the broker let go first): off the serving thread
+        self.reaper = Reaper("torchpool-worker-reaper")
+        self.inputs_shm = MappedSegments(self.reaper.close)
         self.receiver = FdReceiver(internal.MAX_MESSAGE)
         self.regions = RegionMaps()
         self.outputs = Arena(lambda i: f"{spec.segment_prefix}{i}", spec.arena_chunk,
@@ -151,6 +155,7 @@ class Worker:
                 self.capture.close()
             self.outputs.close()
             self.inputs_shm.close()
+            self.reaper.stop()
 
     def load(self) -> None:
         loaded = load_instance(self.spec)   # model, compile, warm-up: worker/loader.py

@@ -21,7 +21,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import zmq
 
@@ -31,6 +31,7 @@ from ...protocol.internal import OutputDescriptor
 from ...shm import Arena, MappedSegments
 from ...shm.fdpass import close_all
 from ...shm.arena import Block
+from ...shm.segment import Segment
 from ..batch import Batch
 from ..frontend import Frontend
 from ..registry import ModelVersion
@@ -110,13 +111,16 @@ class Answers:
     """Answers requests, and keeps the shared memory their zero-copy sends and
     lends still read (worker output blocks, broker input blocks) until done."""
 
-    def __init__(self, frontend: Frontend, arena: Arena, transfer: Counter) -> None:
+    def __init__(self, frontend: Frontend, arena: Arena, transfer: Counter,
+                 close_segment: Callable[[Segment], None] = Segment.close) -> None:
         self.frontend = frontend
         self.arena = arena                    # the broker's input arena (requests' blocks)
         self.transfer = transfer              # bytes copied / lent / sent, for benchmarks and tests
         self.sessions: Any = None             # the SessionManager, set once it exists
         self._orders: dict[ModelVersion, _Order] = {}
-        self.worker_segments = MappedSegments()   # each worker's output segments (fds kept)
+        # each worker's output segments (fds kept); a dead worker's are closed by
+        # `close_segment` (the server's reaper: the last close frees their pages)
+        self.worker_segments = MappedSegments(close_segment)
         # zero-copy sends of worker output blocks still being written by ZeroMQ
         self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list[_OutBlock]]] = []
         # the one map of output sub-ranges lent to local clients: (segment, offset) -> loan
