@@ -34,10 +34,10 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def _prefault(buf: mmap.mmap, size: int) -> None:
-    """Touch every page now, so the first request does not pay page faults."""
+    """Touch the first `size` bytes' pages now, so the first request does not pay page faults."""
     if _MADV_POPULATE_WRITE is not None:
         try:
-            buf.madvise(_MADV_POPULATE_WRITE)
+            buf.madvise(_MADV_POPULATE_WRITE, 0, size)
             return
         except OSError:
             pass
@@ -112,8 +112,9 @@ class Segment:
         what a client gets for outputs lent to it. The caller closes it."""
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
-    def prefault(self) -> None:
-        _prefault(self.buf, self.size)
+    def prefault(self, nbytes: Optional[int] = None) -> None:
+        """Fault in the first `nbytes` (all of it by default)."""
+        _prefault(self.buf, self.size if nbytes is None else min(nbytes, self.size))
 
     def close(self) -> None:
         if not self._closed:
