@@ -106,7 +106,7 @@ class SessionManager:
 
     def hello(self, header: dict, identity: bytes = b"") -> dict:
         o = self.options
-        if len(self.sessions) >= o.max_sessions:
+        if len(self.sessions) >= o.max_sessions and not self._forget_a_bare_session():
             raise _exhausted(f"this server already holds {len(self.sessions)} client sessions, its "
                              f"limit (--max-sessions); close unused clients")
         if identity:
@@ -118,6 +118,23 @@ class SessionManager:
         self.sessions[session.token] = session
         return {"session": session.token, "local": False, "lease_s": self.lease_s,
                 "local_socket": self.local_socket, "block_header": BLOCK_HEADER_BYTES}
+
+    def _forget_a_bare_session(self) -> bool:
+        """At --max-sessions, make room: close the longest idle session that
+        holds nothing (not attached, so no memory, regions or loans; nothing in
+        flight). Where libzmq cannot tell us of disconnects (no ROUTER_NOTIFY)
+        a closed connection's sessions last a lease, so a client saying hello
+        on connection after connection would otherwise hold every slot and
+        lock every new client out; a client whose bare session went says hello
+        again by itself at its next request (SESSION_LOST)."""
+        bare = [s for s in self.sessions.values() if s.channel is None and s.in_flight == 0]
+        if not bare:
+            return False
+        oldest = min(bare, key=lambda s: s.last_seen)
+        log.info("client sessions at the limit (--max-sessions): forgetting session %s…, idle "
+                 "for %.1f s and holding nothing", oldest.token[:8], time.monotonic() - oldest.last_seen)
+        self.close(oldest)
+        return True
 
     def attach(self, token: Any, peer: Peer, channel: socket.socket, arena: bool = True
                ) -> tuple[dict, list[int]]:
