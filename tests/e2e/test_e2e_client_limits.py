@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -165,7 +166,7 @@ def fill_to_the_limit(conn: RawConnection, first_id: int) -> list[int]:
 
 # --- in flight --------------------------------------------------------------------------
 
-def test_in_flight_limit_per_connection(in_flight_daemon: Daemon) -> None:
+def test_in_flight_limit_per_client(in_flight_daemon: Daemon) -> None:
     daemon = in_flight_daemon
     with RawConnection(daemon.url) as busy, RawConnection(tcp(daemon)) as other:
         ids = fill_to_the_limit(busy, 1)
@@ -173,10 +174,16 @@ def test_in_flight_limit_per_connection(in_flight_daemon: Daemon) -> None:
         header, _ = busy.call(addsub(99), timeout=10)
         assert time.monotonic() - started < 0.35          # refused at once, not queued
         assert header["id"] == 99 and code(header) == errors.RESOURCE_EXHAUSTED, header
-        assert header["error"]["message"] == (
-            f"this connection has {IN_FLIGHT} requests in flight; this server accepts at most "
-            f"{IN_FLIGHT} per connection (--max-in-flight-per-client)")
-        # another connection is not affected: it runs addsub and queues behind the same slow model
+        refusal = (f"this client (process {os.getpid()}) has {IN_FLIGHT} requests in flight; this "
+                   f"server accepts at most {IN_FLIGHT} per client process or tcp connection "
+                   f"(--max-in-flight-per-client)")
+        assert header["error"]["message"] == refusal
+        # a new connection of the same process is the same client: reconnecting
+        # does not buy another IN_FLIGHT requests
+        with RawConnection(daemon.url) as again:
+            header, _ = again.call(addsub(98), timeout=10)
+            assert code(header) == errors.RESOURCE_EXHAUSTED and header["error"]["message"] == refusal
+        # a tcp connection is a client of its own: it runs addsub and queues behind the same slow model
         header, _ = other.call(addsub(1), timeout=10)
         assert code(header) == "ok"
         other.send(slow(2, 1))

@@ -9,10 +9,10 @@ through `send`, the one path out. A connection is a routing id on one socket.
     tcp://  a CURVE server with a ZAP allow-list when --curve-secret-key is
             given (auth.py); without it, loopback only unless --insecure-tcp
 
-Per connection the frontend keeps two limits (ARCHITECTURE.md, "Trust
-boundaries"): requests in flight (`InFlight`, --max-in-flight-per-client)
-and replies it has not read (--max-unread-replies: the socket's send
-high-water mark). A reply to a connection whose queue is full, or that is
+The frontend keeps two limits (ARCHITECTURE.md, "Trust boundaries"):
+requests in flight per client process or tcp connection (`InFlight`,
+--max-in-flight-per-client) and, per connection, replies it has not read
+(--max-unread-replies: the socket's send high-water mark). A reply to a connection whose queue is full, or that is
 gone, is dropped (it could not be delivered anyway), the connection is
 marked as not reading and reported once through `on_stalled`; its requests
 are refused until a reply gets through again.
@@ -79,52 +79,72 @@ def claim_socket_path(path: str, kind: int = socket.SOCK_STREAM) -> None:
 
 
 class InFlight:
-    """Unanswered infer requests per connection (socket, routing id).
+    """Unanswered infer requests per client: a process on this host (ipc://,
+    known by the pid the kernel gives libzmq) or a tcp connection.
 
-    A request is added when it is accepted and taken away when its one final
-    answer goes out (Answers.release): removal is idempotent, so no path can
-    count it twice. A connection at its limit has its next request refused
-    at once with RESOURCE_EXHAUSTED; other connections are not affected."""
+    Counting a local process and not its connection means a client cannot
+    multiply its share by reconnecting: closing a connection does not cancel
+    what it sent (without ROUTER_NOTIFY the daemon does not even learn of it),
+    so an offender opening connection after connection could otherwise queue
+    the limit's worth of work each time. A request is added when it is
+    accepted and taken away when its one final answer goes out
+    (Answers.release): removal is idempotent, so no path can count it twice.
+    A client at its limit has its next request refused at once with
+    RESOURCE_EXHAUSTED; other clients are not affected."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit                 # 0: no limit
-        self._by_connection: dict[tuple[Any, bytes], set] = {}
+        self._by_client: dict[Any, set] = {}
 
-    def check(self, sock: Any, identity: bytes) -> None:
+    @staticmethod
+    def client_of(sock: Any, identity: bytes, frame: zmq.Frame) -> Any:
+        """Who a request counts against: ("pid", n) for a local process
+        (libzmq's Peer-Address of an ipc peer is "host:uid:gid:pid"), else
+        the connection (socket, routing id)."""
+        try:
+            address = frame.get("Peer-Address")
+        except zmq.ZMQError:
+            address = ""
+        if address.count(":") == 3:
+            pid = address.rpartition(":")[2]
+            if pid.isdigit() and pid != "0":
+                return ("pid", int(pid))
+        return (sock, identity)
+
+    def check(self, client: Any) -> None:
         if not self.limit:
             return
-        held = self._by_connection.get((sock, identity))
+        held = self._by_client.get(client)
         if held is not None and len(held) >= self.limit:
+            who = f"this client (process {client[1]})" if client[0] == "pid" else "this connection"
             raise TorchpoolError(errors.RESOURCE_EXHAUSTED,
-                                 f"this connection has {len(held)} requests in flight; this server "
-                                 f"accepts at most {self.limit} per connection "
+                                 f"{who} has {len(held)} requests in flight; this server accepts at "
+                                 f"most {self.limit} per client process or tcp connection "
                                  f"(--max-in-flight-per-client)")
 
     def add(self, req: Any) -> None:
-        key = (req.socket, req.identity)
-        held = self._by_connection.get(key)
+        held = self._by_client.get(req.client)
         if held is None:
-            held = self._by_connection[key] = set()
+            held = self._by_client[req.client] = set()
         held.add(req)
 
     def done(self, req: Any) -> None:
-        key = (req.socket, req.identity)
-        held = self._by_connection.get(key)
+        held = self._by_client.get(req.client)
         if held is not None:
             held.discard(req)
             if not held:
-                del self._by_connection[key]
+                del self._by_client[req.client]
 
     def __len__(self) -> int:
-        """Requests in flight over every connection."""
-        return sum(len(held) for held in self._by_connection.values())
+        """Requests in flight of every client."""
+        return sum(len(held) for held in self._by_client.values())
 
 
 class Frontend:
     """The daemon's listening sockets, one ROUTER per URL; the one path
     replies take out; and per-connection state (in flight, not reading).
 
-    `max_in_flight`: unanswered requests per connection (0: no limit).
+    `max_in_flight`: unanswered requests per client (0: no limit; InFlight).
     `max_unread_replies`: replies queued for one connection before it counts
     as not reading (0: no limit). `on_stalled(identity)`: told once when a
     connection stops reading, or is found gone (its sessions can go)."""

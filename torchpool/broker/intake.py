@@ -95,8 +95,7 @@ class Intake:
             op = header.get("op")
             session = self._session_of(header, identity)
             if op == messages.OP_INFER:
-                self._accept_infer(sock, identity, request_id, header, [f.buffer for f in frames[2:]],
-                                   session)
+                self._accept_infer(sock, identity, request_id, header, frames, session)
                 return
             if not isinstance(op, str) or op not in messages.CONTROL_OPS:
                 raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
@@ -198,16 +197,17 @@ class Intake:
         if self.stopping():
             raise TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
         in_flight = self.frontend.in_flight
-        in_flight.check(sock, identity)         # refused before any work is done for it
+        client = in_flight.client_of(sock, identity, frames[1])
+        in_flight.check(client)                 # refused before any work is done for it
         mv = self.registry.resolve(header.get("model"), header.get("version"))
         scheduler = mv.scheduler
         staged, outputs, batch_size, regions, region_outputs = validate_infer(
-            header, frames, mv, session, self.sessions, limits=self.limits)
+            header, [f.buffer for f in frames[2:]], mv, session, self.sessions, limits=self.limits)
         timeout_us = header.get("timeout_us") or 0
         if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or timeout_us < 0:
             timeout_us = 0
         req = InferRequest(sock, identity, request_id, mv, [], outputs, [], None,
-                           batch_size=batch_size, session=session, regions=regions,
+                           batch_size=batch_size, session=session, client=client, regions=regions,
                            region_outputs=region_outputs, timeout_us=timeout_us,
                            output_shm=bool(header.get("output_shm")) and session is not None and session.local)
         if scheduler.hidden_outputs:

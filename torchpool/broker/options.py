@@ -60,7 +60,7 @@ class ServerOptions:
     max_sessions: int = 1024            # client sessions, all peers together
     max_sessions_per_peer: int = 64     # per local uid, per tcp/ipc connection
     max_regions_per_session: int = 128  # registered regions of one session
-    max_in_flight_per_client: int = 1024   # unanswered requests of one connection
+    max_in_flight_per_client: int = 1024   # unanswered requests of one ipc process / tcp connection
     max_unread_replies: int = 1024      # replies queued for a connection that does not read
     max_bytes_elements: int = 1 << 22   # elements of one BYTES tensor
     max_bytes_tensor_bytes: int = 256 * MiB  # bytes of one BYTES tensor

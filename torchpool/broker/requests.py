@@ -55,6 +55,7 @@ class InferRequest:
     received: float = field(default_factory=time.monotonic)
     batch_size: int = 1
     session: Any = None               # the client session, if the request named one
+    client: Any = None                # whom it counts against in flight (InFlight.client_of)
     regions: list = field(default_factory=list)        # regions it uses (released when answered)
     region_outputs: dict = field(default_factory=dict)  # output name -> (region name, offset)
     output_shm: bool = False          # lend outputs in place instead of sending bytes

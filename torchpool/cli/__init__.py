@@ -119,7 +119,8 @@ def _add_security_flags(serve: argparse.ArgumentParser) -> None:
             ("--max-regions-per-session", "max_regions_per_session", int,
              "registered regions of one session"),
             ("--max-in-flight-per-client", "max_in_flight_per_client", int,
-             "unanswered requests of one connection; more are refused at once"),
+             "unanswered requests of one client process on this host (ipc://) or one tcp "
+             "connection; more are refused at once"),
             ("--max-unread-replies", "max_unread_replies", int,
              "replies queued for a connection that does not read them; then its requests "
              "fail and its memory is freed"),

@@ -42,7 +42,7 @@ EXTENSIONS = ["classification", "sequence", "model_repository", "model_repositor
 
 LOAD_TIMEOUT = 3600.0      # a load may compile and warm a model: wait as long as the daemon does
 CONTROL_TIMEOUT = 60.0
-# Requests sent to the daemon at once, kept below its per-connection limit
+# Requests sent to the daemon at once, kept below its per-client limit
 # (--max-in-flight-per-client, 1024): more wait here instead of being refused.
 MAX_IN_FLIGHT = 960
 
