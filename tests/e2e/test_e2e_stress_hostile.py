@@ -6,7 +6,7 @@ cycles through the attacks of issue 10: a hello flood on one connection,
 a BYTES tensor over the element limit, a region shrunk under its requests,
 requests it never reads the answers of, and garbage. The honest clients must
 lose nothing and get correct answers, and their p99 latency with the
-offender must stay within 3x of the run without it. The daemon must be up
+offender must stay within 3x of the runs without it. The daemon must be up
 afterwards with nothing restarted.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ from ..support.model_repository import config, instances, serialize, tensor
 
 HONEST = 4
 REQUESTS = 300                   # per honest client and phase
+PAIRS = 3                        # alternating phases alone / beside the offender, pooled
 ELEMENTS = 64
 
 
@@ -48,15 +49,9 @@ def stress_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         config("plus_one", inputs=[tensor("INPUT__0", "FP32", [-1])],
                outputs=[tensor("OUTPUT__0", "FP32", [-1])], max_batch_size=0) + instances(2, "KIND_CPU"))
     (root / "plus_one" / "1" / "model.pt").write_bytes(serialize(PlusOne()))
-    # --busy-poll-us 500: the 3x bound below was set with the broker busy-polling
-    # (the default until issue 14). Without it the honest clients alone are
-    # faster here (p99 3-6 ms against 6-7) while beside the offender they are
-    # not (17-24 ms either way: the offender's own CPU on 2 cores), so the
-    # ratio measured the baseline's gain, not the offender's harm.
     d = Daemon(root, tmp_path_factory.mktemp("stress"), "--log-level", "info",
                "--max-sessions-per-peer", "8", "--max-bytes-elements", "100000",
-               "--max-in-flight-per-client", "64", "--max-unread-replies", "64",
-               "--busy-poll-us", "500").start()
+               "--max-in-flight-per-client", "64", "--max-unread-replies", "64").start()
     yield d
     assert d.stop() == 0, d.log()
 
@@ -183,16 +178,26 @@ def test_honest_clients_keep_their_latency_beside_an_offender(stress_daemon: Dae
     pids = worker_pids(stress_daemon.log(), "plus_one")
     honest_run(url)                                     # warm-up: sessions, arenas, caches
     ratios = []
-    # This 2-core machine is noisy: a run whose ratio is over the bound is measured
-    # once more (both phases afresh); losing an answer is never forgiven.
+    # This 2-core machine is noisy, and the p99 of one phase of 1,200 requests
+    # moves by 2x from one run to the next: each side's p99 is taken over
+    # PAIRS alternating phases (drift of the machine falls on both), and a
+    # ratio over the bound is measured once more, afresh. Losing an answer is
+    # never forgiven.
     for _ in range(2):
-        alone, beside, lost, seen = measure(url, str(tmp_path / "stop"))
-        assert lost == 0
-        assert len(alone) == len(beside) == HONEST * REQUESTS
+        alone: list[float] = []
+        beside: list[float] = []
+        for _ in range(PAIRS):
+            a, b, lost, seen = measure(url, str(tmp_path / "stop"))
+            assert lost == 0
+            assert len(a) == len(b) == HONEST * REQUESTS
+            alone += a
+            beside += b
+            print(f"p99 alone {p99(a) * 1e3:.2f} ms, beside the offender {p99(b) * 1e3:.2f} ms; "
+                  f"offender rounds {seen.get('rounds')}, refused {seen.get('refused')}")
         # 1 ms floor: on an idle loopback the p99 of a tiny request is a fraction of that
         ratios.append(p99(beside) / max(p99(alone), 1e-3))
-        print(f"p99 alone {p99(alone) * 1e3:.2f} ms, beside the offender {p99(beside) * 1e3:.2f} ms "
-              f"({ratios[-1]:.2f}x); offender rounds {seen.get('rounds')}, refused {seen.get('refused')}")
+        print(f"over {PAIRS} pairs: p99 alone {p99(alone) * 1e3:.2f} ms, beside {p99(beside) * 1e3:.2f} ms "
+              f"({ratios[-1]:.2f}x)")
         if ratios[-1] <= 3.0:
             break
     assert min(ratios) <= 3.0, f"honest p99 grew {ratios} x beside the offender"
