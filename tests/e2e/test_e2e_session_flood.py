@@ -13,31 +13,21 @@ from typing import Iterator
 import numpy as np
 import pytest
 import zmq
-from torch import Tensor, nn
 
 from torchpool.client import Client
 from torchpool.protocol import errors, messages
 
 from ..support.daemon import Daemon
-from ..support.model_repository import config, serialize, tensor
+from ..support.model_repository import write_plus_one
 
 MAX_SESSIONS = 6
 PER_CONNECTION = 6                 # also the attached sessions one user may hold
 
 
-class PlusOne(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return x + 1
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("flood_repo")
-    (root / "plus_one" / "1").mkdir(parents=True)
-    (root / "plus_one" / "config.pbtxt").write_text(
-        config("plus_one", inputs=[tensor("INPUT__0", "FP32", [-1])],
-               outputs=[tensor("OUTPUT__0", "FP32", [-1])], max_batch_size=0))
-    (root / "plus_one" / "1" / "model.pt").write_bytes(serialize(PlusOne()))
+    write_plus_one(root)
     d = Daemon(root, tmp_path_factory.mktemp("flood"), "--log-level", "info",
                "--max-sessions", str(MAX_SESSIONS), "--max-sessions-per-peer", str(PER_CONNECTION),
                "--client-shm-size", "4M", "--client-lease", "600").start()

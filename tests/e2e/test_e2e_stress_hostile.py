@@ -22,13 +22,12 @@ from typing import Iterator
 
 import numpy as np
 import pytest
-from torch import Tensor, nn
 
 from torchpool.client import Client
 from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon, wait_for, worker_pids
-from ..support.model_repository import config, instances, serialize, tensor
+from ..support.model_repository import instances, write_plus_one
 
 HONEST = 4
 REQUESTS = 300                   # per honest client and phase
@@ -36,19 +35,10 @@ PAIRS = 3                        # alternating phases alone / beside the offende
 ELEMENTS = 64
 
 
-class PlusOne(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return x + 1
-
-
 @pytest.fixture(scope="module")
 def stress_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("stress_repo")
-    (root / "plus_one" / "1").mkdir(parents=True)
-    (root / "plus_one" / "config.pbtxt").write_text(
-        config("plus_one", inputs=[tensor("INPUT__0", "FP32", [-1])],
-               outputs=[tensor("OUTPUT__0", "FP32", [-1])], max_batch_size=0) + instances(2, "KIND_CPU"))
-    (root / "plus_one" / "1" / "model.pt").write_bytes(serialize(PlusOne()))
+    write_plus_one(root, instances(2, "KIND_CPU"))
     d = Daemon(root, tmp_path_factory.mktemp("stress"), "--log-level", "info",
                "--max-sessions-per-peer", "8", "--max-bytes-elements", "100000",
                "--max-in-flight-per-client", "64", "--max-unread-replies", "64").start()

@@ -491,6 +491,20 @@ def _write(root: Path, name: str, *, config_text: Optional[str], model: Optional
             (version_dir / filename).write_bytes(model)
 
 
+class PlusOne(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x + 1
+
+
+def write_plus_one(root: Path, extra: str = "") -> None:
+    """`plus_one` under `root`: INPUT__0 FP32 [-1] -> OUTPUT__0 = x + 1, mbs 0;
+    `extra` is added to its config (e.g. `instances(2, "KIND_CPU")`)."""
+    _write(root, "plus_one", config_text=config("plus_one", inputs=[tensor("INPUT__0", "FP32", [-1])],
+                                                outputs=[tensor("OUTPUT__0", "FP32", [-1])],
+                                                max_batch_size=0) + extra,
+           model=serialize(PlusOne()))
+
+
 def _addsub_io(dtype: str, named_index: bool, dims: Sequence[int] = (16,)
                ) -> tuple[list[str], list[str]]:
     i0, i1, o0, o1 = (("INPUT__0", "INPUT__1", "OUTPUT__0", "OUTPUT__1") if named_index
