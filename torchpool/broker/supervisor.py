@@ -210,6 +210,16 @@ class Supervisor:
         handle.process.close()
         return how
 
+    def forget(self, refs: list) -> None:
+        """Every live worker unmaps segments of a closed session or region."""
+        names = [r for r in refs if isinstance(r, str)]
+        for h in self.workers.values():
+            h.known.difference_update(names)
+            try:
+                h.send(internal.Forget(refs))
+            except OSError:
+                pass
+
     def stop_all(self, timeout: float) -> None:
         """Ask every worker to stop; kill those that do not within `timeout`."""
         handles = list(self.workers.values())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import logging
 import math
 import os
@@ -100,8 +101,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec, sock: socket.socket) -> None:
         self.spec = spec
         self.sock = sock
-        # the broker hands us each segment's fd; unmapping one may free its pages
-        # (when the client and the broker let go first): off the serving thread
+        # the broker hands us each segment's fd; the last unmap frees its pages: off this thread
         self.reaper = Reaper("torchpool-worker-reaper")
         self.inputs_shm = MappedSegments(self.reaper.close)
         self.receiver = FdReceiver(internal.MAX_MESSAGE)
@@ -145,6 +145,7 @@ class Worker:
                                                            f"{client_text(exc)}"))
             return
         self.send(internal.Ready(os.getpid(), str(self.device)))
+        gc.freeze()   # torch and the model, ~170,000 objects: a full collection walked them for 50-100 ms
         try:
             # One inference_mode / no_grad scope for the worker's whole life:
             # entering it per request costs microseconds on the hot path.
