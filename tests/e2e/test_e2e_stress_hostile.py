@@ -11,10 +11,9 @@ afterwards with nothing restarted.
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
-import secrets
-import struct
 import threading
 import time
 from pathlib import Path
@@ -27,12 +26,12 @@ from torchpool.client import Client
 from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon, wait_for, worker_pids
+from ..support.offender import ELEMENTS, offend
 from ..support.model_repository import instances, write_plus_one
 
 HONEST = 4
 REQUESTS = 300                   # per honest client and phase
 PAIRS = 3                        # alternating phases alone / beside the offender, pooled
-ELEMENTS = 64
 
 
 @pytest.fixture(scope="module")
@@ -64,77 +63,19 @@ def honest_run(url: str) -> tuple[list[float], int]:
                 latencies[i].append(time.perf_counter() - start)
                 wrong[i] += not ok
     threads = [threading.Thread(target=client, args=(i,)) for i in range(HONEST)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return [v for per in latencies for v in per], sum(wrong)
-
-
-def offend(url: str, stop_file: str, counts: dict) -> None:
-    """The offender: cycles through its attacks until `stop_file` exists."""
-    import mmap
-
-    import posix_ipc
-    import zmq
-
-    from torchpool.client import SharedMemoryRef
-    from torchpool.protocol import messages
-
-    ctx = zmq.Context()
-    key = f"tp-test-stress-{os.getpid()}-{secrets.token_hex(4)}"
-    shm = posix_ipc.SharedMemory("/" + key, posix_ipc.O_CREX, mode=0o600, size=1 << 20)
-    rounds = 0
+    # This process holds torch, pytest and every test module: a full garbage
+    # collection here took 120 ms, landing in whichever phase it fell in and
+    # setting that phase's p99. It is not the daemon's doing: no collection
+    # while the clients measure.
+    gc.disable()
     try:
-        while not os.path.exists(stop_file):
-            rounds += 1
-            # 1. hello flood on one connection, past the per-connection session limit
-            s = ctx.socket(zmq.DEALER)
-            s.connect(url)
-            for i in range(12):
-                s.send(messages.pack({"v": 1, "op": "hello", "id": i, "local": True}))
-            for _ in range(12):
-                if s.poll(10000):
-                    s.recv()
-            s.close(0)
-            # 2. requests it never reads (and more than it may have in flight), then gone
-            s = ctx.socket(zmq.DEALER)
-            s.connect(url)
-            x = struct.pack("<64f", *range(64))
-            for i in range(300):
-                s.send(messages.pack({"v": 1, "op": "infer", "id": i, "model": "plus_one", "version": "",
-                                      "inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [64],
-                                                  "data": x}], "outputs": None}))
-            s.close(0)
-            # 3. garbage and a BYTES tensor over the element limit
-            s = ctx.socket(zmq.DEALER)
-            s.connect(url)
-            s.send(b"\xc1garbage")
-            s.send(messages.pack({"v": 1, "op": "infer", "id": 1, "model": "plus_one", "version": "",
-                                  "inputs": [{"name": "INPUT__0", "datatype": "BYTES", "shape": [5_000_000],
-                                              "data": b"\0\0\0\0" * 1000}], "outputs": None}))
-            for _ in range(2):
-                if s.poll(10000):
-                    s.recv()
-            s.close(0)
-            # 4. a region shrunk under its requests
-            os.ftruncate(shm.fd, 1 << 20)
-            mm = mmap.mmap(shm.fd, 1 << 20)
-            mm.close()
-            with Client(url, timeout=30) as c:
-                c.register_system_shared_memory("r", key, 1 << 16)
-                ref = SharedMemoryRef("r", 4 * ELEMENTS, 0, "FP32", (ELEMENTS,))
-                c.infer("plus_one", {"INPUT__0": ref})
-                os.ftruncate(shm.fd, 0)
-                try:
-                    c.infer("plus_one", {"INPUT__0": ref})
-                except InferenceError:
-                    counts["refused"] = counts.get("refused", 0) + 1
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     finally:
-        counts["rounds"] = rounds
-        shm.close_fd()
-        posix_ipc.unlink_shared_memory("/" + key)
-        ctx.term()
+        gc.enable()
+    return [v for per in latencies for v in per], sum(wrong)
 
 
 def p99(values: list[float]) -> float:
