@@ -12,10 +12,11 @@ through `send`, the one path out. A connection is a routing id on one socket.
 The frontend keeps two limits (ARCHITECTURE.md, "Trust boundaries"):
 requests in flight per client process or tcp connection (`InFlight`,
 --max-in-flight-per-client) and, per connection, replies it has not read
-(--max-unread-replies: the socket's send high-water mark). A reply to a connection whose queue is full, or that is
-gone, is dropped (it could not be delivered anyway), the connection is
-marked as not reading and reported once through `on_stalled`; its requests
-are refused until a reply gets through again.
+(--max-unread-replies: the socket's send high-water mark). A reply to a
+connection whose queue is full, or that is gone, is dropped (it could not
+be delivered anyway), the connection is marked as not reading and reported
+once through `on_stalled`; its requests are refused until a reply gets
+through again.
 """
 from __future__ import annotations
 
@@ -97,17 +98,17 @@ class InFlight:
         self._by_client: dict[Any, set] = {}
 
     @staticmethod
-    def client_of(sock: Any, identity: bytes, frame: zmq.Frame) -> Any:
-        """Who a request counts against: ("pid", n) for a local process
-        (libzmq's Peer-Address of an ipc peer is "host:uid:gid:pid"), else
-        the connection (socket, routing id)."""
-        try:
-            address = frame.get("Peer-Address")
-        except zmq.ZMQError:
-            address = ""
-        if address.count(":") == 3:
-            pid = address.rpartition(":")[2]
-            if pid.isdigit() and pid != "0":
+    def client_of(sock: Any, identity: bytes, frame: zmq.Frame, local: bool) -> Any:
+        """Who a request counts against: ("pid", n) for a process on this host
+        (`local`: it came over ipc://, where libzmq's Peer-Address of the
+        message is "host:uid:gid:pid", from SO_PEERCRED), else the connection
+        (socket, routing id)."""
+        if local:
+            try:
+                pid = frame.get("Peer-Address").rpartition(":")[2]
+            except zmq.ZMQError:
+                pid = ""
+            if pid.isdigit() and pid != "0":     # 0: a peer in a pid namespace we cannot see
                 return ("pid", int(pid))
         return (sock, identity)
 

@@ -197,7 +197,7 @@ class Intake:
         if self.stopping():
             raise TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
         in_flight = self.frontend.in_flight
-        client = in_flight.client_of(sock, identity, frames[1])
+        client = in_flight.client_of(sock, identity, frames[1], not self.frontend.is_remote(sock))
         in_flight.check(client)                 # refused before any work is done for it
         mv = self.registry.resolve(header.get("model"), header.get("version"))
         scheduler = mv.scheduler
