@@ -198,6 +198,33 @@ def test_in_flight_limit_per_client(in_flight_daemon: Daemon) -> None:
         assert code(header) == "ok"
 
 
+def test_a_gone_connections_queued_requests_are_not_run(in_flight_daemon: Daemon) -> None:
+    """A client sends a slow request and 20 more behind it, then closes its
+    connection: once the slow one's answer finds it gone, the 20 are failed
+    (CANCELLED), not run, and the count they held goes back."""
+    daemon = in_flight_daemon
+    with RawConnection(tcp(daemon)) as observer:
+        def stats() -> dict:
+            header, _ = observer.call(pack({"op": "statistics", "id": "s", "model": "slow", "version": ""}))
+            return header["result"]["model_stats"][0]["inference_stats"]
+        before = stats()
+        with RawConnection(daemon.url) as gone:
+            gone.send(slow(1, slow_iterations(0.3)))
+            for rid in range(2, 22):
+                gone.send(slow(rid, 1))
+        wait_for(lambda: stats()["fail"]["count"] - before["fail"]["count"] >= 19, 30,
+                 "the gone connection's queued requests to be failed")
+        after = stats()
+        # the slow one ran; at most one more was handed out before the cancel
+        assert after["success"]["count"] - before["success"]["count"] <= 2, (before, after)
+        assert after["success"]["count"] + after["fail"]["count"] - \
+            before["success"]["count"] - before["fail"]["count"] == 21
+    with RawConnection(daemon.url) as again:          # this process's in-flight count is back to 0
+        ids = fill_to_the_limit(again, 100)
+        answered = replies(again, IN_FLIGHT)
+        assert sorted(answered) == ids and all(code(h) == "ok" for h in answered.values())
+
+
 def test_the_in_flight_count_never_leaks(in_flight_daemon: Daemon) -> None:
     """2,000 requests through every answer path (outputs, a model error,
     refused at validation, unknown model, timed out in the queue), pipelined;

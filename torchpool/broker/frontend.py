@@ -148,7 +148,8 @@ class Frontend:
     `max_in_flight`: unanswered requests per client (0: no limit; InFlight).
     `max_unread_replies`: replies queued for one connection before it counts
     as not reading (0: no limit). `on_stalled(identity)`: told once when a
-    connection stops reading, or is found gone (its sessions can go)."""
+    connection stops reading, or is found gone (its sessions can go);
+    `on_gone(sock, identity)` once more when it is gone."""
 
     def __init__(self, ctx: zmq.Context, urls: Sequence[str], *, curve_secret_key: Optional[str] = None,
                  curve_authorized_keys: Optional[str] = None, insecure_tcp: bool = False,
@@ -160,6 +161,7 @@ class Frontend:
         self.in_flight = InFlight(max_in_flight)
         self.max_unread_replies = max_unread_replies
         self.on_stalled = on_stalled
+        self.on_gone: Optional[Callable[[zmq.Socket, bytes], None]] = None   # (sock, routing id)
         self._remote: set[zmq.Socket] = set()  # sockets of tcp:// URLs
         self._url_of: dict[zmq.Socket, str] = {}
         self._stalled: dict[tuple[zmq.Socket, bytes], int] = {}   # -> replies dropped since
@@ -320,6 +322,8 @@ class Frontend:
         log.debug("connection %s on %s is gone: its replies are dropped", identity.hex(),
                   self._url_of.get(sock))
         self._report(identity)
+        if self.on_gone is not None:
+            self.on_gone(sock, identity)
 
     def _report(self, identity: bytes) -> None:
         if self.on_stalled is not None:

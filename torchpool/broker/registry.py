@@ -100,6 +100,13 @@ class Registry:
             for warning in entry.warnings:      # what loads anyway, as Triton logs it
                 log.warning("%s", warning)
 
+    def ready_counts(self) -> tuple[str, str]:
+        """('3 of 4 model versions', ', 1 models failed to load' or ''); reloads and retirees aside."""
+        versions = [mv for m in self.models.values() for mv in m.versions.values()]
+        ready = sum(1 for mv in versions if mv.state == READY)
+        broken = sum(1 for m in self.models.values() if m.error)
+        return f"{ready} of {len(versions)} model versions", f", {broken} models failed to load" if broken else ""
+
     def all_versions(self) -> list[ModelVersion]:
         """Every version with workers: serving, loading beside them, or retiring."""
         found = []

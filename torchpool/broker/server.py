@@ -155,6 +155,10 @@ class Server:
                                               o.local_allow_groups, o.max_sessions, o.max_sessions_per_peer)
         self.answers.sessions = self.sessions
         self.frontend.on_stalled = self.sessions.disconnected   # a connection that stopped reading
+        # a gone connection's queued requests are failed, not run; after the
+        # reply being sent, which found it gone, is done
+        self.frontend.on_gone = lambda sock, identity: self.loop.call_later(
+            0.0, lambda: self._cancel_queued(sock, identity))
         self.loop.call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
         self._serve_metrics(metrics_config)     # bound before any model loads: a busy port fails at once
         entries = scan_repository(o.model_repository)
@@ -351,6 +355,12 @@ class Server:
                 self.answers.fail(req, err)
             self._dispatch(mv)
 
+    def _cancel_queued(self, sock: Any, identity: bytes) -> None:
+        for mv in self.registry.all_versions():
+            if mv.scheduler is not None:
+                for req, err in mv.scheduler.cancel(sock, identity):
+                    self.answers.fail(req, err)
+
     def _expire_sessions(self) -> None:
         self.sessions.expire()
         self.loop.call_later(max(0.2, self.options.client_lease / 4), self._expire_sessions)
@@ -430,17 +440,10 @@ class Server:
     def _announce_if_ready(self) -> None:
         if not self.service.starting or self.registry.loading():
             return
-        counts, broken = self._ready_counts()
+        counts, broken = self.registry.ready_counts()
         log.info("torchpool ready: %s READY%s, in %.2f s; listening on %s", counts, broken,
                  time.monotonic() - self._started, ", ".join(self.options.listen))
         self.service.ready(self._serving_status())
 
-    def _ready_counts(self) -> tuple[str, str]:
-        """('3 of 4 model versions', ', 1 models failed to load' or ''); reloads and retirees aside."""
-        versions = [mv for m in self.registry.models.values() for mv in m.versions.values()]
-        ready = sum(1 for mv in versions if mv.state == READY)
-        broken = sum(1 for m in self.registry.models.values() if m.error)
-        return f"{ready} of {len(versions)} model versions", f", {broken} models failed to load" if broken else ""
-
     def _serving_status(self) -> str:
-        return "serving {}{}".format(*self._ready_counts())
+        return "serving {}{}".format(*self.registry.ready_counts())

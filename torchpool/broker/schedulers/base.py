@@ -76,6 +76,12 @@ class Scheduler(ABC):
         longer run (a sequence's slot), to be failed."""
         return []
 
+    def cancel(self, sock: Any, identity: bytes) -> Refusals:
+        """The connection (sock, routing id) is gone: its queued requests,
+        which nothing can answer, to be failed instead of run. By default
+        none: a batching policy may keep them with the batch they are in."""
+        return []
+
     def next_deadline(self) -> Optional[float]:
         """When `expire` next has something to do (time.monotonic()), or None."""
         return None

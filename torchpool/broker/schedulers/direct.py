@@ -7,7 +7,8 @@ of the next connection in turn: connections are served round robin, each
 in its own arrival order, so a client that floods the queue (up to its
 --max-in-flight-per-client) delays its own requests, not everyone's. A
 request with a timeout that has not started by then is answered "Request
-timeout expired".
+timeout expired"; the queued requests of a connection found gone are
+failed, not run (nothing could answer them).
 """
 from __future__ import annotations
 
@@ -112,6 +113,19 @@ class DirectScheduler(Scheduler):
                     del self.queues[identity]
             self._count -= len(late)
         return [(req, TorchpoolError(errors.UNAVAILABLE, TIMEOUT)) for req in late]
+
+    def cancel(self, sock: Any, identity: bytes) -> Refusals:
+        queue = self.queues.pop(identity, None)
+        if not queue:
+            return []
+        gone = [r for r in queue if r.socket is sock]
+        kept = deque(r for r in queue if r.socket is not sock)   # the same id on another socket
+        if kept:
+            self.queues[identity] = kept
+        for req in gone:
+            req.queued = False
+        self._count -= len(gone)
+        return [(req, TorchpoolError(errors.CANCELLED, "the client's connection is gone")) for req in gone]
 
     def drain(self) -> list[InferRequest]:
         out = [req for queue in self.queues.values() for req in queue]
