@@ -55,10 +55,10 @@ def offend(url: str, stop_file: str, counts: dict) -> None:
             # 2. requests it never reads (and more than it may have in flight), then gone
             s = ctx.socket(zmq.DEALER)
             s.connect(url)
-            x = struct.pack("<64f", *range(64))
+            x = struct.pack(f"<{ELEMENTS}f", *range(ELEMENTS))
             for i in range(300):
                 s.send(messages.pack({"v": 1, "op": "infer", "id": i, "model": "plus_one", "version": "",
-                                      "inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [64],
+                                      "inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [ELEMENTS],
                                                   "data": x}], "outputs": None}))
             s.close(0)
             # 3. garbage and a BYTES tensor over the element limit

@@ -143,20 +143,19 @@ class Server:
         self.arena.free(self.arena.alloc(1))   # first segment created and pre-faulted now
         self.ctx = zmq.Context()
         self.frontend = Frontend.from_options(self.ctx, o)
-        reaper = self.reaper
-        self.answers = Answers(self.frontend, self.arena, self.transfer, close_segment=reaper.close)
+        self.answers = Answers(self.frontend, self.arena, self.transfer, close_segment=self.reaper.close)
         local_path = resolve_path(o.local_socket, o.listen, self.daemon)
         self.sessions = SessionManager(self.prefix, o, self.answers.end_loans,
                                        lambda refs: self.supervisor.forget(refs), local_path,
                                        close_channel=lambda conn: self.local_channel.close_channel(conn),
-                                       close_segment=reaper.close)
+                                       close_segment=self.reaper.close)
         if local_path is not None:
             self.local_channel = LocalChannel(local_path, self.loop, self.sessions, o.local_allow_users,
                                               o.local_allow_groups, o.max_sessions, o.max_sessions_per_peer)
         self.answers.sessions = self.sessions
         self.frontend.on_stalled = self.sessions.disconnected   # a connection that stopped reading
-        # a gone connection's queued requests are failed, not run; after the
-        # reply being sent, which found it gone, is done
+        # a gone connection's queued requests are failed, not run: once the reply
+        # that found it gone is sent (answering them there would nest in Answers)
         self.frontend.on_gone = lambda sock, identity: self.loop.call_later(
             0.0, lambda: self._cancel_queued(sock, identity))
         self.loop.call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
