@@ -19,8 +19,8 @@ from torchpool.client import Client
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
-from ..support.daemon import (ROOT, Daemon, alive, cpu_ticks, daemon_segments, descendants, memfds,
-                              torchpool_processes, wait_for, worker_pids)
+from ..support.daemon import (ROOT, Daemon, alive, cpu_ticks, daemon_segments, descendants,
+                              memfds, torchpool_processes, wait_for, worker_pids)
 from ..support.model_repository import slow_iterations
 
 ADDSUB_IN = {"INPUT0": np.arange(16, dtype=np.float32).reshape(1, 16),
@@ -140,10 +140,14 @@ def test_daemon_killed_then_restarted_cleans_up(small_repository: Path, tmp_path
     pids = [first.pid()] + descendants(first.pid())
     with Client(first.url, timeout=30) as c:
         check_addsub(c)
+    # a worker in the middle of a request that would run for minutes
+    thread, _ = start_in_flight(first.url, 10 ** 9, worker_pids(first.log(), "slow")[0])
     first.proc.send_signal(signal.SIGKILL)
     assert first.stop() == -signal.SIGKILL
-    # the fork server and the workers follow the daemon (no orphans)
+    # the fork server and the workers follow the daemon (no orphans), the busy one too
     wait_for(lambda: not any(alive(p) for p in pids), 30, "orphaned processes to exit")
+    thread.join(30)
+    assert not thread.is_alive()
     # its memory had no names: a daemon killed outright leaves none behind in /dev/shm
     assert not daemon_segments(first.urls)
     assert first.socket_path.exists()          # nobody removed it

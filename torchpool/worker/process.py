@@ -43,6 +43,7 @@ from .binding import ExecutionError, ModelLoadError
 from .capture import OutputCapture
 from .classify import Classified
 from .loader import load_instance
+from .parent import tie_to_the_broker
 from .settings import after_execution, grad_context
 from .spec import WorkerSpec
 from .texts import client_text
@@ -52,26 +53,9 @@ from ..shm.regions import RegionMaps
 log = logging.getLogger("torchpool.worker")
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel for SIGKILL when the template (our parent) exits.
-
-    The template exits when the broker does, so a kill -9 of the broker never
-    leaves workers behind.
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except OSError:  # pragma: no cover - not Linux
-        pass
-
-
 def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     """Entry point in the forked child (a multiprocessing target)."""
-    parent = os.getppid()
-    _die_with_parent()
-    if os.getppid() != parent:  # parent died before prctl took effect
-        os._exit(1)
+    tie_to_the_broker()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the broker's to handle
     # the daemon's level and format, into the stderr inherited from it
     setup_logging(spec.log_level, spec.log_format)
