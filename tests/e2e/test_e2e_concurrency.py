@@ -269,3 +269,24 @@ def test_concurrent_batch_probe_rows_come_back_to_their_request(url: str) -> Non
                 assert len(set(batch.tolist())) == 1           # one execution per request's rows
                 assert len(x) <= batch[0] <= 8
     asyncio.run(main())
+
+
+def test_a_request_waits_for_the_instance_that_frees_first_not_behind_a_long_one(
+        url: str, long_iterations: int) -> None:
+    """A busy instance is sent its next request ahead only where that cannot
+    strand it: slow_x2 runs for milliseconds (AHEAD_MAX_MEAN_NS), so with both instances busy
+    (long, medium) the tiny request stays queued and runs on the one that
+    frees first, not behind the long one."""
+    medium = max(TINY * 10, long_iterations // 8)
+
+    async def main() -> list[str]:
+        order: list[str] = []
+        async with AsyncClient(url, timeout=60) as c:
+            async def one(tag: str, n: int) -> None:
+                out = await c.infer("slow_x2", {"INPUT__0": np.array([n])})
+                assert int(out["OUTPUT__0"][0]) == n
+                order.append(tag)
+            await one("warm", medium)     # its mean execution is well over 2 ms whatever ran before
+            await asyncio.gather(one("long", long_iterations), one("medium", medium), one("tiny", TINY))
+        return order
+    assert asyncio.run(main()) == ["warm", "medium", "tiny", "long"]

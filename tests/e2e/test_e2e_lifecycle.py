@@ -19,7 +19,7 @@ from torchpool.client import Client
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
-from ..support.daemon import (ROOT, Daemon, alive, cpu_ticks, daemon_segments, descendants,
+from ..support.daemon import (ROOT, Daemon, RawConnection, alive, cpu_ticks, daemon_segments, descendants,
                               memfds, torchpool_processes, wait_for, worker_pids)
 from ..support.model_repository import slow_iterations
 
@@ -127,6 +127,41 @@ def test_worker_killed_mid_request(small_repository: Path, tmp_path: Path) -> No
             assert int(c.infer("slow", {"INPUT__0": np.array([1234])})["OUTPUT__0"][0]) == 1234
             assert alive(new) and new in descendants(d.pid()) and not alive(worker)
             assert "restarting it" in d.log()
+        pids = [d.pid()] + descendants(d.pid())
+        assert d.stop() == 0, d.log()
+    finally:
+        if d.proc.poll() is None:
+            d.stop(signal.SIGKILL)
+    assert_nothing_left(d, pids)
+
+
+def test_a_request_sent_ahead_to_a_worker_that_dies_runs_on_its_replacement(
+        small_repository: Path, tmp_path: Path) -> None:
+    """A busy worker is sent the next request ahead; when it dies running
+    the one before, the request it never started is queued again and the
+    restarted instance answers it: only the running one fails."""
+    d = start(small_repository, tmp_path)
+    try:
+        worker = worker_pids(d.log(), "slow")[0]
+        thread, outcome = start_in_flight(d.url, 10 ** 9, worker)   # would run for minutes
+        with RawConnection(d.url) as conn:
+            conn.send(RawConnection.pack({"v": 1, "op": "infer", "id": 7, "model": "slow", "version": "",
+                                          "inputs": [{"name": "INPUT__0", "datatype": "INT64", "shape": [1],
+                                                      "data": np.array([7]).tobytes()}]}))
+            # answered after the daemon read (and sent ahead) the request before it: one pipe keeps their order
+            header, _ = conn.call(RawConnection.pack({"v": 1, "op": "statistics", "id": "s", "model": "slow",
+                                                      "version": ""}))
+            assert header["id"] == "s", header
+            os.kill(worker, signal.SIGKILL)
+            thread.join(30)
+            assert "SIGKILL" in outcome["error"].message, outcome
+            header, frames = conn.recv(timeout=60)
+            assert header["id"] == 7 and header.get("ok"), header
+            out = header["outputs"][0]
+            data = out["data"] if isinstance(out["data"], bytes) else frames[out["data"] - 1]
+            assert np.frombuffer(data, np.int64).tolist() == [7]
+            assert not conn.pending(0.2)      # one answer
+        assert not alive(worker)
         pids = [d.pid()] + descendants(d.pid())
         assert d.stop() == 0, d.log()
     finally:

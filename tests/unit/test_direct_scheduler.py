@@ -126,3 +126,24 @@ def test_connections_are_served_in_turn_so_a_flood_delays_only_its_sender(arena:
     # round robin between connections, each in its own arrival order
     assert taken == [0.0, 100.0, 1.0, 101.0, 2.0, 3.0, 4.0]
     assert s.take(None, 0.0) is None and s.queues == {}
+
+
+def test_a_request_is_sent_ahead_unless_it_has_a_deadline_and_goes_back_first(arena: Arena) -> None:
+    """take_ahead hands out the next request in turn for a busy instance, but
+    not one with a timeout (only the queue can fail it on time); put_back
+    (its instance died before running it) queues it again, first in turn."""
+    s = DirectScheduler(config(), arena, Counter())
+    plain = request(s.config, 1.0, identity=b"a")
+    timed = request(s.config, 2.0, timeout_us=10_000_000, identity=b"b")
+    other = request(s.config, 3.0, identity=b"a")
+    for r in (plain, timed, other):
+        s.push(r, 0.0)
+    ahead = s.take_ahead("busy", 0.0)
+    assert ahead.requests == [plain] and ahead.error is None and len(s) == 2
+    assert s.take_ahead("busy", 0.0) is None and len(s) == 2      # b's turn, and it has a deadline
+    s.put_back(ahead)
+    assert len(s) == 3 and plain.queued
+    assert [s.take("i", 0.0).requests[0] for _ in range(3)] == [plain, timed, other]
+    for r in (plain, timed, other):
+        for block in r.blocks:
+            arena.free(block)

@@ -2,12 +2,15 @@
 
     start_version ─► spawn (supervisor) ─► STARTING ──READY──► IDLE ◄──┐
                            │ load timeout: killed   │ run(batch)       │ DONE / FAILED
-                           ▼                        ▼                  │
+                           ▼                        ▼                  │ (nothing ahead)
                     version UNAVAILABLE           BUSY ────────────────┘
-                                                    │ crash, or the execution timeout
-                                                    ▼ (the worker is killed)
-                      its batch fails; respawned after a capped backoff, or
-                      the version is given up on after a crash loop
+                                                  │  ▲ run(batch): sent ahead, started
+                                                  │  └ at DONE / FAILED of the one before
+                                                  │ crash, or the execution timeout
+                                                  ▼ (the worker is killed)
+                      its batch fails, the one sent ahead is queued again;
+                      respawned after a capped backoff, or the version is
+                      given up on after a crash loop
 
 The process mechanics (fork from the torch template, reap, stop) are the
 supervisor's; this module decides what a worker's messages and deaths mean
@@ -39,6 +42,10 @@ if TYPE_CHECKING:
     from .sessions import SessionManager
 
 log = logging.getLogger("torchpool.broker")
+
+# a model of several instances gets batches sent ahead only while its mean
+# execution (per request) is shorter than this
+AHEAD_MAX_MEAN_NS = 2_000_000
 
 
 @dataclass
@@ -90,22 +97,18 @@ class Instances:
     # ------------------------------------------------------------- run
 
     def run(self, mv: ModelVersion, worker: WorkerHandle, batch: Batch) -> None:
-        """Send `batch` to `worker`, one of the version's idle instances."""
-        mv.idle.remove(worker)
-        worker.state = BUSY
-        worker.batch = batch
-        worker.batch_id = next(self._batch_ids)
-        now = time.monotonic()
-        stats = mv.stats
-        windows = stats.windows
-        for req in batch.requests:
-            ns = int((now - req.received) * 1e9)
-            stats.queue.add(ns)
-            if windows is not None:
-                windows.queue.observe(ns // 1000, now)
-        limit = self._execution_timeout(mv)
-        if limit:
-            self.loop.call_later(limit, lambda w=worker, b=worker.batch_id: self._kill_if_hung(w, b, limit))
+        """Send `batch` to `worker`: one of the version's idle instances, or a
+        busy one with nothing ahead, which runs it when it finishes the one
+        it runs (the worker reads its messages in order)."""
+        if worker.state == BUSY:
+            worker.ahead = batch
+            worker.ahead_id = batch_id = next(self._batch_ids)
+        else:
+            mv.idle.remove(worker)
+            worker.state = BUSY
+            worker.batch = batch
+            worker.batch_id = batch_id = next(self._batch_ids)
+            self._started(mv, worker)
         self.answers.dispatched(mv, batch)
         self.answers.collect_finished_sends()
         releases, worker.releases = worker.releases, []
@@ -114,9 +117,44 @@ class Instances:
             missing = [d.segment for d in batch.inputs if d.segment.__class__ is str and d.segment not in known]
             if missing:
                 self._hand_over(worker, missing)
-            worker.send(internal.Run(worker.batch_id, batch.inputs, batch.outputs, releases))
+            worker.send(internal.Run(batch_id, batch.inputs, batch.outputs, releases))
         except OSError:
             pass  # the worker is dying; its sentinel will answer this batch
+
+    def send_ahead(self, mv: ModelVersion, now: float) -> None:
+        """Busy instances get the batch they run next, where the scheduler
+        allows it: they start it without waiting for the broker's turn.
+
+        A batch sent ahead waits for its instance even if another one frees
+        up first. With one instance it would wait anyway; with several, only
+        quick models gain enough to take that risk (the broker's turn is a
+        large share of a short execution), and the wait is then short."""
+        if len(mv.workers) > 1:
+            infer = mv.stats.compute_infer
+            if not infer.count or infer.ns > AHEAD_MAX_MEAN_NS * infer.count:
+                return
+        for worker in mv.workers:
+            if worker.state == BUSY and worker.ahead is None and not worker.stopping:
+                batch = mv.scheduler.take_ahead(worker, now)
+                if batch is None:
+                    return
+                self.run(mv, worker, batch)
+
+    def _started(self, mv: ModelVersion, worker: WorkerHandle) -> None:
+        """`worker.batch` starts now: its requests' queue time ends (a batch
+        sent ahead waited at the worker: that is queue time too) and its
+        execution timeout begins."""
+        now = time.monotonic()
+        stats = mv.stats
+        windows = stats.windows
+        for req in worker.batch.requests:
+            ns = int((now - req.received) * 1e9)
+            stats.queue.add(ns)
+            if windows is not None:
+                windows.queue.observe(ns // 1000, now)
+        limit = self._execution_timeout(mv)
+        if limit:
+            self.loop.call_later(limit, lambda w=worker, b=worker.batch_id: self._kill_if_hung(w, b, limit))
 
     def _hand_over(self, worker: WorkerHandle, names: list[str]) -> None:
         """The daemon's memory has no names: a worker gets each segment's fd
@@ -181,8 +219,12 @@ class Instances:
     def _on_finished(self, h: WorkerHandle, mv: ModelVersion, msg: internal.Done | internal.Failed) -> None:
         batch, h.batch = h.batch, None
         batch_id = h.batch_id
-        h.state = IDLE
-        mv.idle.append(h)
+        if h.ahead is not None:       # the worker has started it already
+            h.batch, h.batch_id, h.ahead = h.ahead, h.ahead_id, None
+            self._started(mv, h)
+        else:
+            h.state = IDLE
+            mv.idle.append(h)
         if batch is not None:
             self.answers.free_batch(batch)
             outcome: Optional[Executed | TorchpoolError]
@@ -246,6 +288,15 @@ class Instances:
             err = TorchpoolError(errors.INTERNAL, why)
             mv.scheduler.finished(batch, None, self.answers.read_output)
             self.answers.complete(mv, batch, err)
+        if h.ahead is not None:
+            ahead, h.ahead = h.ahead, None
+            if mv.state == UNAVAILABLE or self.events.stopping():
+                self.answers.complete(mv, ahead, TorchpoolError(
+                    errors.UNAVAILABLE, f"{h.label} {how} before it could run this request"))
+            else:
+                # it never started: another instance runs it, or the restarted one
+                mv.scheduler.put_back(ahead)
+                self.events.idle(mv)
         if mv.state == UNLOADING:
             if not any(w.state != DEAD for w in mv.workers):
                 self.fail_queued(mv, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} was unloaded"))
@@ -285,5 +336,24 @@ class Instances:
         """Shutdown: fail what is still running, then stop every worker."""
         self.supervisor.stop_all(self.options.stop_timeout)
 
+    def fail_running(self, mv: ModelVersion) -> None:
+        """Shutdown: answer the batches `mv`'s workers still have."""
+        for h in mv.workers:
+            for batch in (h.batch, h.ahead):
+                if batch is not None:
+                    self.answers.free_batch(batch)
+                    self.answers.fail_batch(batch, TorchpoolError(
+                        errors.UNAVAILABLE, f"server is shutting down; {h.label} did not finish in "
+                                            f"the grace period"))
+            h.batch = h.ahead = None
+
+    def pending(self, mv: ModelVersion) -> int:
+        """Requests of `mv` waiting to start: queued, or sent ahead to a busy
+        instance (Triton's pending request count)."""
+        if mv.scheduler is None:
+            return 0
+        return len(mv.scheduler) + sum(len(h.ahead.requests) for h in mv.workers if h.ahead is not None)
+
     def running(self, mv: ModelVersion) -> int:
-        return sum(1 for h in mv.workers if h.batch is not None)
+        """Batches of `mv` its workers have (running, or sent ahead)."""
+        return sum((h.batch is not None) + (h.ahead is not None) for h in mv.workers)

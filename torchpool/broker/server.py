@@ -260,13 +260,7 @@ class Server:
                     continue
                 self.answers.flush_held(mv)
                 self.instances.fail_queued(mv, TorchpoolError(errors.UNAVAILABLE, "server is shutting down"))
-                for h in mv.workers:
-                    if h.batch is not None:
-                        batch, h.batch = h.batch, None
-                        self.answers.free_batch(batch)
-                        self.answers.fail_batch(batch, TorchpoolError(errors.UNAVAILABLE,
-                                                               f"server is shutting down; {h.label} "
-                                                               f"did not finish in the grace period"))
+                self.instances.fail_running(mv)
         if self.sessions is not None:
             self.sessions.close_all()
         if self.local_channel is not None:
@@ -385,6 +379,8 @@ class Server:
                 if batch is not None:
                     self.instances.run(mv, instance, batch)
             if len(scheduler):
+                self.instances.send_ahead(mv, now)
+            if len(scheduler):
                 scheduler.prepare(now)
         except Exception as exc:  # a bug must not lose requests or stop the daemon
             log.exception("scheduling %s failed", mv.label)
@@ -428,10 +424,9 @@ class Server:
             self.should_exit = True
 
     def _metrics_snapshot(self) -> tuple[list, dict]:
-        # pending: accepted, not yet handed to an instance (Triton's nv_inference_pending_request_count)
+        # pending: accepted, not started (Triton's nv_inference_pending_request_count)
         versions = list(self.registry.all_versions()) if self.registry is not None else []
-        rows = [(mv.name, mv.version, mv.stats, len(mv.scheduler) if mv.scheduler is not None else 0)
-                for mv in versions]
+        rows = [(mv.name, mv.version, mv.stats, self.instances.pending(mv)) for mv in versions]
         shm = {"input_mapped": self.arena.mapped_bytes, "input_used": self.arena.used_bytes,
                "client_arenas": sum(s.arena_bytes for s in list(self.sessions.sessions.values()))}
         return rows, shm

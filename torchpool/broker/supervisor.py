@@ -69,6 +69,8 @@ class WorkerHandle:
     state: str = STARTING
     batch: Any = None                 # the Batch it is running
     batch_id: int = 0
+    ahead: Any = None                 # a Batch sent to run right after it (Scheduler.take_ahead)
+    ahead_id: int = 0
     releases: list = field(default_factory=list)   # output blocks to hand back on the next RUN
     timed_out: float = 0.0            # set when killed for exceeding the execution timeout
     load_timed_out: float = 0.0       # set when killed for not loading within the load timeout

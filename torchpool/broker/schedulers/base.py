@@ -8,7 +8,10 @@ batcher) and `SequenceBatcher` (Triton's sequence batcher, `direct` and
     accept:   scheduler.admit(req, header)       policy checks, may refuse
               scheduler.push(req, now)           queued (the scheduler stages it)
     dispatch: scheduler.take(instance, now)      the Batch an idle instance runs now
+              scheduler.take_ahead(instance, now)   one to send a busy instance,
+                                                  to run when it finishes (or None)
               scheduler.prepare(now)             write the next batch while busy
+              scheduler.put_back(batch)          one sent ahead that never ran
     finish:   scheduler.finished(batch, outputs, read)   before its answers go out
     timers:   scheduler.next_deadline() / expire(now)    timeouts, idle sequences,
                                                   and requests it refuses later
@@ -62,6 +65,18 @@ class Scheduler(ABC):
     def take(self, instance: Any, now: float) -> Optional["Batch"]:
         """The batch the idle `instance` (a worker handle) runs now, or None.
         A returned batch with `error` set is failed instead of run."""
+
+    def take_ahead(self, instance: Any, now: float) -> Optional["Batch"]:
+        """The batch the busy `instance` runs right after its current one, sent
+        to it now so that it never waits for the broker between two; None
+        (the default) where it must wait: a batch has to be formed when an
+        instance is free (batching), or bound to one (sequences)."""
+        return None
+
+    def put_back(self, batch: "Batch") -> None:
+        """A batch from `take_ahead` that never ran (its instance died first):
+        queued again, ahead of the rest."""
+        raise NotImplementedError
 
     def prepare(self, now: float) -> None:
         """The instances are busy: do now what the next batch will need."""

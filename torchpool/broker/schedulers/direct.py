@@ -9,6 +9,12 @@ in its own arrival order, so a client that floods the queue (up to its
 request with a timeout that has not started by then is answered "Request
 timeout expired"; the queued requests of a connection found gone are
 failed, not run (nothing could answer them).
+
+A busy instance is sent the next request ahead (`take_ahead`), so that it
+starts it the moment it finishes the one it runs, without waiting for the
+broker's turn: under load the worker and the broker then work at the same
+time. A request with a deadline is never sent ahead (its timeout applies
+until it starts, and only the queue can keep that promise).
 """
 from __future__ import annotations
 
@@ -89,6 +95,21 @@ class DirectScheduler(Scheduler):
                     errors.UNAVAILABLE, TIMEOUT))
             return Batch.single(req)
         return None
+
+    def take_ahead(self, instance: Any, now: float) -> Optional[Batch]:
+        if not self.queues:
+            return None
+        head = self.queues[next(iter(self.queues))][0]
+        return None if head.deadline is not None else self.take(instance, now)
+
+    def put_back(self, batch: Batch) -> None:
+        for req in reversed(batch.requests):
+            queue = self.queues.pop(req.identity, None) or deque()
+            queue.appendleft(req)
+            # first in turn: it was taken before everything still queued
+            self.queues = {req.identity: queue, **self.queues}
+            req.queued = True
+            self._count += 1
 
     def next_deadline(self) -> Optional[float]:
         heap = self._deadlines
