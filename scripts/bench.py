@@ -49,7 +49,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -70,37 +69,13 @@ from bench_anchors import bench_anchors, render_anchors  # noqa: E402
 from bench_cpu import bench_cpu, render_cpu  # noqa: E402
 from bench_pt2 import bench_pt2, render_pt2  # noqa: E402
 from bench_sequences import add_sequence_models, bench_sequences, render_sequences  # noqa: E402
-from bench_timing import percentiles, time_calls  # noqa: E402
+from bench_batching import add_unbatched_mlp, bench_batching, render_batching  # noqa: E402
+from bench_timing import throughput, time_calls  # noqa: E402
 
 MiB = 1 << 20
 
 
 # ------------------------------------------------------------------ helpers
-
-def throughput(make_call, threads: int, seconds: float) -> float:
-    """Requests per second with `threads` closed-loop callers."""
-    stop = time.monotonic() + seconds
-    counts = [0] * threads
-    start = threading.Barrier(threads + 1)
-
-    def loop(i: int) -> None:
-        call = make_call()
-        start.wait()
-        n = 0
-        while time.monotonic() < stop:
-            call()
-            n += 1
-        counts[i] = n
-
-    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    t0 = time.monotonic()
-    start.wait()
-    for w in workers:
-        w.join()
-    return sum(counts) / (time.monotonic() - t0)
-
 
 def echo_server(url: str) -> None:
     """A raw ZeroMQ ROUTER echo: the floor for any ZeroMQ server."""
@@ -244,80 +219,6 @@ def bench_torchpool(url: str, n_small: int, n_big: int, seconds: float) -> dict:
 
     out["addsub"]["c8"] = throughput(client_call("addsub", {"INPUT0": a, "INPUT1": a}), 8, seconds)
     out["identity16"]["c8"] = throughput(client_call("identity", {"INPUT__0": big}), 8, seconds)
-    return out
-
-
-def load_test(make_call, threads: int, seconds: float) -> dict:
-    """Closed-loop callers: requests per second and latency percentiles."""
-    stop = [0.0]
-    samples: list[list[float]] = [[] for _ in range(threads)]
-    start = threading.Barrier(threads + 1)
-
-    def loop(i: int) -> None:
-        call = make_call()
-        for _ in range(3):
-            call()
-        start.wait()
-        mine = samples[i]
-        while time.monotonic() < stop[0]:
-            t0 = time.perf_counter()
-            call()
-            mine.append(time.perf_counter() - t0)
-
-    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    stop[0] = time.monotonic() + seconds
-    start.wait()
-    t0 = time.monotonic()
-    for w in workers:
-        w.join()
-    elapsed = time.monotonic() - t0
-    every = [v for s in samples for v in s]
-    p50, p99 = percentiles(every)
-    return {"rps": len(every) / elapsed, "p50": p50, "p99": p99, "requests": len(every)}
-
-
-def add_unbatched_mlp(repo: Path) -> None:
-    """`mlp_nobatch`: the example MLP without dynamic_batching (Triton's default
-    scheduler: every request is one execution)."""
-    from torchpool.examples import MLP_CONFIG
-
-    target = repo / "mlp_nobatch"
-    (target / "1").mkdir(parents=True, exist_ok=True)
-    (target / "1" / "model.pt").write_bytes((repo / "mlp" / "1" / "model.pt").read_bytes())
-    config = MLP_CONFIG.replace('name: "mlp"', 'name: "mlp_nobatch"')
-    config = "\n".join(line for line in config.splitlines()
-                       if "dynamic_batching" not in line and "queue delay" not in line)
-    (target / "config.pbtxt").write_text(config + "\n")
-
-
-def bench_batching(url: str, seconds: float, concurrency: tuple = (1, 8, 32)) -> dict:
-    x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
-    out: dict = {}
-    for model in ("mlp_nobatch", "mlp"):
-        with Client(url, local=False) as c:
-            c.infer(model, {"INPUT__0": x})
-        for n in concurrency:
-            with Client(url, local=False) as c:
-                before = c.statistics(model)["model_stats"][0]
-            clients: list = []
-
-            def make():
-                # 1 KiB in, 40 bytes out: inline either way, so no client arenas
-                c = Client(url, local=False)
-                clients.append(c)
-                return lambda: c.infer(model, {"INPUT__0": x})
-
-            r = load_test(make, n, seconds)
-            for c in clients:
-                c.close()
-            with Client(url, local=False) as c:
-                after = c.statistics(model)["model_stats"][0]
-            executions = after["execution_count"] - before["execution_count"]
-            items = after["inference_count"] - before["inference_count"]
-            r["mean_batch"] = items / executions if executions else 0.0
-            out.setdefault(model, {})[f"c{n}"] = r
     return out
 
 
@@ -507,19 +408,7 @@ def render_main(r: dict) -> list[str]:
     if "local" in r:
         lines += render_local(r["local"], us)
     if "batching" in r:
-        b = r["batching"]
-        cs = sorted(b["mlp"], key=lambda k: int(k[1:]))
-        lines += ["", "dynamic batching, MLP 256-1024-1024-10 ([1,256] FP32 per request, one instance, ipc):", "",
-                  "| | " + " | ".join(f"c={k[1:]}" for k in cs) + " |", "|---" * (len(cs) + 1) + "|"]
-        for model, label in (("mlp_nobatch", "without batching"), ("mlp", "dynamic_batching { }")):
-            row = b[model]
-            lines.append(f"| {label}: throughput | " + " | ".join(f"{row[k]['rps']:,.0f}/s" for k in cs) + " |")
-            lines.append(f"| {label}: p50 / p99 | "
-                         + " | ".join(f"{us(row[k]['p50'])} / {us(row[k]['p99'])}" for k in cs) + " |")
-            lines.append(f"| {label}: requests per execution | "
-                         + " | ".join(f"{row[k]['mean_batch']:.1f}" for k in cs) + " |")
-        lines.append("| speed-up with batching | " + " | ".join(
-            f"{b['mlp'][k]['rps'] / b['mlp_nobatch'][k]['rps']:.1f}x" for k in cs) + " |")
+        lines += render_batching(r["batching"], us)
     if "sequences" in r:
         lines += render_sequences(r["sequences"])
     if "startup" in r:

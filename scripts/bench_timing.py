@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from typing import Callable
 
@@ -39,3 +40,59 @@ def time_calls(fn: Callable[[], object], n: int, warmup: int = 20) -> tuple[floa
         fn()
         samples.append(time.perf_counter() - t0)
     return percentiles(samples)
+
+
+def throughput(make_call, threads: int, seconds: float) -> float:
+    """Requests per second with `threads` closed-loop callers."""
+    stop = time.monotonic() + seconds
+    counts = [0] * threads
+    start = threading.Barrier(threads + 1)
+
+    def loop(i: int) -> None:
+        call = make_call()
+        start.wait()
+        n = 0
+        while time.monotonic() < stop:
+            call()
+            n += 1
+        counts[i] = n
+
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    t0 = time.monotonic()
+    start.wait()
+    for w in workers:
+        w.join()
+    return sum(counts) / (time.monotonic() - t0)
+
+
+def load_test(make_call, threads: int, seconds: float) -> dict:
+    """Closed-loop callers: requests per second and latency percentiles."""
+    stop = [0.0]
+    samples: list[list[float]] = [[] for _ in range(threads)]
+    start = threading.Barrier(threads + 1)
+
+    def loop(i: int) -> None:
+        call = make_call()
+        for _ in range(3):
+            call()
+        start.wait()
+        mine = samples[i]
+        while time.monotonic() < stop[0]:
+            t0 = time.perf_counter()
+            call()
+            mine.append(time.perf_counter() - t0)
+
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    stop[0] = time.monotonic() + seconds
+    start.wait()
+    t0 = time.monotonic()
+    for w in workers:
+        w.join()
+    elapsed = time.monotonic() - t0
+    every = [v for s in samples for v in s]
+    p50, p99 = percentiles(every)
+    return {"rps": len(every) / elapsed, "p50": p50, "p99": p99, "requests": len(every)}
