@@ -10,7 +10,9 @@ import signal
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -35,6 +37,20 @@ def check_addsub(client: Client) -> None:
 
 def start(repository: Path, workdir: Path, *extra: str) -> Daemon:
     return Daemon(repository, workdir, "--log-level", "debug", *extra).start()
+
+
+@contextmanager
+def serving(repository: Path, workdir: Path) -> Iterator[Daemon]:
+    """A daemon for the block; then it must stop cleanly (exit 0) and leave nothing behind."""
+    d = start(repository, workdir)
+    try:
+        yield d
+        pids = [d.pid()] + descendants(d.pid())
+        assert d.stop() == 0, d.log()
+    finally:
+        if d.proc.poll() is None:
+            d.stop(signal.SIGKILL)
+    assert_nothing_left(d, pids)
 
 
 def assert_nothing_left(d: Daemon, pids: list[int]) -> None:
@@ -104,8 +120,7 @@ def test_signal_stops_cleanly(small_repository: Path, tmp_path: Path, sig: int) 
 
 
 def test_worker_killed_mid_request(small_repository: Path, tmp_path: Path) -> None:
-    d = start(small_repository, tmp_path)
-    try:
+    with serving(small_repository, tmp_path) as d:
         worker = worker_pids(d.log(), "slow")[0]
         assert worker in descendants(d.pid())
         with Client(d.url, timeout=30) as c:
@@ -127,12 +142,6 @@ def test_worker_killed_mid_request(small_repository: Path, tmp_path: Path) -> No
             assert int(c.infer("slow", {"INPUT__0": np.array([1234])})["OUTPUT__0"][0]) == 1234
             assert alive(new) and new in descendants(d.pid()) and not alive(worker)
             assert "restarting it" in d.log()
-        pids = [d.pid()] + descendants(d.pid())
-        assert d.stop() == 0, d.log()
-    finally:
-        if d.proc.poll() is None:
-            d.stop(signal.SIGKILL)
-    assert_nothing_left(d, pids)
 
 
 def test_a_request_sent_ahead_to_a_worker_that_dies_runs_on_its_replacement(
@@ -140,8 +149,7 @@ def test_a_request_sent_ahead_to_a_worker_that_dies_runs_on_its_replacement(
     """A busy worker is sent the next request ahead; when it dies running
     the one before, the request it never started is queued again and the
     restarted instance answers it: only the running one fails."""
-    d = start(small_repository, tmp_path)
-    try:
+    with serving(small_repository, tmp_path) as d:
         worker = worker_pids(d.log(), "slow")[0]
         thread, outcome = start_in_flight(d.url, 10 ** 9, worker)   # would run for minutes
         with RawConnection(d.url) as conn:
@@ -162,12 +170,6 @@ def test_a_request_sent_ahead_to_a_worker_that_dies_runs_on_its_replacement(
             assert np.frombuffer(data, np.int64).tolist() == [7]
             assert not conn.pending(0.2)      # one answer
         assert not alive(worker)
-        pids = [d.pid()] + descendants(d.pid())
-        assert d.stop() == 0, d.log()
-    finally:
-        if d.proc.poll() is None:
-            d.stop(signal.SIGKILL)
-    assert_nothing_left(d, pids)
 
 
 def test_daemon_killed_then_restarted_cleans_up(small_repository: Path, tmp_path: Path) -> None:
@@ -187,8 +189,7 @@ def test_daemon_killed_then_restarted_cleans_up(small_repository: Path, tmp_path
     assert not daemon_segments(first.urls)
     assert first.socket_path.exists()          # nobody removed it
 
-    second = start(small_repository, tmp_path)
-    try:
+    with serving(small_repository, tmp_path) as second:
         log = second.log()
         assert "stale socket file" in log
         assert "left by a dead daemon" in log
@@ -196,12 +197,6 @@ def test_daemon_killed_then_restarted_cleans_up(small_repository: Path, tmp_path
         assert all(f".{second.pid()}." in n for n in memfds(second.pid()))
         with Client(second.url, timeout=30) as c:
             check_addsub(c)
-        pids = [second.pid()] + descendants(second.pid())
-        assert second.stop() == 0, second.log()
-    finally:
-        if second.proc.poll() is None:
-            second.stop(signal.SIGKILL)
-    assert_nothing_left(second, pids)
 
 
 def test_second_daemon_on_a_busy_socket_fails(small_repository: Path, tmp_path: Path) -> None:
