@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from torchpool import Client, InferenceError  # noqa: E402
+from torchpool import Client, InferenceError, NoAnswer  # noqa: E402
 
 
 def children(pid: int) -> list[int]:
@@ -137,8 +137,12 @@ def main() -> int:
     try:
         with Client(url, timeout=120) as c:
             deadline = time.monotonic() + 120
-            while not c.server_ready(timeout=5) and time.monotonic() < deadline:
-                pass
+            while time.monotonic() < deadline:
+                try:
+                    if c.server_ready(timeout=5):
+                        break
+                except NoAnswer:          # no socket file yet: the daemon is starting
+                    time.sleep(0.1)
         threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
         threads.append(threading.Thread(target=killer))
         started = time.monotonic()
