@@ -103,6 +103,7 @@ class DirectScheduler(Scheduler):
         return None if head.deadline is not None else self.take(instance, now)
 
     def put_back(self, batch: Batch) -> None:
+        # (a request sent ahead has no deadline: nothing goes back on the heap)
         for req in reversed(batch.requests):
             queue = self.queues.pop(req.identity, None) or deque()
             queue.appendleft(req)
