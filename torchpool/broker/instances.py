@@ -349,10 +349,12 @@ class Instances:
 
     def pending(self, mv: ModelVersion) -> int:
         """Requests of `mv` waiting to start: queued, or sent ahead to a busy
-        instance (Triton's pending request count)."""
+        instance (Triton's pending request count). The metrics thread calls
+        it while the loop runs: each handle's batch is read once."""
         if mv.scheduler is None:
             return 0
-        return len(mv.scheduler) + sum(len(h.ahead.requests) for h in mv.workers if h.ahead is not None)
+        ahead = [h.ahead for h in list(mv.workers)]
+        return len(mv.scheduler) + sum(len(batch.requests) for batch in ahead if batch is not None)
 
     def running(self, mv: ModelVersion) -> int:
         """Batches of `mv` its workers have (running, or sent ahead)."""
