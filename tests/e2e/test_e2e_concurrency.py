@@ -273,10 +273,11 @@ def test_concurrent_batch_probe_rows_come_back_to_their_request(url: str) -> Non
 
 def test_a_request_waits_for_the_instance_that_frees_first_not_behind_a_long_one(
         url: str, long_iterations: int) -> None:
-    """A busy instance is sent its next request ahead only where that cannot
-    strand it: slow_x2 runs for milliseconds (AHEAD_MAX_MEAN_NS), so with both instances busy
-    (long, medium) the tiny request stays queued and runs on the one that
-    frees first, not behind the long one."""
+    """A busy instance of a model with several is sent its next request ahead
+    only while the model's executions average under 2 ms (AHEAD_MAX_MEAN_NS);
+    slow_x2's are far longer, so with both instances busy (long, medium) the
+    tiny request stays queued and runs on the one that frees first, not
+    behind the long one."""
     medium = max(TINY * 10, long_iterations // 8)
 
     async def main() -> list[str]:
