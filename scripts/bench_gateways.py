@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from bench_timing import percentiles
+from bench_timing import percentiles, run_window
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
@@ -267,22 +267,16 @@ def closed_loop(make: Callable[[], Caller], threads: int, seconds: float, pids: 
                 caller.close()
         counts[i] = n
 
-    workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    before = cpu_ns([p for g in pids.values() for p in g])
-    stop[0] = time.monotonic() + seconds
-    start.wait()
-    t0 = time.monotonic()
-    for w in workers:
-        w.join()
-    elapsed = time.monotonic() - t0
-    after = cpu_ns([p for g in pids.values() for p in g])
+    server = [p for g in pids.values() for p in g]
+    before: list[int] = []    # the server's CPU when the window opens
+
+    elapsed = run_window(loop, threads, seconds, start, stop, at_start=lambda: before.append(cpu_ns(server)))
+    after = cpu_ns(server)
     if errors:
         raise errors[0]
     total = sum(counts)
     return {"rps": total / elapsed, "requests": total,
-            "server_cpu_us": (after - before) / total / 1000 if total else 0.0}
+            "server_cpu_us": (after - before[0]) / total / 1000 if total else 0.0}
 
 
 def _guard(results: dict, key: str, fn: Callable[[], Any]) -> None:

@@ -22,6 +22,8 @@ import numpy as np
 
 from torchpool import Client
 
+from bench_timing import run_window
+
 STEPS = 10          # requests per sequence
 
 CONFIG = """name: "{name}"
@@ -81,15 +83,7 @@ def bench_sequences(url: str, seconds: float, sequences: int = 16) -> dict:
                             wrong.append((model, seq, step))
                         counts[i] += 1
 
-        threads = [threading.Thread(target=loop, args=(i,)) for i in range(sequences)]
-        for t in threads:
-            t.start()
-        stop[0] = time.monotonic() + seconds
-        start.wait()
-        t0 = time.monotonic()
-        for t in threads:
-            t.join()
-        elapsed = time.monotonic() - t0
+        elapsed = run_window(loop, sequences, seconds, start, stop)
         with Client(url, local=False) as c:
             after = c.statistics(model)["model_stats"][0]
         executions = after["execution_count"] - before["execution_count"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -84,15 +84,26 @@ def load_test(make_call, threads: int, seconds: float) -> dict:
             call()
             mine.append(time.perf_counter() - t0)
 
+    elapsed = run_window(loop, threads, seconds, start, stop)
+    every = [v for s in samples for v in s]
+    p50, p99 = percentiles(every)
+    return {"rps": len(every) / elapsed, "p50": p50, "p99": p99, "requests": len(every)}
+
+
+def run_window(loop: Callable[[int], None], threads: int, seconds: float, start: threading.Barrier,
+               stop: list, at_start: Optional[Callable[[], None]] = None) -> float:
+    """Run loop(0..threads-1) on threads that meet at `start` (a barrier of
+    threads + 1) and call until time.monotonic() passes stop[0], `seconds`
+    from now; `at_start` runs once they are started, before the window
+    opens. Returns the seconds from the window's opening to the last join."""
     workers = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
     for w in workers:
         w.start()
+    if at_start is not None:
+        at_start()
     stop[0] = time.monotonic() + seconds
     start.wait()
     t0 = time.monotonic()
     for w in workers:
         w.join()
-    elapsed = time.monotonic() - t0
-    every = [v for s in samples for v in s]
-    p50, p99 = percentiles(every)
-    return {"rps": len(every) / elapsed, "p50": p50, "p99": p99, "requests": len(every)}
+    return time.monotonic() - t0
