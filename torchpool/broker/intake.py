@@ -20,7 +20,9 @@ import zmq
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
 from .answers import Answers
+from ..protocol import lane as lane_protocol
 from .frontend import Frontend
+from .lane import Lane, lane_session
 from .model_control import ModelControl
 from .registry import ModelVersion, Registry
 from .requests import DEFAULT_LIMITS, InferRequest, TensorLimits, batch_layout, validate_infer
@@ -67,19 +69,51 @@ class Intake:
             for mv in burst:
                 self.dispatch(mv)
 
+    def on_lane(self, ln: Lane, burst: list[bytes]) -> None:
+        """Requests a local client sent over its lane (local_channel.py), dispatched as one burst."""
+        self._burst = set()
+        self.transfer["requests_on_lane"] += len(burst)
+        try:
+            for data in burst:
+                try:
+                    if len(data) > lane_protocol.MAX_DATAGRAM or data[0] != lane_protocol.LAST:
+                        raise TorchpoolError(errors.INVALID_ARG, "a lane request is one datagram of at most "
+                                                                 f"{lane_protocol.MAX_DATAGRAM} bytes")
+                    frames = lane_protocol.decode(memoryview(data)[1:])
+                except (TorchpoolError, lane_protocol.LaneError) as exc:
+                    err = exc if isinstance(exc, TorchpoolError) else TorchpoolError(
+                        errors.INVALID_ARG, f"malformed lane request: {exc}")
+                    ln.send(messages.error_response(None, err))
+                    continue
+                self._handle(ln, ln.identity, frames[0], frames[1:], lambda: ln.client, ln)
+        finally:
+            burst_versions, self._burst = self._burst, None
+            for mv in burst_versions:
+                self.dispatch(mv)
+
     def _handle_request(self, sock: zmq.Socket, frames: list) -> None:
         identity = frames[0].bytes
-        request_id = op = None
         if len(frames) == 2 and len(frames[1]) == 0 and self.frontend.notifies_disconnect:
             # ROUTER_NOTIFY: the peer disconnected (closed, crashed, killed)
             self.frontend.forget(sock, identity)
             self.sessions.disconnected(identity)
             return
+        if len(frames) < 2:
+            self.frontend.send(sock, identity, messages.error_response(None, TorchpoolError(
+                errors.INVALID_ARG, "empty request: expected a header frame")))
+            return
+        first = frames[1]
+        self._handle(sock, identity, first.buffer, [f.buffer for f in frames[2:]],
+                     lambda: self.frontend.in_flight.client_of(sock, identity, first,
+                                                               not self.frontend.is_remote(sock)))
+
+    def _handle(self, sock: Any, identity: bytes, header_buf: Any, payload: list,
+                client_of: Callable[[], Any], ln: Optional[Lane] = None) -> None:
+        """One request from a frontend socket or a lane (`ln`): answered, or accepted."""
+        request_id = op = None
         try:
-            if len(frames) < 2:
-                raise TorchpoolError(errors.INVALID_ARG, "empty request: expected a header frame")
             try:
-                header = messages.decode_header(frames[1].buffer)
+                header = messages.decode_header(header_buf)
             except messages.HeaderError as exc:
                 request_id = exc.request_id          # a readable header's id is echoed
                 raise
@@ -93,9 +127,16 @@ class Intake:
                                      "--max-unread-replies); they were dropped and its requests "
                                      "refused until it reads")
             op = header.get("op")
-            session = self._session_of(header, identity)
+            if ln is not None:
+                if op != messages.OP_INFER and op != messages.OP_ARENA_GROW:
+                    raise TorchpoolError(errors.UNSUPPORTED, f"operation {op!r} is not sent over the "
+                                                             "local side channel: only infer and arena_grow")
+                session = lane_session(ln, header, self.sessions)
+                self._release_lent(session, header)
+            else:
+                session = self._session_of(header, identity)
             if op == messages.OP_INFER:
-                self._accept_infer(sock, identity, request_id, header, frames, session)
+                self._accept_infer(sock, identity, request_id, header, payload, session, client_of())
                 return
             if not isinstance(op, str) or op not in messages.CONTROL_OPS:
                 raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
@@ -131,9 +172,12 @@ class Intake:
         """The request's client session (lease renewed), after it hands back
         the output blocks it has finished reading."""
         session = self.sessions.get(header.get("session"), identity)
+        self._release_lent(session, header)
+        return session
+
+    def _release_lent(self, session: Any, header: dict) -> None:
         if session is not None and header.get("release"):
             self.answers.release_lent(session, header["release"])
-        return session
 
     def _session_control(self, op: str, header: dict, session: Any, identity: bytes) -> Any:
         sessions = self.sessions
@@ -192,17 +236,16 @@ class Intake:
             self.frontend.send(sock, identity, header)
         return reply
 
-    def _accept_infer(self, sock: zmq.Socket, identity: bytes, request_id: Any, header: dict,
-                      frames: list, session: Any) -> None:
+    def _accept_infer(self, sock: Any, identity: bytes, request_id: Any, header: dict,
+                      payload: list, session: Any, client: Any) -> None:
         if self.stopping():
             raise TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
         in_flight = self.frontend.in_flight
-        client = in_flight.client_of(sock, identity, frames[1], not self.frontend.is_remote(sock))
         in_flight.check(client)                 # refused before any work is done for it
         mv = self.registry.resolve(header.get("model"), header.get("version"))
         scheduler = mv.scheduler
         staged, outputs, batch_size, regions, region_outputs = validate_infer(
-            header, [f.buffer for f in frames[2:]], mv, session, self.sessions, limits=self.limits)
+            header, payload, mv, session, self.sessions, limits=self.limits)
         timeout_us = header.get("timeout_us") or 0
         if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or timeout_us < 0:
             timeout_us = 0

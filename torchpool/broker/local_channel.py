@@ -10,6 +10,10 @@ segments (a grown arena, worker memory holding outputs lent to it) come the
 same way, always before the answer that names them; its closing ends the
 session. A tcp peer can never get a local session: it cannot reach this
 socket. Messages are msgpack maps, one per SOCK_SEQPACKET datagram.
+
+A client that attaches with `"lane": true` then also sends its inference
+requests here, and gets their answers here (lane.py, protocol/lane.py):
+two process hops fewer than through ZeroMQ's I/O threads.
 """
 from __future__ import annotations
 
@@ -18,12 +22,14 @@ import logging
 import os
 import pwd
 import socket
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
 from ..shm.fdpass import close_all, recv_with_fds, send_with_fds
+from ..protocol import lane as lane_protocol
 from .frontend import claim_socket_path
+from .lane import Lane
 from .loop import Loop
 from .regions import Peer
 from .sessions import Session, SessionManager
@@ -32,6 +38,7 @@ log = logging.getLogger("torchpool.broker")
 
 ATTACH_TIMEOUT_S = 10.0       # a connection that does not attach by then is closed
 MAX_MESSAGE = 4096
+LANE_BURST = 64               # lane requests read in one turn before others get theirs
 
 
 def _uids(users: list[str]) -> set[int]:
@@ -50,7 +57,8 @@ def _gids(groups: list[str]) -> set[int]:
 
 class LocalChannel:
     def __init__(self, path: str, loop: Loop, sessions: SessionManager, allow_users: list[str],
-                 allow_groups: list[str], max_pending: int, max_pending_per_user: int) -> None:
+                 allow_groups: list[str], max_pending: int, max_pending_per_user: int,
+                 max_unread_replies: int = 0) -> None:
         self.path = path
         self.loop = loop
         self.sessions = sessions
@@ -60,6 +68,12 @@ class LocalChannel:
         self.max_pending_per_user = max_pending_per_user
         self._pending: dict[int, tuple[socket.socket, int]] = {}     # not attached yet: (conn, uid)
         self._attached: dict[int, tuple[socket.socket, Session]] = {}
+        self._lanes: dict[int, Lane] = {}
+        self.max_unread_replies = max_unread_replies
+        # set by the server once its intake exists: (lane, [datagram]) -> None;
+        # lane -> None when a lane goes (its queued requests are cancelled)
+        self.on_requests: Optional[Callable[[Lane, list[bytes]], None]] = None
+        self.on_lane_gone: Callable[[Any, bytes], None] = lambda sock, identity: None
         claim_socket_path(path, socket.SOCK_SEQPACKET)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
@@ -110,6 +124,10 @@ class LocalChannel:
 
     def _on_readable(self, conn: socket.socket) -> None:
         fd = conn.fileno()
+        ln = self._lanes.get(fd)
+        if ln is not None:
+            self._read_lane(conn, ln)
+            return
         try:
             data, fds = recv_with_fds(conn, MAX_MESSAGE, socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -147,10 +165,43 @@ class LocalChannel:
             return
         session = self.sessions.sessions[request["session"]]
         self._attached[fd] = (conn, session)
+        if request.get("lane") is True and self.on_requests is not None:
+            # a lane that stops reading loses its session: once the reply that found it out is sent
+            self._lanes[fd] = Lane(conn, session, self.loop, self.max_unread_replies,
+                                   lambda ln: self.loop.call_later(0.0, lambda: self._end_lane(ln)),
+                                   lambda ln: self.on_lane_gone(ln, ln.identity))
+            answer["lane"] = True
         try:
             send_with_fds(conn, messages.pack(answer), fds, socket.MSG_DONTWAIT)
         except OSError:
             self.sessions.channel_closed(session)
+
+    def _read_lane(self, conn: socket.socket, ln: Lane) -> None:
+        """Requests on an attached lane, a burst at a time; its end ends its session."""
+        burst: list[bytes] = []
+        gone = False
+        for _ in range(LANE_BURST):
+            try:
+                # recv, not recvmsg: fds a client sends are closed by the kernel
+                data = conn.recv(lane_protocol.MAX_DATAGRAM + 1, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:
+                gone = True
+                break
+            burst.append(data)
+        if burst and self.on_requests is not None and not ln.closed:
+            self.on_requests(ln, burst)
+        if gone or ln.closed:
+            self._end_lane(ln)
+
+    def _end_lane(self, ln: Lane) -> None:
+        """The lane closed, or stopped reading: it goes, and its session with it."""
+        if ln.conn.fileno() >= 0:
+            self._drop(ln.conn)
+            self.sessions.channel_closed(ln.session)
 
     def close_channel(self, conn: socket.socket) -> None:
         """The session ended (SessionManager): its channel goes too."""
@@ -162,11 +213,14 @@ class LocalChannel:
             return
         self._pending.pop(fd, None)
         self._attached.pop(fd, None)
+        ln = self._lanes.pop(fd, None)
         self.loop.unwatch(fd)
+        if ln is not None:
+            ln.close()
         conn.close()
 
     def close(self) -> None:
-        for conn, _ in list(self._pending.values()) + list(self._attached.values()):
+        for conn, _ in list(self._pending.values()) + list(self._attached.values()):  # lanes too
             self._drop(conn)
         self.loop.unwatch(self.listener.fileno())
         self.listener.close()

@@ -15,6 +15,9 @@ from typing import Any, Callable, Optional
 import zmq
 
 
+_POLLOUT = int(zmq.POLLOUT)
+
+
 @dataclass(order=True)
 class _Timer:
     when: float
@@ -26,6 +29,7 @@ class Loop:
     def __init__(self) -> None:
         self.poller = zmq.Poller()
         self._handlers: dict[Any, Callable[[], None]] = {}
+        self._writers: dict[int, Callable[[], None]] = {}   # fds waited on until writable
         self._timers: list[_Timer] = []
         self._seq = itertools.count()
 
@@ -35,8 +39,18 @@ class Loop:
         self.poller.register(fd_or_socket, zmq.POLLIN)
 
     def unwatch(self, fd_or_socket: Any) -> None:
+        self._writers.pop(fd_or_socket, None)
         if self._handlers.pop(fd_or_socket, None) is not None:
             self.poller.unregister(fd_or_socket)
+
+    def watch_writable(self, fd: int, handler: Callable[[], None]) -> None:
+        """Also call `handler` when `fd` (watched for reading) can be written."""
+        self._writers[fd] = handler
+        self.poller.register(fd, zmq.POLLIN | zmq.POLLOUT)
+
+    def unwatch_writable(self, fd: int) -> None:
+        if self._writers.pop(fd, None) is not None and fd in self._handlers:
+            self.poller.register(fd, zmq.POLLIN)
 
     def call_later(self, delay: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._timers, _Timer(time.monotonic() + delay, next(self._seq), action))
@@ -53,7 +67,13 @@ class Loop:
         """Wait up to `timeout_ms` (None: for ever, 0: not at all) and run
         the handlers of what is readable. True when anything was."""
         events = self.poller.poll(timeout_ms)
-        for obj, _event in events:
+        for obj, event in events:
+            if event & _POLLOUT:
+                writer = self._writers.get(obj)
+                if writer is not None:
+                    writer()
+                if event == _POLLOUT:
+                    continue
             handler = self._handlers.get(obj)
             if handler is not None:
                 handler()

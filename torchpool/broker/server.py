@@ -151,7 +151,8 @@ class Server:
                                        close_segment=self.reaper.close)
         if local_path is not None:
             self.local_channel = LocalChannel(local_path, self.loop, self.sessions, o.local_allow_users,
-                                              o.local_allow_groups, o.max_sessions, o.max_sessions_per_peer)
+                                              o.local_allow_groups, o.max_sessions, o.max_sessions_per_peer,
+                                              o.max_unread_replies)
         self.answers.sessions = self.sessions
         self.frontend.on_stalled = self.sessions.disconnected   # a connection that stopped reading
         # a gone connection's queued requests are failed, not run: once the reply
@@ -178,6 +179,9 @@ class Server:
                              remote_model_control=o.remote_model_control, limits=TensorLimits.of(o))
         for sock in self.frontend.sockets:
             self.loop.watch(sock, lambda sock=sock: self.intake.on_readable(sock))
+        if self.local_channel is not None:
+            self.local_channel.on_requests = self.intake.on_lane
+            self.local_channel.on_lane_gone = self.frontend.on_gone
         for model in self.registry.models.values():
             model.fingerprint = fingerprint(model.entry.path)
             if model.error:
