@@ -23,7 +23,7 @@ import pytest
 
 from torchpool.client.common import decode_infer, encode_control, encode_infer, error_of
 from torchpool.client.flows import ClientState
-from torchpool.protocol import errors, messages, tensors
+from torchpool.protocol import errors, lane, messages, tensors
 from torchpool.protocol.errors import TorchpoolError
 
 PROTOCOL_DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
@@ -175,6 +175,8 @@ def test_each_size_limit_is_stated_once_with_the_codes_value():
     local = re.search(r"\*\*Local descriptors: above ([\d,]+) bytes", limits)
     assert inline and int(inline.group(1).replace(",", "")) == tensors.INLINE_LIMIT
     assert local and int(local.group(1).replace(",", "")) == tensors.LOCAL_MIN_BYTES
+    datagram = re.search(r"\*\*Lane datagrams: ([\d,]+) bytes", limits)
+    assert datagram and int(datagram.group(1).replace(",", "")) == lane.MAX_DATAGRAM
     for figure in (f"{tensors.INLINE_LIMIT:,}", f"{tensors.INLINE_LIMIT // 1024} KiB",
                    f"{tensors.LOCAL_MIN_BYTES:,}", f"{tensors.LOCAL_MIN_BYTES // 1024} KiB"):
         assert figure in limits and text.count(figure) == limits.count(figure), \

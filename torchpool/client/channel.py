@@ -70,7 +70,7 @@ class SharedSocket:
     `on_late(header)` gets each answer nobody waits for any more (a call
     that timed out): it must give back what that request held."""
 
-    def __init__(self, sock: zmq.Socket, watch: ConnectionWatch, on_late: Callable[[Any], None]) -> None:
+    def __init__(self, sock: Any, watch: Optional[ConnectionWatch], on_late: Callable[[Any], None]) -> None:
         self._sock = sock
         self._watch = watch
         self._on_late = on_late
@@ -84,7 +84,9 @@ class SharedSocket:
         # threads that queued a request wake the reader through this
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_closer = weakref.finalize(self, os.close, self._wake)
-        self._poll_items = [(sock, _POLLIN), (watch.fd, _POLLIN), (self._wake, _POLLIN)]
+        self._poll_items = [(sock, _POLLIN), (self._wake, _POLLIN)]
+        if watch is not None:
+            self._poll_items.append((watch.fd, _POLLIN))
 
     # -- a call
     def request(self, frames: list, rid: Any, timeout: float) -> Reply:
@@ -116,7 +118,7 @@ class SharedSocket:
             return me.reply
         if me.error is not None:
             raise me.error
-        raise self._watch.no_answer(timeout)
+        raise self._no_answer(timeout)
 
     def _wait(self, me: _Waiter, deadline: float) -> None:
         """Wait for another thread to hand us our answer, or the socket."""
@@ -153,7 +155,7 @@ class SharedSocket:
         """Own the socket until `me` is answered or its deadline passes,
         sending (`me` first, at `sent_at`, if given) and routing for
         everyone meanwhile; then hand it over."""
-        sock, monitor, items = self._sock, self._watch.fd, self._poll_items
+        sock, wake, items = self._sock, self._wake, self._poll_items
         try:
             if sent_at is not None:
                 self._transmit(me, sent_at)
@@ -165,7 +167,7 @@ class SharedSocket:
                 now = time.monotonic()
                 remaining = deadline - now
                 if remaining <= 0:
-                    self._watch.drain()            # the freshest story for the error
+                    self._on_deadline()
                     return
                 ready = _zmq_poll(items, max(1, int(remaining * 1000)))
                 # the poll saw the monitor at least from `now` on (the
@@ -174,22 +176,31 @@ class SharedSocket:
                 for item, _ in ready:
                     if item is sock:
                         self._read_one(me)
-                    elif item == monitor:
-                        if self._watch.socket.closed:     # close() gave up waiting for this reader
-                            raise zmq.ZMQError(zmq.ENOTSOCK)
-                        self._watch.drain()
-                        self._fail_lost()
-                    else:
+                    elif item is wake:
                         try:
-                            os.eventfd_read(self._wake)
+                            os.eventfd_read(wake)
                         except BlockingIOError:
                             pass
+                    else:
+                        self._on_monitor()
         except zmq.ZMQError as exc:              # the socket was closed under us
             with self._lock:
                 if me.reply is None and me.error is None:
                     me.error = _closed_error() if self._closed else exc
         finally:
             self._hand_over(me)
+
+    def _no_answer(self, timeout: float) -> NoAnswer:
+        return self._watch.no_answer(timeout)
+
+    def _on_deadline(self) -> None:
+        self._watch.drain()            # the freshest story for the error
+
+    def _on_monitor(self) -> None:
+        if self._watch.socket.closed:     # close() gave up waiting for this reader
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        self._watch.drain()
+        self._fail_lost()
 
     def _transmit(self, w: _Waiter, now: Optional[float] = None) -> None:
         """Send one request (the reader's thread only); `now`: the time, if
@@ -235,7 +246,10 @@ class SharedSocket:
         while frame.more:              # a message arrives whole: the rest is there
             frame = sock.recv(_NOBLOCK, copy=False)
             payload.append(frame.buffer)
-        header = messages.unpack(first)
+        self._deliver(me, messages.unpack(first), payload)
+
+    def _deliver(self, me: _Waiter, header: Any, payload: list) -> None:
+        """Hand a reply to the call it answers (the reader's thread only)."""
         rid = header.get("id") if isinstance(header, dict) else None
         w = self._waiting.get(rid)
         if w is me:

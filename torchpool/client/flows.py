@@ -71,6 +71,8 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
         self.used_session = False               # a session existed once: re-hello when lost
         self.arena: Optional[ClientArena] = None
         self.link: Optional[LocalLink] = None    # the side channel of a local session
+        # makes a local session's request lane (client/lane.py); None: no lane
+        self.lane_factory: Optional[Callable[[LocalLink], Any]] = None
         self.local_socket: Optional[str] = None  # where it is (regions attach without an arena)
         self.outputs = OutputMaps()
         self.releases: collections.deque = collections.deque()   # (session, [seg, off, gen])
@@ -148,6 +150,8 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
             self.arena.close()
             self.arena = None
         if self.link is not None:
+            if self.link.lane is not None:
+                self.link.lane.close(0)  # calls still on it fail with CANCELLED
             self.link.close()           # the daemon ends the session when it sees this
             self.link = None
 
@@ -185,7 +189,9 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
                 if res.get("block_header", tensors.BLOCK_HEADER_BYTES) != tensors.BLOCK_HEADER_BYTES:
                     raise ValueError(f"block header of {res.get('block_header')} bytes")
                 # the side channel: only a client on the daemon's host reaches it
-                link = LocalLink.attach(path, token, timeout)
+                link = LocalLink.attach(path, token, timeout, lane=self.lane_factory is not None)
+                if link.lane_ok:
+                    link.lane = self.lane_factory(link)
                 while link.arena:
                     name, fd = link.arena.pop(0)
                     arena.map_segment(name, fd)     # takes the fd
@@ -229,12 +235,16 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
         self._drop_session()
 
     # -- generic requests on the session
-    def exchange(self, op: str, timeout: Optional[float], fields: dict) -> Flow:
-        """One request with `session` and releases; session errors become SessionLost."""
+    def exchange(self, op: str, timeout: Optional[float], fields: dict, lane: bool = False) -> Flow:
+        """One request with `session` and releases (over the session's lane
+        when `lane` and it has one); session errors become SessionLost."""
         extra = self.session_fields()
         token = extra.get("session")
+        call = self.call(op, timeout, **fields, **extra)
+        if lane:
+            call.channel = self._lane()
         try:
-            return (yield self.call(op, timeout, **fields, **extra))
+            return (yield call)
         except InferenceError as exc:
             if token is not None and is_session_error(exc):
                 raise SessionLost(token, exc) from None
@@ -264,7 +274,8 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
             return False
         arena.growing = True
         try:
-            header, _ = yield from self.exchange(OP_ARENA_GROW, timeout, {"size": need})
+            # on the lane when there is one: its answer names a segment handed over there
+            header, _ = yield from self.exchange(OP_ARENA_GROW, timeout, {"size": need}, lane=True)
             name = (header.get("result") or {})["segment"]
             arena.map_segment(name, self.link.take(name))
         except (NoAnswer, SessionLost):
@@ -301,10 +312,18 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
         if self.local:
             header["output_shm"] = True
         token = self.add_session(header)
+        frames = [messages.pack(header), *enc.frames]
+        lane = self._lane() if self.local else None
+        if lane is not None and not lane.fits(frames):
+            # over ZeroMQ, and nothing lent: the segments lent outputs need are
+            # handed over on the lane, which only its reader reads
+            lane = None
+            del header["output_shm"]
+            frames[0] = messages.pack(header)
         rid, answered = header["id"], False
         try:
             try:
-                reply_header, payload = yield Call(rid, [messages.pack(header), *enc.frames], timeout)
+                reply_header, payload = yield Call(rid, frames, timeout, lane)
             except NoAnswer:
                 raise                  # maybe still running: finish() keeps its blocks
             except InferenceError as exc:
@@ -321,6 +340,11 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
             return self.decode_outputs(reply_header, payload, copy, token, enc, arena)
         finally:
             self.finish(enc, arena, answered, rid, token)
+
+    def _lane(self) -> Any:
+        """The session's request lane, while it is open; else None."""
+        lane = self.link.lane if self.link is not None else None
+        return lane if lane is not None and not lane.lost else None
 
     # -- empty()
     def empty_flow(self, shape: Sequence[int], datatype: str, timeout: Optional[float]) -> Flow:

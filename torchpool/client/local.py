@@ -12,26 +12,32 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Optional
+from typing import Any, Optional
 
 from ..protocol import errors, messages
 from ..protocol.errors import InferenceError
-from ..shm.fdpass import close_all, recv_with_fds
+from ..shm.fdpass import FdReceiver, close_all, recv_with_fds
 
-MAX_MESSAGE = 64 * 1024
+MAX_MESSAGE = 64 * 1024 + 1          # a lane datagram (protocol/lane.py) and its kind byte
 ATTACH_TIMEOUT_S = 10.0
 
 
 class LocalLink:
     """An attached side channel: the session's segments, by name, as fds."""
 
-    def __init__(self, sock: socket.socket, arena: list[tuple[str, int]]) -> None:
+    def __init__(self, sock: socket.socket, arena: list[tuple[str, int]], lane: bool = False) -> None:
         self.sock = sock
         self.arena = arena                       # [(segment name, fd)] handed at attach
         self._fds: dict[str, int] = {}           # pushed since, not taken yet
+        # the daemon takes requests here (client/lane.py): then only the lane's
+        # reader reads this socket, and it keeps what is pushed for take()
+        self.lane_ok = lane
+        self.lane: Any = None
+        self._receiver = FdReceiver(MAX_MESSAGE)
 
     @classmethod
-    def attach(cls, path: str, token: str, timeout: Optional[float], arena: bool = True) -> "LocalLink":
+    def attach(cls, path: str, token: str, timeout: Optional[float], arena: bool = True,
+               lane: bool = False) -> "LocalLink":
         """Connect and attach; raises OSError (no such socket: not on the
         daemon's host) or InferenceError (the daemon refused)."""
         wait = min(timeout or ATTACH_TIMEOUT_S, ATTACH_TIMEOUT_S)
@@ -39,7 +45,10 @@ class LocalLink:
         try:
             sock.settimeout(wait)
             sock.connect(path)
-            sock.send(messages.pack({"op": "attach", "session": token, "arena": arena}))
+            request = {"op": "attach", "session": token, "arena": arena}
+            if lane:
+                request["lane"] = True
+            sock.send(messages.pack(request))
             data, fds = recv_with_fds(sock, MAX_MESSAGE)
             answer = messages.unpack(data) if data else None
             if not isinstance(answer, dict) or not answer.get("ok"):
@@ -52,7 +61,7 @@ class LocalLink:
                 close_all(fds)
                 raise InferenceError(errors.INTERNAL, "the daemon's arena came without its memory")
             sock.setblocking(False)
-            return cls(sock, list(zip(names, fds)))
+            return cls(sock, list(zip(names, fds)), lane and answer.get("lane") is True)
         except BaseException:
             sock.close()
             raise
@@ -60,7 +69,7 @@ class LocalLink:
     def take(self, name: str) -> int:
         """The fd of a segment the daemon handed us (the caller owns it)."""
         fd = self._fds.pop(name, None)
-        if fd is None:
+        if fd is None and self.lane is None:      # else the lane's reader has read what came
             self._drain()
             fd = self._fds.pop(name, None)
         if fd is None:
@@ -71,7 +80,7 @@ class LocalLink:
     def _drain(self) -> None:
         while True:
             try:
-                data, fds = recv_with_fds(self.sock, MAX_MESSAGE, socket.MSG_DONTWAIT)
+                data, fds = self.recv()
             except BlockingIOError:
                 return
             except OSError:
@@ -79,18 +88,27 @@ class LocalLink:
             if not data:
                 close_all(fds)
                 return                       # the daemon ended the session; requests will say so
-            try:
-                names = [s["segment"] for s in messages.unpack(data)["segments"]]
-            except Exception:
-                names = []
-            if len(names) != len(fds):
-                close_all(fds)
-                continue
-            for n, fd in zip(names, fds):
-                old = self._fds.pop(n, None)
-                if old is not None:
-                    os.close(old)
-                self._fds[n] = fd
+            self.keep(data, fds)
+
+    def recv(self) -> tuple[memoryview, list[int]]:
+        """One datagram (a view, valid until the next recv) and its fds;
+        BlockingIOError when none waits."""
+        return self._receiver.recv(self.sock, socket.MSG_DONTWAIT)
+
+    def keep(self, data: Any, fds: list[int]) -> None:
+        """Keep the fds of segments the daemon handed over, by name, for take()."""
+        try:
+            names = [s["segment"] for s in messages.unpack(data)["segments"]]
+        except Exception:
+            names = []
+        if len(names) != len(fds):
+            close_all(fds)
+            return
+        for n, fd in zip(names, fds):
+            old = self._fds.pop(n, None)
+            if old is not None:
+                os.close(old)
+            self._fds[n] = fd
 
     def close(self) -> None:
         close_all([fd for _, fd in self.arena])

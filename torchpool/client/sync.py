@@ -12,10 +12,11 @@ import zmq
 from ..protocol import messages
 from .arena import DEFAULT_ARENA_CAP
 from .channel import SharedSocket
+from .lane import LaneSocket
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control, error_of
 from .flows import ClientState, SessionLost, run_sync, sequence_field
 from .regions import needs_session
-from .types import Call
+from .types import Call, NoAnswer
 from .types import InferResult
 
 
@@ -90,6 +91,7 @@ class Client(ClientBase):
                  client_key: Optional[ClientKey] = None) -> None:
         self._open(url, timeout, local, arena_cap, zmq.Context.instance(), server_key, client_key)
         self._channel = SharedSocket(self._sock, self._watch, _late_answers(self._state))
+        self._state.lane_factory = lambda link, state=self._state: LaneSocket(link, url, _late_answers(state))
 
     # -- transport
     def _call(self, frames: list, request_id: int, timeout: Optional[float]) -> tuple[dict, list]:
@@ -101,9 +103,18 @@ class Client(ClientBase):
 
     def _send(self, call: Call) -> tuple[dict, list]:
         # _call, written out: every request passes here
-        timeout = call.timeout
-        header, payload = self._channel.request(call.frames, call.rid,
-                                                self.timeout if timeout is None else timeout)
+        limit = self.timeout if call.timeout is None else call.timeout
+        if call.channel is None:
+            header, payload = self._channel.request(call.frames, call.rid, limit)
+        else:
+            try:
+                header, payload = call.channel.request(call.frames, call.rid, limit)
+            except NoAnswer as exc:
+                if exc.sent:
+                    raise
+                # the lane was closed before it was sent: the daemon ended the session
+                # (or stopped), which it says over ZeroMQ; the flow then says hello again
+                header, payload = self._channel.request(call.frames, call.rid, limit)
         if not header.get("ok"):
             raise error_of(header)
         return header, payload
@@ -225,6 +236,9 @@ class Client(ClientBase):
         if not self._closer.detach():
             return                                   # closed already
         self._channel.close(GOODBYE_WAIT)            # from here this thread owns the socket
+        link = self._state.link
+        if link is not None and link.lane is not None:
+            link.lane.close(GOODBYE_WAIT)
         with self._state.lock:
             call = self._state.goodbye_call(None)
             self._state.close()

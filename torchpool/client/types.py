@@ -160,10 +160,11 @@ class Call:
     """One request a flow wants sent: the driver sends `frames` and answers
     with the reply to `rid` (or throws the error / NoAnswer in)."""
 
-    __slots__ = ("rid", "frames", "timeout")
+    __slots__ = ("rid", "frames", "timeout", "channel")
 
-    def __init__(self, rid: int, frames: list, timeout: Optional[float]) -> None:
+    def __init__(self, rid: int, frames: list, timeout: Optional[float], channel: Any = None) -> None:
         self.rid, self.frames, self.timeout = rid, frames, timeout
+        self.channel = channel       # the session's lane (client/lane.py) when it goes there
 
 
 Flow = Generator[Call, Any, Any]

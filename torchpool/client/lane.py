@@ -1,0 +1,110 @@
+"""The request lane: a local session's inference over its side channel.
+
+A sync `Client` whose session attached with `"lane": true` sends its
+inference requests (and arena_grow) over the side channel's unix socket
+instead of its ZeroMQ socket (protocol/lane.py says why and how). The
+calls, threads and deadlines work as on the ZeroMQ socket (SharedSocket:
+one waiting thread reads for all); what differs is the transport:
+
+- the segments the daemon hands over (fds, local.py) arrive on the same
+  socket, before the answer that names them: the reader keeps them for
+  `LocalLink.take`;
+- the socket closing means the daemon stopped or ended the session: every
+  call in flight fails at once with UNAVAILABLE, and later calls go over
+  ZeroMQ again (where the daemon says whether the session still exists).
+"""
+from __future__ import annotations
+
+import socket
+from typing import Any, Callable, Optional
+
+from ..protocol import errors, lane, messages
+from .channel import SharedSocket, _Waiter
+from .types import NoAnswer
+
+
+class LaneSocket(SharedSocket):
+    def __init__(self, link: Any, url: str, on_late: Callable[[Any], None]) -> None:
+        self._link = link
+        self._url = url
+        self.fd = link.sock.fileno()
+        self.lost = False                  # the daemon closed it: nothing more comes
+        self._pieces: list[bytes] = []     # of an answer that came in several datagrams
+        super().__init__(self.fd, None, on_late)
+
+    @staticmethod
+    def fits(frames: list) -> bool:
+        """Can this request travel on the lane (one datagram)?"""
+        size = 4 * len(frames) + 1
+        for frame in frames:
+            size += memoryview(frame).nbytes
+        return size <= lane.MAX_DATAGRAM
+
+    def _transmit(self, w: _Waiter, now: Optional[float] = None) -> None:
+        error = None
+        if self.lost:
+            error = self._lost_error(sent=False)
+        else:
+            try:
+                self._link.sock.sendmsg([b"\x01", *lane.encode(w.frames)], (), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                error = NoAnswer(errors.UNAVAILABLE, "the daemon takes no more requests from this "
+                                                     "client: too many wait to be read", sent=False)
+            except OSError:
+                self._lose()
+                error = self._lost_error(sent=False)
+        w.frames = None
+        if error is not None:
+            self._finish(w, error=error)
+
+    def _read_one(self, me: _Waiter) -> None:
+        link = self._link
+        try:
+            data, fds = link.recv()
+        except BlockingIOError:
+            return
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            self._lose()
+            return
+        kind = data[0]
+        if kind == lane.MORE:
+            self._pieces.append(bytes(data[1:]))     # the receive buffer is reused
+            return
+        if kind != lane.LAST:
+            link.keep(data, fds)           # segments handed over, ahead of the answer naming them
+            return
+        if self._pieces:
+            self._pieces.append(data[1:])
+            frames = lane.decode(b"".join(self._pieces))
+            self._pieces = []
+            payload = list(frames[1:])
+        else:
+            frames = lane.decode(data[1:])
+            payload = [bytes(f) for f in frames[1:]]   # out of the reused buffer
+        self._deliver(me, messages.unpack(frames[0]), payload)
+
+    def _lose(self) -> None:
+        """The daemon closed the lane: every call sent on it fails now."""
+        self.lost = True
+        with self._lock:
+            waiting = list(self._waiting.values())
+        for w in waiting:
+            if w.frames is None:                    # sent: no answer will come
+                self._finish(w, error=self._lost_error(sent=True))
+
+    def _lost_error(self, sent: bool) -> NoAnswer:
+        return NoAnswer(errors.UNAVAILABLE, f"torchpool at {self._url} closed this client's local "
+                                            f"side channel (it stopped, or ended the session)", sent=sent)
+
+    def _no_answer(self, timeout: float) -> NoAnswer:
+        return NoAnswer(errors.DEADLINE_EXCEEDED, f"torchpool at {self._url} did not answer within "
+                                                  f"{timeout:g} s (it is reachable: the request may "
+                                                  f"still run)")
+
+    def _on_deadline(self) -> None:
+        pass
+
+    def _on_monitor(self) -> None:
+        pass
