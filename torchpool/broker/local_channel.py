@@ -25,9 +25,9 @@ import socket
 from typing import Any, Callable, Optional
 
 from ..protocol import errors, messages
+from ..protocol import lane as lane_protocol
 from ..protocol.errors import TorchpoolError
 from ..shm.fdpass import close_all, recv_with_fds, send_with_fds
-from ..protocol import lane as lane_protocol
 from .frontend import claim_socket_path
 from .lane import Lane
 from .loop import Loop
