@@ -192,3 +192,45 @@ def test_calls_in_flight_fail_at_once_when_the_daemon_closes_the_lane(ends: Ends
 def test_a_request_too_large_for_one_datagram_does_not_fit() -> None:
     assert LaneSocket.fits([msgpack.packb({"id": 1}), b"x" * 1000])
     assert not LaneSocket.fits([msgpack.packb({"id": 1}), b"x" * lane.MAX_DATAGRAM])
+
+
+def fill_daemons_queue(ends: Ends) -> int:
+    """Send raw datagrams from the client's end until the daemon's end holds no more."""
+    ends.link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sent = 0
+    while True:
+        try:
+            ends.link.sock.send(b"\x01" + b"".join(lane.encode([messages.pack({"id": -1})])))
+        except BlockingIOError:
+            return sent
+        sent += 1
+
+
+def test_a_request_waits_for_room_and_reads_answers_meanwhile(ends: Ends) -> None:
+    assert fill_daemons_queue(ends) > 0
+    t, result = call_in_thread(ends, 1, timeout=20)
+    # while its request cannot be sent, an answer that comes is read (here one nobody waits for)
+    assert ends.lane.send({"id": 99, "ok": True})
+    for _ in range(200):
+        if ends.late:
+            break
+        t.join(0.05)
+    assert ends.late == [{"id": 99, "ok": True}] and t.is_alive()
+    got: list = []
+    for _ in range(200):                      # the daemon reads: the request gets through
+        got += ends.requests()
+        if got and got[-1] == {"id": 1}:
+            break
+        t.join(0.05)
+    assert got[-1] == {"id": 1} and all(h == {"id": -1} for h in got[:-1])
+    assert ends.lane.send({"id": 1, "ok": True})
+    t.join(10)
+    assert result["reply"][0] == {"id": 1, "ok": True}
+
+
+def test_a_request_that_never_finds_room_fails_as_not_sent(ends: Ends) -> None:
+    fill_daemons_queue(ends)
+    with pytest.raises(NoAnswer) as err:
+        ends.client.request([messages.pack({"id": 5})], 5, 0.5)
+    assert err.value.code == errors.DEADLINE_EXCEEDED and err.value.sent is False
+    assert "did not take the request in time" in str(err.value)

@@ -48,11 +48,12 @@ _zmq_poll = zmq.zmq_poll
 class _Waiter:
     """One call in flight: its frames until sent, then its answer or error."""
 
-    __slots__ = ("rid", "frames", "mark", "reply", "error", "promoted", "event")
+    __slots__ = ("rid", "frames", "deadline", "mark", "reply", "error", "promoted", "event")
 
-    def __init__(self, rid: Any, frames: list) -> None:
+    def __init__(self, rid: Any, frames: list, deadline: float = 0.0) -> None:
         self.rid = rid
         self.frames = frames
+        self.deadline = deadline                 # time.monotonic() when the caller gives up
         self.mark: Optional[Mark] = None        # the connection's story when it was sent
         self.reply: Optional[Reply] = None
         self.error: Optional[BaseException] = None
@@ -94,7 +95,7 @@ class SharedSocket:
         comes within `timeout` s (or the connection says none will)."""
         now = time.monotonic()
         deadline = now + timeout
-        me = _Waiter(rid, frames)
+        me = _Waiter(rid, frames, deadline)
         with self._lock:
             if self._closed:
                 raise _closed_error()
@@ -248,11 +249,12 @@ class SharedSocket:
             payload.append(frame.buffer)
         self._deliver(me, messages.unpack(first), payload)
 
-    def _deliver(self, me: _Waiter, header: Any, payload: list) -> None:
-        """Hand a reply to the call it answers (the reader's thread only)."""
+    def _deliver(self, me: Optional[_Waiter], header: Any, payload: list) -> None:
+        """Hand a reply to the call it answers (the reader's thread only;
+        `me`: the reader's own call, if it has one in flight)."""
         rid = header.get("id") if isinstance(header, dict) else None
         w = self._waiting.get(rid)
-        if w is me:
+        if w is me and w is not None:
             # the reader's own answer needs no lock: no other thread gives it
             # anything (close() at most an error, and the answer wins)
             self._waiting.pop(rid, None)

@@ -15,7 +15,9 @@ one waiting thread reads for all); what differs is the transport:
 """
 from __future__ import annotations
 
+import select
 import socket
+import time
 from typing import Any, Callable, Optional
 
 from ..protocol import errors, lane, messages
@@ -45,19 +47,35 @@ class LaneSocket(SharedSocket):
         if self.lost:
             error = self._lost_error(sent=False)
         else:
-            try:
-                self._link.sock.sendmsg([b"\x01", *lane.encode(w.frames)], (), socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                error = NoAnswer(errors.UNAVAILABLE, "the daemon takes no more requests from this "
-                                                     "client: too many wait to be read", sent=False)
-            except OSError:
-                self._lose()
-                error = self._lost_error(sent=False)
+            datagram = [b"\x01", *lane.encode(w.frames)]
+            while True:
+                try:
+                    self._link.sock.sendmsg(datagram, (), socket.MSG_DONTWAIT)
+                    break
+                except BlockingIOError:
+                    # the daemon has not read what we sent yet: wait for room, as
+                    # ZeroMQ's queue would, until the call's own deadline
+                    remaining = w.deadline - time.monotonic()
+                    if remaining <= 0:
+                        error = NoAnswer(errors.DEADLINE_EXCEEDED, f"torchpool at {self._url} did not "
+                                                                   f"take the request in time (it has not "
+                                                                   f"read this client's earlier ones)",
+                                         sent=False)
+                        break
+                    # answers keep coming meanwhile: read them, or the daemon,
+                    # finding this client not reading, would end its session
+                    readable, _, _ = select.select([self.fd], [self.fd], [], min(remaining, 0.1))
+                    if readable:
+                        self._read_one(None)
+                except OSError:
+                    self._lose()
+                    error = self._lost_error(sent=False)
+                    break
         w.frames = None
         if error is not None:
             self._finish(w, error=error)
 
-    def _read_one(self, me: _Waiter) -> None:
+    def _read_one(self, me: Optional[_Waiter]) -> None:
         link = self._link
         try:
             data, fds = link.recv()

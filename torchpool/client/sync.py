@@ -110,7 +110,7 @@ class Client(ClientBase):
             try:
                 header, payload = call.channel.request(call.frames, call.rid, limit)
             except NoAnswer as exc:
-                if exc.sent:
+                if exc.sent or not call.channel.lost:
                     raise
                 # the lane was closed before it was sent: the daemon ended the session
                 # (or stopped), which it says over ZeroMQ; the flow then says hello again
