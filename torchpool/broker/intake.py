@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional
 import zmq
 
 from ..protocol import errors, messages
+from ..protocol import lane as lane_protocol
 from ..protocol.errors import TorchpoolError
 from .answers import Answers
-from ..protocol import lane as lane_protocol
 from .frontend import Frontend
 from .lane import Lane, lane_session
 from .model_control import ModelControl
