@@ -190,8 +190,8 @@ def test_calls_in_flight_fail_at_once_when_the_daemon_closes_the_lane(ends: Ends
 
 
 def test_a_request_too_large_for_one_datagram_does_not_fit() -> None:
-    assert LaneSocket.fits([msgpack.packb({"id": 1}), b"x" * 1000])
-    assert not LaneSocket.fits([msgpack.packb({"id": 1}), b"x" * lane.MAX_DATAGRAM])
+    assert lane.fits([msgpack.packb({"id": 1}), b"x" * 1000])
+    assert not lane.fits([msgpack.packb({"id": 1}), b"x" * lane.MAX_DATAGRAM])
 
 
 def fill_daemons_queue(ends: Ends) -> int:

@@ -85,7 +85,7 @@ class Intake:
                         errors.INVALID_ARG, f"malformed lane request: {exc}")
                     ln.send(messages.error_response(None, err))
                     continue
-                self._handle(ln, ln.identity, frames[0], frames[1:], lambda: ln.client, ln)
+                self._handle(ln, ln.identity, frames[0], frames[1:], ln)
         finally:
             burst_versions, self._burst = self._burst, None
             for mv in burst_versions:
@@ -103,13 +103,12 @@ class Intake:
                 errors.INVALID_ARG, "empty request: expected a header frame")))
             return
         first = frames[1]
-        self._handle(sock, identity, first.buffer, [f.buffer for f in frames[2:]],
-                     lambda: self.frontend.in_flight.client_of(sock, identity, first,
-                                                               not self.frontend.is_remote(sock)))
+        self._handle(sock, identity, first.buffer, [f.buffer for f in frames[2:]], first)
 
-    def _handle(self, sock: Any, identity: bytes, header_buf: Any, payload: list,
-                client_of: Callable[[], Any], ln: Optional[Lane] = None) -> None:
-        """One request from a frontend socket or a lane (`ln`): answered, or accepted."""
+    def _handle(self, sock: Any, identity: bytes, header_buf: Any, payload: list, came_by: Any) -> None:
+        """One request, answered or accepted: from a frontend socket (`came_by`:
+        its header frame, which knows the peer) or a lane (`came_by`: the lane)."""
+        ln = came_by if came_by.__class__ is Lane else None
         request_id = op = None
         try:
             try:
@@ -136,7 +135,9 @@ class Intake:
             else:
                 session = self._session_of(header, identity)
             if op == messages.OP_INFER:
-                self._accept_infer(sock, identity, request_id, header, payload, session, client_of())
+                client = ln.client if ln is not None else self.frontend.in_flight.client_of(
+                    sock, identity, came_by, not self.frontend.is_remote(sock))
+                self._accept_infer(sock, identity, request_id, header, payload, session, client)
                 return
             if not isinstance(op, str) or op not in messages.CONTROL_OPS:
                 raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")

@@ -192,7 +192,7 @@ class LocalChannel:
                 gone = True
                 break
             burst.append(data)
-        if burst and self.on_requests is not None and not ln.closed:
+        if burst and not ln.closed:
             self.on_requests(ln, burst)
         if gone or ln.closed:
             self._end_lane(ln)

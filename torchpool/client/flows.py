@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from ..protocol import datatypes, errors, messages, tensors
+from ..protocol import lane as lane_protocol
 from ..protocol.errors import InferenceError
 from ..protocol.messages import OP_ARENA_GROW, OP_GOODBYE, OP_HELLO
 from .arena import DEFAULT_ARENA_CAP, ClientArena, OutputMaps, block_size, local_wanted
@@ -314,7 +315,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
         token = self.add_session(header)
         frames = [messages.pack(header), *enc.frames]
         lane = self._lane() if self.local else None
-        if lane is not None and not lane.fits(frames):
+        if lane is not None and not lane_protocol.fits(frames):
             # over ZeroMQ, and nothing lent: the segments lent outputs need are
             # handed over on the lane, which only its reader reads
             lane = None

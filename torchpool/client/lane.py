@@ -34,20 +34,12 @@ class LaneSocket(SharedSocket):
         self._pieces: list[bytes] = []     # of an answer that came in several datagrams
         super().__init__(self.fd, None, on_late)
 
-    @staticmethod
-    def fits(frames: list) -> bool:
-        """Can this request travel on the lane (one datagram)?"""
-        size = 4 * len(frames) + 1
-        for frame in frames:
-            size += memoryview(frame).nbytes
-        return size <= lane.MAX_DATAGRAM
-
     def _transmit(self, w: _Waiter, now: Optional[float] = None) -> None:
         error = None
         if self.lost:
             error = self._lost_error(sent=False)
         else:
-            datagram = [b"\x01", *lane.encode(w.frames)]
+            datagram = lane.request(w.frames)
             while True:
                 try:
                     self._link.sock.sendmsg(datagram, (), socket.MSG_DONTWAIT)

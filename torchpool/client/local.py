@@ -14,11 +14,11 @@ import os
 import socket
 from typing import Any, Optional
 
-from ..protocol import errors, messages
+from ..protocol import errors, lane, messages
 from ..protocol.errors import InferenceError
 from ..shm.fdpass import FdReceiver, close_all, recv_with_fds
 
-MAX_MESSAGE = 64 * 1024 + 1          # a lane datagram (protocol/lane.py) and its kind byte
+MAX_MESSAGE = lane.MAX_DATAGRAM      # the largest datagram the daemon sends here
 ATTACH_TIMEOUT_S = 10.0
 
 

@@ -35,6 +35,19 @@ class LaneError(ValueError):
     """A lane message that does not parse."""
 
 
+def fits(frames: Sequence[Any]) -> bool:
+    """Do these frames make one datagram (kind byte and length prefixes included)?"""
+    size = 1 + 4 * len(frames)
+    for frame in frames:
+        size += memoryview(frame).nbytes
+    return size <= MAX_DATAGRAM
+
+
+def request(frames: Sequence[Any]) -> list:
+    """The buffers of a request's one datagram (the caller checked `fits`)."""
+    return [_LAST_BYTE, *encode(frames)]
+
+
 def encode(frames: Sequence[Any]) -> list:
     """The buffers of one message (for sendmsg, or to join): length prefixes
     and the frames themselves, not copied."""
@@ -49,15 +62,9 @@ def datagrams(frames: Sequence[Any]) -> list[list]:
     """One message as datagrams, each a list of buffers to send with
     sendmsg: a small message is one datagram (nothing copied), a large one
     is cut into pieces of MAX_DATAGRAM bytes."""
-    if len(frames) == 1:                     # the common answer: a header alone
-        n = len(frames[0])
-        if n + 5 <= MAX_DATAGRAM:
-            return [[_LAST_BYTE, _U32.pack(n), frames[0]]]
-    parts = encode(frames)
-    size = sum(memoryview(p).nbytes for p in parts)
-    if size < MAX_DATAGRAM:
-        return [[_LAST_BYTE, *parts]]
-    body = memoryview(b"".join(parts))
+    if fits(frames):
+        return [request(frames)]
+    body = memoryview(b"".join(encode(frames)))
     step = MAX_DATAGRAM - 1
     out = [[_MORE_BYTE, body[i:i + step]] for i in range(0, len(body), step)]
     out[-1][0] = _LAST_BYTE
