@@ -39,7 +39,7 @@ IN_FLIGHT = 8
 def lane_daemon(small_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     d = Daemon(small_repository, tmp_path_factory.mktemp("lane"), "--max-unread-replies", str(UNREAD),
                "--max-in-flight-per-client", str(IN_FLIGHT), "--client-shm-size", "4M",
-               "--log-level", "debug").start()
+               "--log-level", "debug", "--no-direct-paths").start()   # its plain requests stay on the lane
     yield d
     assert d.stop() == 0, d.log()
     assert "Traceback" not in d.log(), d.log()
@@ -121,7 +121,10 @@ def test_a_local_client_sends_its_inference_on_the_lane(lane_daemon: Daemon) -> 
         out = c.infer("identity", {"INPUT__0": big})["OUTPUT__0"]
         np.testing.assert_array_equal(out, big)
         assert c.is_local and c._state.link.lane is not None
+        # each counted on the lane: with direct paths off, the client is offered none
         assert lane_requests(c) - before == 21
+        assert not c._state.link.direct_ok
+        assert "requests_direct" not in c.server_metadata()["transfer"]
 
 
 def test_a_request_too_large_for_the_lane_goes_over_zeromq(lane_daemon: Daemon) -> None:
@@ -174,7 +177,7 @@ def test_a_lane_runs_only_its_own_sessions_inference(lane_daemon: Daemon) -> Non
         raw.send({"v": 1, "op": "unload", "id": 2, "model": "addsub", "session": raw.token})
         header = raw.answer()
         assert header["id"] == 2 and header["error"]["code"] == errors.UNSUPPORTED, header
-        assert "only infer and arena_grow" in header["error"]["message"]
+        assert "only infer, arena_grow and direct" in header["error"]["message"]
         raw.send({"v": 1, "op": "hello", "id": 3})
         assert raw.answer()["error"]["code"] == errors.UNSUPPORTED
     finally:

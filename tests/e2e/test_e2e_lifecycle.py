@@ -61,15 +61,19 @@ def assert_nothing_left(d: Daemon, pids: list[int]) -> None:
     assert not d.socket_path.exists(), "socket file left behind"
 
 
-def start_in_flight(client_url: str, n: int, worker: int) -> tuple[threading.Thread, dict]:
-    """Send `slow` with n iterations from a thread; return once the worker computes it."""
+def start_in_flight(client_url: str, n: int, worker: int,
+                    through_broker: bool = False) -> tuple[threading.Thread, dict]:
+    """Send `slow` with n iterations from a thread; return once the worker
+    computes it. `through_broker`: with a timeout, so that it does not go on
+    the client's direct path to the worker (the broker then knows it runs)."""
     outcome: dict = {}
     before = cpu_ticks(worker)
 
     def run() -> None:
         with Client(client_url, timeout=60) as c:
             try:
-                outcome["result"] = c.infer("slow", {"INPUT__0": np.array([n])})
+                outcome["result"] = c.infer("slow", {"INPUT__0": np.array([n])},
+                                            timeout=60 if through_broker else None)
             except InferenceError as exc:
                 outcome["error"] = exc
 
@@ -151,7 +155,7 @@ def test_a_request_sent_ahead_to_a_worker_that_dies_runs_on_its_replacement(
     restarted instance answers it: only the running one fails."""
     with serving(small_repository, tmp_path) as d:
         worker = worker_pids(d.log(), "slow")[0]
-        thread, outcome = start_in_flight(d.url, 10 ** 9, worker)   # would run for minutes
+        thread, outcome = start_in_flight(d.url, 10 ** 9, worker, through_broker=True)   # runs for minutes
         with RawConnection(d.url) as conn:
             conn.send(RawConnection.pack({"v": 1, "op": "infer", "id": 7, "model": "slow", "version": "",
                                           "inputs": [{"name": "INPUT__0", "datatype": "INT64", "shape": [1],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from torchpool.worker.process import reuse_input
+from torchpool.worker.capture import reuse_input
 
 
 def test_only_contiguous_views_inside_a_reusable_input_are_reused() -> None:

@@ -21,6 +21,7 @@ for its version, its batch and the loop. It tells the server through
 from __future__ import annotations
 
 import logging
+import select
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
@@ -152,7 +153,7 @@ class Instances:
             stats.queue.add(ns)
             if windows is not None:
                 windows.queue.observe(ns // 1000, now)
-        limit = self._execution_timeout(mv)
+        limit = self.execution_timeout(mv)
         if limit:
             self.loop.call_later(limit, lambda w=worker, b=worker.batch_id: self._kill_if_hung(w, b, limit))
 
@@ -168,7 +169,7 @@ class Instances:
         return (self.answers.arena.segments.get(name) or self.sessions.segment(name)
                 or self.answers.worker_segments.find(name))
 
-    def _execution_timeout(self, mv: ModelVersion) -> float:
+    def execution_timeout(self, mv: ModelVersion) -> float:
         """Seconds a batch may run: the model's TORCHPOOL_EXECUTION_TIMEOUT_S, else the daemon's."""
         own = model_parameters(mv.config).execution_timeout
         return own if own is not None else self.options.execution_timeout
@@ -184,6 +185,8 @@ class Instances:
     def _on_message(self, h: WorkerHandle) -> None:
         try:
             msg, fds = h.recv()
+        except BlockingIOError:
+            return               # read since the loop saw it (catch_up)
         except internal.ProtocolViolation as exc:
             log.error("%s sent a message that is not of the worker protocol (%s); killing it", h.label, exc)
             h.process.kill()     # its sentinel fails its batch and restarts it
@@ -203,6 +206,47 @@ class Instances:
             self.version_failed(mv, msg.message)
         elif kind is internal.Done or kind is internal.Failed:
             self._on_finished(h, mv, msg)
+        elif kind is internal.Served:
+            self._on_served(h, mv, msg.records, msg.closed)
+
+    def catch_up(self) -> None:
+        """Read the reports workers have already sent: a worker reports each
+        direct request before answering it, so statistics read after an
+        answer count it, wherever the loop would have read it."""
+        poller, by_fd = select.poll(), {}
+        for h in self.supervisor.workers.values():
+            fd = h.sock.fileno()
+            if h.state != DEAD and fd >= 0 and self.loop.watching(fd):
+                poller.register(fd, select.POLLIN)
+                by_fd[fd] = h
+        for _ in range(64):              # bounded: a busy worker keeps sending
+            ready = poller.poll(0)
+            if not ready:
+                return
+            for fd, _events in ready:
+                self._on_message(by_fd[fd])
+                if not self.loop.watching(fd):     # it closed
+                    poller.unregister(fd)
+
+    def _on_served(self, h: WorkerHandle, mv: ModelVersion, records: list, closed: bool) -> None:
+        """Direct requests the worker answered (worker/direct.py), counted as
+        the broker counts its own (they did not wait in its queue)."""
+        stats, now = mv.stats, time.monotonic()
+        if closed:
+            h.closing_paths = False          # what ran on them is answered
+        self.answers.transfer["requests_direct"] += len(records)
+        try:
+            for ok, batch_size, ns, input_ns, infer_ns, output_ns in records:
+                if not ok:
+                    stats.record_failure(ns, BACKEND)
+                    continue
+                stats.success.add(ns)
+                stats.queue.add(0)
+                if stats.windows is not None:
+                    stats.windows.request.observe(ns // 1000, now)
+                stats.record_execution(batch_size, 1, input_ns, infer_ns, output_ns)
+        except (TypeError, ValueError) as exc:
+            log.error("%s reported direct requests the broker cannot read (%r); not counted", h.label, exc)
 
     def _on_ready(self, h: WorkerHandle, mv: ModelVersion, msg: internal.Ready) -> None:
         h.state = IDLE
@@ -357,5 +401,6 @@ class Instances:
         return len(mv.scheduler) + sum(len(batch.requests) for batch in ahead if batch is not None)
 
     def running(self, mv: ModelVersion) -> int:
-        """Batches of `mv` its workers have (running, or sent ahead)."""
-        return sum((h.batch is not None) + (h.ahead is not None) for h in mv.workers)
+        """Batches of `mv` its workers have (running, or sent ahead), and
+        direct paths being closed (a direct request may run on them)."""
+        return sum((h.batch is not None) + (h.ahead is not None) + h.closing_paths for h in mv.workers)

@@ -21,11 +21,13 @@ from ..protocol import errors, messages
 from ..protocol import lane as lane_protocol
 from ..protocol.errors import TorchpoolError
 from .answers import Answers
+from .direct import DirectPaths
 from .frontend import Frontend
 from .lane import Lane, lane_session
 from .model_control import ModelControl
 from .registry import ModelVersion, Registry
-from .requests import DEFAULT_LIMITS, InferRequest, TensorLimits, batch_layout, validate_infer
+from ..protocol.validation import DEFAULT_LIMITS, TensorLimits, validate_infer
+from .requests import InferRequest, batch_layout
 from .sessions import SessionManager
 
 log = logging.getLogger("torchpool.broker")
@@ -35,8 +37,11 @@ class Intake:
     def __init__(self, frontend: Frontend, registry: Registry, sessions: SessionManager,
                  control: ModelControl, answers: Answers, transfer: Counter,
                  dispatch: Callable[[ModelVersion], None], stopping: Callable[[], bool],
-                 remote_model_control: bool = False, limits: TensorLimits = DEFAULT_LIMITS) -> None:
+                 remote_model_control: bool = False, limits: TensorLimits = DEFAULT_LIMITS,
+                 direct: Optional[DirectPaths] = None, catch_up: Callable[[], None] = lambda: None) -> None:
         self.frontend = frontend
+        self.direct = direct                                # direct paths to workers (local clients)
+        self.catch_up = catch_up                            # reads the workers' reports of them
         self.limits = limits                                # what one BYTES tensor may hold
         self.remote_model_control = remote_model_control   # load/unload over tcp:// too
         self.registry = registry
@@ -127,9 +132,10 @@ class Intake:
                                      "refused until it reads")
             op = header.get("op")
             if ln is not None:
-                if op != messages.OP_INFER and op != messages.OP_ARENA_GROW:
+                if op not in _LANE_OPS:
                     raise TorchpoolError(errors.UNSUPPORTED, f"operation {op!r} is not sent over the "
-                                                             "local side channel: only infer and arena_grow")
+                                                             "local side channel: only infer, arena_grow "
+                                                             "and direct")
                 session = lane_session(ln, header, self.sessions)
                 self._release_lent(session, header)
             else:
@@ -138,6 +144,18 @@ class Intake:
                 client = ln.client if ln is not None else self.frontend.in_flight.client_of(
                     sock, identity, came_by, not self.frontend.is_remote(sock))
                 self._accept_infer(sock, identity, request_id, header, payload, session, client)
+                return
+            if op == messages.OP_DIRECT:
+                if self.direct is None:
+                    raise TorchpoolError(errors.UNSUPPORTED, "this daemon hands out no direct paths "
+                                                             "(--no-direct-paths)")
+                if header.get("ended") is not None:         # why a path closed with a call on it
+                    raise self.direct.why_ended(session, header["ended"])
+                if ln is None:
+                    raise TorchpoolError(errors.UNSUPPORTED, "a direct path is asked for over the local "
+                                                             "side channel of a session with a lane")
+                self.frontend.send(sock, identity, messages.ok_response(
+                    request_id, result=self.direct.open(session, header)))
                 return
             if not isinstance(op, str) or op not in messages.CONTROL_OPS:
                 raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
@@ -214,9 +232,11 @@ class Intake:
             return [{**row, "reason": messages.hide_paths(row["reason"], str(self.control.root))}
                     for row in reg.repository_index()]
         if op == messages.OP_STATISTICS:
+            self.catch_up()
             return reg.statistics(name, version)
         if op == messages.OP_SERVER_METADATA:
             from .. import __version__
+            self.catch_up()                   # its transfer counters count direct requests
             return {"name": "torchpool", "version": __version__,
                     "extensions": ["system_shared_memory", "local_shared_memory"],
                     "transfer": dict(self.transfer)}
@@ -281,6 +301,7 @@ class Intake:
             self.dispatch(mv)
 
 
+_LANE_OPS = frozenset({messages.OP_INFER, messages.OP_ARENA_GROW, messages.OP_DIRECT})
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)

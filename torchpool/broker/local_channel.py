@@ -13,7 +13,8 @@ socket. Messages are msgpack maps, one per SOCK_SEQPACKET datagram.
 
 A client that attaches with `"lane": true` then also sends its inference
 requests here, and gets their answers here (lane.py, protocol/lane.py):
-two process hops fewer than through ZeroMQ's I/O threads.
+two process hops fewer than through ZeroMQ's I/O threads. It is told
+(`"direct": true`) when it may ask for direct paths to workers (direct.py).
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ class LocalChannel:
         # lane -> None when a lane goes (its queued requests are cancelled)
         self.on_requests: Optional[Callable[[Lane, list[bytes]], None]] = None
         self.on_lane_gone: Callable[[Any, bytes], None] = lambda sock, identity: None
+        self.offers_direct = False         # a lane may ask for direct paths (direct.py)
         claim_socket_path(path, socket.SOCK_SEQPACKET)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
@@ -171,6 +173,8 @@ class LocalChannel:
                                    lambda ln: self.loop.call_later(0.0, lambda: self._end_lane(ln)),
                                    lambda ln: self.on_lane_gone(ln, ln.identity))
             answer["lane"] = True
+            if self.offers_direct:
+                answer["direct"] = True
         try:
             send_with_fds(conn, messages.pack(answer), fds, socket.MSG_DONTWAIT)
         except OSError:

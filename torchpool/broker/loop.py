@@ -43,6 +43,9 @@ class Loop:
         if self._handlers.pop(fd_or_socket, None) is not None:
             self.poller.unregister(fd_or_socket)
 
+    def watching(self, fd_or_socket: Any) -> bool:
+        return fd_or_socket in self._handlers
+
     def watch_writable(self, fd: int, handler: Callable[[], None]) -> None:
         """Also call `handler` when `fd` (watched for reading) can be written."""
         self._writers[fd] = handler

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Iterable, Optional, Sequence
 
+from .frontend import AddressInUse
+from .options import ServerOptions
 from .stats import FAILURE_REASONS, Duration, LatencyWindow, VersionStats, keep_latency_windows
 
 log = logging.getLogger("torchpool.broker")
@@ -273,3 +275,19 @@ class MetricsServer:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def serve_metrics(options: ServerOptions, snapshot: Callable[[], Snapshot], live: Callable[[], bool],
+                  ready: Callable[[], bool], config: MetricsConfig) -> Optional[MetricsServer]:
+    """The daemon's metrics and health server, started (None without --metrics-port)."""
+    o = options
+    if o.metrics_port is None:
+        return None
+    try:
+        server = MetricsServer(o.metrics_host, o.metrics_port, snapshot, live, ready, config)
+    except OSError as exc:      # the CLI probed it: another process took it since
+        raise AddressInUse(f"--metrics-port {o.metrics_port}: cannot serve metrics on "
+                           f"{o.metrics_host}:{o.metrics_port}: {exc.strerror or exc}") from None
+    server.start()
+    log.info("metrics and health on http://%s:%d/metrics", o.metrics_host, server.port)
+    return server

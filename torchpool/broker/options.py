@@ -5,6 +5,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..protocol.validation import TensorLimits
+
 MiB = 1 << 20
 
 
@@ -51,6 +53,9 @@ class ServerOptions:
     exit_on_error: bool = False
     # --- who may connect, and how much each may take (docs/security.md) ---
     local_socket: Optional[str] = None  # unix side channel of local sessions; None = auto, "" = off
+    # local clients with a lane may send plain requests straight to a worker
+    # (broker/direct.py); off: every request passes the broker's queue and limits
+    direct_paths: bool = True
     local_allow_users: list[str] = field(default_factory=list)   # names or uids; empty = any peer
     local_allow_groups: list[str] = field(default_factory=list)  # that can open the socket file
     curve_secret_key: Optional[str] = None       # tcp: this daemon's CURVE key file (torchpool keygen)
@@ -62,5 +67,5 @@ class ServerOptions:
     max_regions_per_session: int = 128  # registered regions of one session
     max_in_flight_per_client: int = 1024   # unanswered requests of one ipc process / tcp connection
     max_unread_replies: int = 1024      # replies queued for a connection that does not read
-    max_bytes_elements: int = 1 << 22   # elements of one BYTES tensor
-    max_bytes_tensor_bytes: int = 256 * MiB  # bytes of one BYTES tensor
+    max_bytes_elements: int = TensorLimits.max_bytes_elements          # elements of one BYTES tensor
+    max_bytes_tensor_bytes: int = TensorLimits.max_bytes_tensor_bytes  # bytes of one BYTES tensor

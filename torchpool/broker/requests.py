@@ -1,42 +1,23 @@
-"""Inference requests: validated against the model config, then staged in shm.
+"""Inference requests, accepted: what the broker keeps of each, staged in shm.
 
-Validation happens here, in the broker, so a bad request never reaches a
-worker. Every message names the model, the tensor and what was expected
-(Triton's wording where Triton has one).
+A request is checked against its model's config before it is accepted
+(protocol/validation.py, the one owner of those rules), so a bad request
+never reaches a worker; then its batch layout is worked out and its inline
+inputs are copied once into the broker's arena.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from ..config import ModelConfig, TensorSpec
-from ..protocol import datatypes, errors
+from ..config import ModelConfig
+from ..protocol import errors
 from ..protocol.errors import TorchpoolError
 from ..protocol.internal import InputDescriptor
-from ..protocol import tensors
 from ..shm.arena import Arena, ArenaFull, Block
 from ..shm.bulkcopy import copy_into
-from .options import ServerOptions
 from .registry import ModelVersion
-
-
-@dataclass(frozen=True)
-class TensorLimits:
-    """What one input tensor may hold, beyond what the model config says:
-    BYTES tensors cost the broker a walk over every element and the worker a
-    Python object per element. The defaults are ServerOptions'."""
-
-    max_bytes_elements: int = ServerOptions.max_bytes_elements
-    max_bytes_tensor_bytes: int = ServerOptions.max_bytes_tensor_bytes
-
-    @classmethod
-    def of(cls, options: ServerOptions) -> "TensorLimits":
-        return cls(options.max_bytes_elements, options.max_bytes_tensor_bytes)
-
-
-DEFAULT_LIMITS = TensorLimits()
 
 
 @dataclass(eq=False)
@@ -75,176 +56,6 @@ class InferRequest:
     delayed: bool = False             # timed out with DELAY: behind its level's other requests
 
 
-def _bad(message: str) -> TorchpoolError:
-    return TorchpoolError(errors.INVALID_ARG, message)
-
-
-def _too_much(name: str, model: str, what: str, limit: int, flag: str) -> TorchpoolError:
-    return TorchpoolError(errors.RESOURCE_EXHAUSTED, f"input '{name}' for model '{model}' has {what}; "
-                                                     f"this server accepts at most {limit} per tensor "
-                                                     f"({flag})")
-
-
-def _shape_str(shape: Sequence[int]) -> str:
-    return "[" + ",".join(str(d) for d in shape) + "]"
-
-
-def _check_shape(entry: dict, model: str) -> list[int]:
-    shape = entry.get("shape")
-    if shape.__class__ is list:
-        for d in shape:
-            # int exactly: msgpack gives int, and bool (an int) is no dimension
-            if d.__class__ is not int or d < 0:
-                break
-        else:
-            return shape
-    raise _bad(f"input '{entry.get('name')}' for model '{model}' has an invalid shape "
-               f"{shape!r}: expected a list of non-negative integers")
-
-
-def _shape_matches(dims: tuple[int, ...], shape: list[int], batching: bool) -> bool:
-    """`shape` (with its batch dimension when batching) against the config's dims."""
-    start = 1 if batching else 0
-    if len(shape) != len(dims) + start:
-        return False
-    for i, d in enumerate(dims, start):
-        if d != -1 and d != shape[i]:
-            return False
-    return True
-
-
-def _model_shape(spec: TensorSpec, shape: list[int], batching: bool) -> list[int]:
-    """The shape the model sees: the config's `reshape` applied, if any; a
-    ragged input (`allow_ragged_batch`) is one flat run of elements."""
-    if batching and spec.allow_ragged_batch:
-        return [math.prod(shape)]
-    if spec.reshape is None:
-        return shape
-    prefix = shape[:1] if batching else []
-    return prefix + list(spec.reshape)
-
-
-def _payload(e: dict, frames: Sequence[Any], session: Any, sessions: Any, name: str, model: str,
-             regions: list) -> tuple[memoryview, Optional[list]]:
-    """The input's bytes, and where a worker finds them when they are already
-    in shared memory ([segment ref, offset, nbytes, generation], and `True`
-    when the client lets the answer point into the block; None when inline
-    bytes must be staged)."""
-    where = tensors.location(e)
-    if where != tensors.SHM and where != tensors.REGION:       # inline bytes: the common case
-        return memoryview(tensors.tensor_payload(e, frames)).cast("B"), None
-    what = f"input '{name}' for model '{model}'"
-    if where == tensors.SHM:
-        view, location = sessions.arena_view(session, e[tensors.SHM], what)
-        if e.get(tensors.REUSE) is True:
-            location.append(True)        # the answer may point into this block
-        return view, location
-    region, offset, nbytes = sessions.region(session, e[tensors.REGION], what)
-    regions.append(region)
-    return region.view(offset, nbytes), [region.worker_ref(), region.offset + offset, nbytes, 0]
-
-
-def validate_infer(header: dict, frames: Sequence[Any], mv: ModelVersion, session: Any = None,
-                   sessions: Any = None, *, limits: TensorLimits = DEFAULT_LIMITS
-                   ) -> tuple[list[tuple], list, int, list, dict]:
-    """Check inputs and requested outputs against the config and `limits`.
-
-    Returns ([(spec, shape, model_shape, payload, location)], requested
-    outputs for the worker, batch size, regions used, {output: (region, offset)}).
-    """
-    cfg: ModelConfig = mv.config
-    model = mv.name
-    entries = header.get("inputs")
-    if entries.__class__ is not list or not _all_dicts(entries):
-        raise _bad(f"request for model '{model}' has no valid 'inputs' list")
-    specs = cfg.inputs_by_name
-    batching = cfg.max_batch_size > 0
-    seen: dict[str, dict] = {}
-    for e in entries:
-        name = e.get("name")
-        if name.__class__ is not str:
-            raise _bad(f"request for model '{model}' has an input without a valid name: {name!r}")
-        if name in seen:
-            raise _bad(f"input '{name}' given more than once for model '{model}'")
-        if name not in specs:
-            raise _bad(f"unexpected inference input '{name}' for model '{model}'")
-        seen[name] = e
-    if len(seen) != len(specs):          # every input given: none can be missing
-        required = [t.name for t in cfg.inputs if not t.optional]
-        missing = [n for n in required if n not in seen]
-        if missing:
-            raise _bad(f"expected {len(required)} inputs but got {len(seen)} inputs for model '{model}'. "
-                       f"Got input(s) {sorted(seen)}, but missing required input(s) {missing}. "
-                       f"Please provide all required input(s).")
-
-    staged = []
-    regions: list = []
-    batch_size = None
-    for name, e in seen.items():
-        spec = specs[name]
-        datatype = e.get("datatype")
-        if datatype != spec.datatype:
-            raise _bad(f"inference input '{name}' data-type is '{datatype}', but model '{model}' "
-                       f"expects '{spec.datatype}'")
-        shape = _check_shape(e, model)
-        if batching:
-            if not shape:
-                raise _bad(f"input '{name}' for model '{model}' has no batch dimension; expected "
-                           f"shape {_shape_str([-1, *spec.dims])}")
-            if shape[0] > cfg.max_batch_size:
-                raise _bad(f"inference request batch-size must be <= {cfg.max_batch_size} for "
-                           f"'{model}', got {shape[0]} in input '{name}'")
-            if batch_size is None:
-                batch_size = shape[0]
-            elif shape[0] != batch_size:
-                raise _bad(f"input '{name}' for model '{model}' has batch size {shape[0]}, but other "
-                           f"inputs have {batch_size}: all inputs must share the batch size")
-        if not _shape_matches(spec.dims, shape, batching):
-            expected = ([-1] if batching else []) + list(spec.dims)
-            raise _bad(f"unexpected shape for input '{name}' for model '{model}'. "
-                       f"Expected {_shape_str(expected)}, got {_shape_str(shape)}")
-        count = math.prod(shape)
-        if datatype == "BYTES" and count > limits.max_bytes_elements:
-            # refused before its payload is even looked at
-            raise _too_much(name, model, f"{count} BYTES elements", limits.max_bytes_elements,
-                            "--max-bytes-elements")
-        payload, location = _payload(e, frames, session, sessions, name, model, regions)
-        if datatype == "BYTES":
-            if len(payload) > limits.max_bytes_tensor_bytes:
-                raise _too_much(name, model, f"{len(payload)} bytes of BYTES elements",
-                                limits.max_bytes_tensor_bytes, "--max-bytes-tensor-bytes")
-            try:
-                datatypes.check_bytes(payload, count)
-            except ValueError as exc:
-                raise _bad(f"input '{name}' for model '{model}' (BYTES, shape {_shape_str(shape)}): "
-                           f"{exc}; each element is a 4-byte little-endian length and its bytes") from None
-        else:
-            want = count * datatypes.element_size(datatype)
-            if len(payload) != want:
-                raise _bad(f"input byte size mismatch for input '{name}' for model '{model}'. "
-                           f"Expected {want}, got {len(payload)}")
-        staged.append((spec, shape, _model_shape(spec, shape, batching), payload, location))
-
-    if cfg.batch_inputs or cfg.batch_outputs:
-        present = {spec.name for spec, *_ in staged}
-        for entry in (*cfg.batch_inputs, *cfg.batch_outputs):
-            source = entry["source_input"][0]
-            if source not in present:
-                what = "batch input" if entry in cfg.batch_inputs else "batch output"
-                raise _bad(f"input '{source}' for model '{model}' is required: {what} "
-                           f"'{entry['target_name'][0]}' is computed from it")
-    requested, region_outputs = _requested_outputs(header.get("outputs"), cfg, model, session,
-                                                   sessions, regions)
-    return staged, requested, batch_size or 1, regions, region_outputs
-
-
-def _all_dicts(entries: list) -> bool:
-    for e in entries:
-        if e.__class__ is not dict:
-            return False
-    return True
-
-
 def batch_layout(req: "InferRequest", staged: list[tuple], cfg: ModelConfig) -> None:
     """Fill in what batching needs to know about an accepted request: its
     input shapes, its rows, and the key of the requests it may share a batch
@@ -271,69 +82,6 @@ def batch_layout(req: "InferRequest", staged: list[tuple], cfg: ModelConfig) -> 
     else:
         req.key = tuple(sorted((spec.name, "ragged" if spec.allow_ragged_batch else tuple(shape[1:]))
                                for spec, shape, *_ in staged))
-
-
-# Triton's classification extension ranks numbers only (its classification.cc):
-# BOOL, FP16, BF16 and BYTES outputs cannot be classified.
-CLASSIFIABLE = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-                          "FP32", "FP64"})
-
-
-def _class_count(out: dict, spec: TensorSpec, model: str) -> int:
-    """The `classification` of a requested output map: the number of classes
-    wanted, 0 for none (absent, nil or 0: Triton's class_count 0 means none)."""
-    count = out.get(tensors.CLASSIFICATION)
-    if count is None:
-        return 0
-    what = f"output '{spec.name}' for model '{model}'"
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise _bad(f"{what}: 'classification' must be a positive integer (the number of classes "
-                   f"to return; 0 or nil for none), got {count!r}")
-    if count == 0:
-        return 0
-    if spec.datatype not in CLASSIFIABLE:
-        raise _bad(f"{what}: class result not available for output due to unsupported type "
-                   f"'{spec.datatype}'")
-    if tensors.REGION in out:
-        raise _bad(f"{what}: 'classification' cannot be combined with 'region': the class "
-                   f"strings are not the tensor the region holds")
-    return count
-
-
-def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: Any, sessions: Any,
-                       regions: list) -> tuple[list, dict]:
-    """Output names, maps {name, region} that send an output into a region,
-    or maps {name, classification} that ask for its top-k classes. For the
-    worker: a name, [name, region ref, offset, capacity] or [name, k]."""
-    if requested is None:
-        return list(cfg.outputs_by_name), {}
-    if not isinstance(requested, list):
-        raise _bad(f"'outputs' for model '{model}' must be a list of output names")
-    worker_outputs, region_outputs, seen = [], {}, set()
-    for out in requested:
-        name = out.get("name") if isinstance(out, dict) else out
-        if not isinstance(name, str):
-            raise _bad(f"'outputs' for model '{model}' must be a list of output names")
-        if cfg.output(name) is None:
-            raise _bad(f"unexpected inference output '{name}' for model '{model}'")
-        if name in seen:
-            continue
-        seen.add(name)
-        if out is name:              # a plain name
-            worker_outputs.append(name)
-            continue
-        count = _class_count(out, cfg.output(name), model)
-        if count:
-            worker_outputs.append([name, count])
-        elif tensors.REGION in out:
-            region, offset, capacity = sessions.region(session, out[tensors.REGION],
-                                                       f"output '{name}' for model '{model}'")
-            regions.append(region)
-            region_outputs[name] = (region.name, offset)
-            worker_outputs.append([name, region.worker_ref(), region.offset + offset, capacity])
-        else:
-            worker_outputs.append(name)
-    return worker_outputs, region_outputs
 
 
 def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[list], list[Block]]:

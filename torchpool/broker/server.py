@@ -6,9 +6,9 @@
                        │                   │ Intake: route each request                    │
                        │                   │   control ops ─► Registry, ModelControl,      │
                        │                   │                  SessionManager               │
-                       │                   │   infer: validate (requests.py) ─► the        │
-                       │                   │   version's Scheduler (schedulers/: direct,   │
-                       │                   │   dynamic, sequence) ─► Batch ─► Instances    │
+                       │                   │   infer: validate (protocol/validation.py) ─► │
+                       │                   │   the version's Scheduler (schedulers/:       │
+                       │                   │   direct, dynamic, sequence) ─► Instances     │
     [header, frames] ◄─┼───────────────────│ Answers (answers/): split per request, order, │
     ───────────────────┘                   │   lend / send zero-copy from worker memory    │
                                            └──────┬─────────────────────────▲──────────────┘
@@ -17,14 +17,17 @@
                                      worker (one per model instance, forked from the torch
                                      template by the Supervisor; its lifecycle is Instances'):
                                      views inputs in shm, runs the model (large outputs made
-                                     in shm: worker/capture.py), writes the others once
+                                     in shm: worker/capture.py), writes the others once.
+                                     A local client's plain requests may skip the broker:
+                                     direct.py hands it a socket to the worker (worker/direct.py)
 
 Who owns what:
     server.py       startup / main loop / shutdown, dispatch to idle instances
     signals.py      signals recorded by their handlers, acted on by the loop
     intake.py       client requests: control calls routed, inferences validated and queued
     loop.py         the poller, fd handlers and timers everything runs on
-    requests.py     validation of an infer request against the config; InferRequest
+    requests.py     InferRequest: an accepted request, its batch layout and staging
+    direct.py       direct paths: a local client's plain requests sent to a worker
     schedulers/     one Scheduler per version (base.py is the interface the loop uses)
     deadlines.py    which schedulers have a deadline the loop must wake for
     batch.py        Batch, and the tensors the broker computes for one (batch_input)
@@ -60,14 +63,15 @@ from ..protocol.errors import TorchpoolError
 from ..shm import Arena, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
 from ..shm.reaper import Reaper
 from .answers import Answers
-from .frontend import AddressInUse, Frontend
+from .frontend import Frontend
 from .instances import InstanceEvents, Instances
+from .direct import DirectPaths
 from .intake import Intake
 from .local_channel import LocalChannel, resolve_path
-from .requests import TensorLimits
+from ..protocol.validation import TensorLimits
 from .loop import Loop
 from .gateways import GatewayProcess
-from .metrics import MetricsServer, configure_metrics
+from .metrics import MetricsServer, configure_metrics, serve_metrics
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
 from .options import ServerOptions
 from .deadlines import SchedulerDeadlines
@@ -160,7 +164,10 @@ class Server:
         self.frontend.on_gone = lambda sock, identity: self.loop.call_later(
             0.0, lambda: self._cancel_queued(sock, identity))
         self.loop.call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
-        self._serve_metrics(metrics_config)     # bound before any model loads: a busy port fails at once
+        # bound before any model loads: a busy port fails at once
+        self.metrics = serve_metrics(o, self._metrics_snapshot, lambda: not self.should_exit,
+                                     lambda: not self.should_exit and self.registry is not None
+                                     and self.registry.server_ready(), metrics_config)
         entries = scan_repository(o.model_repository)
         if not entries:
             log.warning("model repository %s holds no models", o.model_repository)
@@ -174,13 +181,18 @@ class Server:
             stopping=lambda: self.should_exit))
         self.control = ModelControl(self.registry, o.model_repository, o.model_control_mode,
                                     self.start_version, self.instances.version_gone)
+        limits = TensorLimits.of(o)
+        direct = DirectPaths(self.registry, limits, self.instances.execution_timeout,
+                             lambda: self.should_exit) if o.direct_paths else None
         self.intake = Intake(self.frontend, self.registry, self.sessions, self.control, self.answers,
                              self.transfer, self._dispatch, lambda: self.should_exit,
-                             remote_model_control=o.remote_model_control, limits=TensorLimits.of(o))
+                             remote_model_control=o.remote_model_control, limits=limits,
+                             direct=direct, catch_up=self.instances.catch_up)
         for sock in self.frontend.sockets:
             self.loop.watch(sock, lambda sock=sock: self.intake.on_readable(sock))
         if self.local_channel is not None:
             self.local_channel.on_requests = self.intake.on_lane
+            self.local_channel.offers_direct = direct is not None
             self.local_channel.on_lane_gone = self.frontend.on_gone
         for model in self.registry.models.values():
             model.fingerprint = fingerprint(model.entry.path)
@@ -234,21 +246,6 @@ class Server:
                 last_activity = time.perf_counter()
             self.loop.run_timers()
             self._expire_queued()
-
-    def _serve_metrics(self, config: Any) -> None:
-        o = self.options
-        if o.metrics_port is None:
-            return
-        try:
-            self.metrics = MetricsServer(o.metrics_host, o.metrics_port, self._metrics_snapshot,
-                                         lambda: not self.should_exit,
-                                         lambda: not self.should_exit and self.registry is not None
-                                         and self.registry.server_ready(), config)
-        except OSError as exc:      # the CLI probed it: another process took it since
-            raise AddressInUse(f"--metrics-port {o.metrics_port}: cannot serve metrics on "
-                               f"{o.metrics_host}:{o.metrics_port}: {exc.strerror or exc}") from None
-        self.metrics.start()
-        log.info("metrics and health on http://%s:%d/metrics", o.metrics_host, self.metrics.port)
 
     def _check_gateway(self) -> None:
         if self.gateway is not None and not self.should_exit:
@@ -313,7 +310,7 @@ class Server:
                 if self.should_exit and sig == signal.SIGINT:
                     log.warning("second SIGINT: stopping now")
                     self.force_exit = True
-                self.should_exit = True
+                self._stop()
             elif sig == signal.SIGHUP:
                 self._reload()
 
@@ -425,7 +422,13 @@ class Server:
     def _stop_starting(self, reason: str) -> None:     # --exit-on-error
         if self.failure is None:
             self.failure = ModelLoadFailed(reason)
-            self.should_exit = True
+            self._stop()
+
+    def _stop(self) -> None:
+        """Stop taking requests, on direct paths too (their next ones come here, refused)."""
+        self.should_exit = True
+        if self.intake is not None and self.intake.direct is not None:
+            self.intake.direct.close_all(self.sessions.sessions.values())
 
     def _metrics_snapshot(self) -> tuple[list, dict]:
         # pending: accepted, not started (Triton's nv_inference_pending_request_count)

@@ -69,6 +69,7 @@ class Session:
     regions: dict[str, Region] = field(default_factory=dict)
     challenges: dict[str, Challenge] = field(default_factory=dict)
     in_flight: int = 0
+    direct: dict = field(default_factory=dict)   # model version -> (direct path name, worker): direct.py
 
     @property
     def local(self) -> bool:
@@ -259,7 +260,8 @@ class SessionManager:
         for challenge in session.challenges.values():
             os.close(challenge.fd)
         session.challenges.clear()
-        forgotten = list(session.arena)
+        forgotten = list(session.arena) + [name for name, _ in session.direct.values()]
+        session.direct.clear()
         for seg in list(session.arena.values()):
             self._drop_arena_segment(session, seg, tell_workers=False)
         if forgotten:

@@ -77,6 +77,8 @@ class WorkerHandle:
     stopping: bool = False            # asked to stop (its version was retired)
     started: float = field(default_factory=time.monotonic)
     known: set = field(default_factory=set)   # segments whose fds it has been handed
+    how_it_ended: str = ""            # once reaped: "was killed by signal SIGKILL (9)", ...
+    closing_paths: bool = False       # told to close direct paths, not done yet (broker/direct.py)
 
     @property
     def label(self) -> str:
@@ -99,9 +101,13 @@ class WorkerHandle:
 
     def recv(self) -> tuple[Optional[internal.Message], list[int]]:
         """The worker's next message and the fds that came with it (the caller
-        owns them); (None, []) at EOF. Raises ProtocolViolation (fds closed)."""
+        owns them); (None, []) at EOF. Raises ProtocolViolation (fds closed),
+        BlockingIOError when none waits (the loop saw the socket readable, and
+        Instances.catch_up read it since)."""
         try:
-            raw, fds = _receiver.recv(self.sock)
+            raw, fds = _receiver.recv(self.sock, _DONTWAIT)
+        except BlockingIOError:
+            raise
         except (ConnectionError, OSError):
             return None, []
         if not raw:
@@ -116,6 +122,7 @@ class WorkerHandle:
 
 # The broker's one thread decodes each message before reading the next: one buffer serves all.
 _receiver = FdReceiver(internal.MAX_MESSAGE)
+_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 def shares_weights(mv: ModelVersion) -> bool:
@@ -199,7 +206,7 @@ class Supervisor:
     def reap(self, handle: WorkerHandle) -> str:
         """Forget a dead worker; release what it owned. Returns how it died."""
         handle.process.join(timeout=1.0)
-        how = describe_exit(handle.process.exitcode)
+        how = handle.how_it_ended = describe_exit(handle.process.exitcode)
         handle.state = DEAD
         self.workers.pop(handle.sentinel, None)
         if handle in handle.mv.workers:

@@ -105,6 +105,10 @@ def _add_security_flags(serve: argparse.ArgumentParser) -> None:
                           "secret key file (torchpool keygen)")
     sec.add_argument("--curve-authorized-keys", default=_default("curve_authorized_keys"),
                      metavar="DIR", help="directory of the client public keys allowed over tcp://")
+    sec.add_argument("--no-direct-paths", dest="direct_paths", action="store_false",
+                     default=_default("direct_paths"),
+                     help="local clients send every request through the daemon's queue (and its "
+                          "--max-in-flight-per-client), none straight to a model's worker")
     sec.add_argument("--insecure-tcp", action="store_true", default=_default("insecure_tcp"),
                      help="allow a non-loopback tcp:// address without CURVE")
     sec.add_argument("--remote-model-control", action="store_true",

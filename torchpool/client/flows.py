@@ -32,6 +32,7 @@ from ..protocol.errors import InferenceError
 from ..protocol.messages import OP_ARENA_GROW, OP_GOODBYE, OP_HELLO
 from .arena import DEFAULT_ARENA_CAP, ClientArena, OutputMaps, block_size, local_wanted
 from .inputs import InputEncoding, _NeedRoom
+from .direct import DirectPaths, takes_direct
 from .local import LocalLink
 from .outputs import OutputDecoding
 from .regions import RegionFlows
@@ -74,6 +75,9 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
         self.link: Optional[LocalLink] = None    # the side channel of a local session
         # makes a local session's request lane (client/lane.py); None: no lane
         self.lane_factory: Optional[Callable[[LocalLink], Any]] = None
+        # makes a direct path's socket (client/direct.py); None: none are asked for
+        self.direct_factory: Optional[Callable[[Any, str], Any]] = None
+        self.direct = DirectPaths()
         self.local_socket: Optional[str] = None  # where it is (regions attach without an arena)
         self.outputs = OutputMaps()
         self.releases: collections.deque = collections.deque()   # (session, [seg, off, gen])
@@ -147,6 +151,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
         self.releases.clear()
         self.quarantine.clear()
         self.outputs.clear()
+        self.direct.close()
         if self.arena is not None:
             self.arena.close()
             self.arena = None
@@ -312,19 +317,26 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
             header["sequence"] = sequence
         if self.local:
             header["output_shm"] = True
-        token = self.add_session(header)
+        direct = None
+        if self.direct_factory is not None and self._lane() is not None and self.link.direct_ok \
+                and not self.releases and takes_direct(header):
+            direct = yield from self.direct.path_flow(self, model, header["version"], timeout)
+        if direct is not None:
+            token = header["session"] = self.session    # releases wait for a request to the daemon
+        else:
+            token = self.add_session(header)
         frames = [messages.pack(header), *enc.frames]
         lane = self._lane() if self.local else None
         if lane is not None and not lane_protocol.fits(frames):
             # over ZeroMQ, and nothing lent: the segments lent outputs need are
             # handed over on the lane, which only its reader reads
-            lane = None
+            lane = direct = None
             del header["output_shm"]
             frames[0] = messages.pack(header)
         rid, answered = header["id"], False
         try:
             try:
-                reply_header, payload = yield Call(rid, frames, timeout, lane)
+                reply_header, payload = yield from self._send_infer(rid, frames, timeout, direct, lane)
             except NoAnswer:
                 raise                  # maybe still running: finish() keeps its blocks
             except InferenceError as exc:
@@ -341,6 +353,18 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
             return self.decode_outputs(reply_header, payload, copy, token, enc, arena)
         finally:
             self.finish(enc, arena, answered, rid, token)
+
+    def _send_infer(self, rid: Any, frames: list, timeout: Optional[float], direct: Any, lane: Any) -> Flow:
+        if direct is not None:
+            try:
+                return (yield Call(rid, frames, timeout, direct))
+            except NoAnswer as exc:
+                if exc.sent and not direct.lost:
+                    raise
+                if exc.sent:      # the path closed with it: the daemon says why
+                    raise (yield from self.direct.ended_flow(self, direct, timeout)) from None
+                # the path closed before it took the request: the lane takes it
+        return (yield Call(rid, frames, timeout, lane))
 
     def _lane(self) -> Any:
         """The session's request lane, while it is open; else None."""

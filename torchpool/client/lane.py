@@ -26,6 +26,8 @@ from .types import NoAnswer
 
 
 class LaneSocket(SharedSocket):
+    zmq_fallback = True         # a call it could not send goes over ZeroMQ (sync.py)
+
     def __init__(self, link: Any, url: str, on_late: Callable[[Any], None]) -> None:
         self._link = link
         self._url = url

@@ -25,13 +25,15 @@ ATTACH_TIMEOUT_S = 10.0
 class LocalLink:
     """An attached side channel: the session's segments, by name, as fds."""
 
-    def __init__(self, sock: socket.socket, arena: list[tuple[str, int]], lane: bool = False) -> None:
+    def __init__(self, sock: socket.socket, arena: list[tuple[str, int]], lane: bool = False,
+                 direct: bool = False) -> None:
         self.sock = sock
         self.arena = arena                       # [(segment name, fd)] handed at attach
         self._fds: dict[str, int] = {}           # pushed since, not taken yet
         # the daemon takes requests here (client/lane.py): then only the lane's
         # reader reads this socket, and it keeps what is pushed for take()
         self.lane_ok = lane
+        self.direct_ok = direct                  # ... and hands out direct paths (direct.py)
         self.lane: Any = None
         self._receiver = FdReceiver(MAX_MESSAGE)
 
@@ -61,7 +63,8 @@ class LocalLink:
                 close_all(fds)
                 raise InferenceError(errors.INTERNAL, "the daemon's arena came without its memory")
             sock.setblocking(False)
-            return cls(sock, list(zip(names, fds)), lane and answer.get("lane") is True)
+            lane = lane and answer.get("lane") is True
+            return cls(sock, list(zip(names, fds)), lane, lane and answer.get("direct") is True)
         except BaseException:
             sock.close()
             raise

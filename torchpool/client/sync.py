@@ -12,6 +12,7 @@ import zmq
 from ..protocol import messages
 from .arena import DEFAULT_ARENA_CAP
 from .channel import SharedSocket
+from .direct import DirectSocket
 from .lane import LaneSocket
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control, error_of
 from .flows import ClientState, SessionLost, run_sync, sequence_field
@@ -92,6 +93,8 @@ class Client(ClientBase):
         self._open(url, timeout, local, arena_cap, zmq.Context.instance(), server_key, client_key)
         self._channel = SharedSocket(self._sock, self._watch, _late_answers(self._state))
         self._state.lane_factory = lambda link, state=self._state: LaneSocket(link, url, _late_answers(state))
+        self._state.direct_factory = lambda sock, model, state=self._state: DirectSocket(
+            sock, model, url, _late_answers(state))
 
     # -- transport
     def _call(self, frames: list, request_id: int, timeout: Optional[float]) -> tuple[dict, list]:
@@ -110,7 +113,7 @@ class Client(ClientBase):
             try:
                 header, payload = call.channel.request(call.frames, call.rid, limit)
             except NoAnswer as exc:
-                if exc.sent or not call.channel.lost:
+                if exc.sent or not call.channel.lost or not call.channel.zmq_fallback:
                     raise
                 # the lane was closed before it was sent: the daemon ended the session
                 # (or stopped), which it says over ZeroMQ; the flow then says hello again

@@ -6,7 +6,7 @@ costs next to nothing, and indexing still works):
 
     raw = internal.encode(internal.Run(batch_id, inputs, outputs, releases))
     msg = internal.decode(raw)          # -> Run | Release | Forget | Stop | Segments |
-                                        #    Ready | LoadFailed | Done | Failed
+                                        #    Adopt | Ready | LoadFailed | Done | Failed | Served
     if type(msg) is internal.Done: ... msg.outputs[0].segment ...
     match msg:
         case internal.Failed(batch_id, code, message): ...
@@ -47,8 +47,11 @@ either way
 broker -> worker
     [RUN, batch_id, [descriptor, ...], [requested output, ...], [released block, ...]]
     [RELEASE, [released block, ...]]
-    [FORGET, [segment name | [key, inode], ...]]   unmap: a client session or region is gone
+    [FORGET, [segment name | [key, inode] | direct name, ...]]   unmap (close): a client
+                                      session or region is gone
     [STOP]
+    [ADOPT, name, max_bytes_elements, max_bytes_tensor_bytes]   with one fd attached: a
+                                      local client's direct socket (worker/direct.py)
 A released block is `[segment, offset, size]` of an output block the broker
 no longer reads: the worker may reuse it.
 worker -> broker
@@ -56,6 +59,9 @@ worker -> broker
     [LOAD_FAILED, code, message]
     [DONE, batch_id, [descriptor, ...], [input_ns, infer_ns, output_ns], [reused output, ...]]
     [FAILED, batch_id, code, message]
+    [SERVED, [[ok, batch_size, request_ns, input_ns, infer_ns, output_ns], ...], closed]
+                                      direct requests answered since the last SERVED (ok 0: the
+                                      model failed); closed: the paths a FORGET named are closed
 An output descriptor is `[name, datatype, shape, segment, offset, nbytes]`;
 a reused output's descriptor points into the input block it is a view of
 (nothing to release), every other one into the worker's arena or a region.
@@ -73,10 +79,12 @@ STOP = 2
 RELEASE = 3
 FORGET = 4
 SEGMENTS = 5
+ADOPT = 6
 READY = 10
 LOAD_FAILED = 11
 DONE = 12
 FAILED = 13
+SERVED = 14
 
 # A message is far smaller than this; sized for descriptors of many outputs.
 MAX_MESSAGE = 1 << 20
@@ -166,6 +174,17 @@ class Segments(NamedTuple):
     KIND = SEGMENTS
 
 
+DIRECT_PREFIX = "direct-"          # names a direct path (ADOPT, FORGET)
+
+
+class Adopt(NamedTuple):
+    """A local client's direct socket: its fd travels with the message."""
+    name: str                   # "direct-N": a later FORGET names it to close it
+    max_bytes_elements: int     # the broker's TensorLimits, which the worker's checks apply
+    max_bytes_tensor_bytes: int
+    KIND = ADOPT
+
+
 class Ready(NamedTuple):
     pid: int
     device: str
@@ -193,7 +212,14 @@ class Failed(NamedTuple):
     KIND = FAILED
 
 
-Message = Union[Run, Release, Forget, Stop, Segments, Ready, LoadFailed, Done, Failed]
+class Served(NamedTuple):
+    """Direct requests answered since the last report, for the statistics."""
+    records: list               # [[ok, batch_size, request_ns, input_ns, infer_ns, output_ns], ...]
+    closed: bool = False        # sent after closing the direct paths a FORGET named
+    KIND = SERVED
+
+
+Message = Union[Run, Release, Forget, Stop, Segments, Adopt, Ready, LoadFailed, Done, Failed, Served]
 
 
 def encode(msg: Message) -> bytes:
@@ -258,10 +284,12 @@ _DECODERS = {
     FORGET: lambda m: _new(Forget, (m[1],)),
     STOP: lambda m: _STOP,
     SEGMENTS: lambda m: _new(Segments, (m[1],)),
+    ADOPT: lambda m: _new(Adopt, (m[1], m[2], m[3])),
     READY: lambda m: _new(Ready, (m[1], m[2])),
     LOAD_FAILED: lambda m: _new(LoadFailed, (m[1], m[2])),
     DONE: _done,
     FAILED: lambda m: _new(Failed, (m[1], m[2], m[3])),
+    SERVED: lambda m: _new(Served, (m[1], len(m) > 2 and m[2] is True)),
 }
 
 
@@ -278,9 +306,9 @@ def decode(raw: bytes) -> Message:
 
 
 __all__ = [
-    "Block", "Classify", "DONE", "Done", "FAILED", "FORGET", "Failed", "Forget", "InputDescriptor",
+    "ADOPT", "Adopt", "Block", "DIRECT_PREFIX", "Classify", "DONE", "Done", "FAILED", "FORGET", "Failed", "Forget", "InputDescriptor",
     "LOAD_FAILED", "LoadFailed", "MAX_MESSAGE", "Message", "OutputDescriptor", "OutputTarget",
     "ProtocolViolation", "READY", "RELEASE", "RUN", "Ready", "Release", "Run", "SEGMENTS",
-    "STOP", "Segments", "Stop",
+    "SERVED", "STOP", "Segments", "Served", "Stop",
     "Timings", "decode", "encode",
 ]

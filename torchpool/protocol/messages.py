@@ -53,6 +53,7 @@ REGION_TOKEN_BYTES = 16
 OP_HELLO = "hello"
 OP_GOODBYE = "goodbye"
 OP_ARENA_GROW = "arena_grow"
+OP_DIRECT = "direct"          # a path to a model's instance (over a session's lane only)
 OP_REGISTER = "register_system_shared_memory"
 OP_UNREGISTER = "unregister_system_shared_memory"
 OP_SHM_STATUS = "get_system_shared_memory_status"

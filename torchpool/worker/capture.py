@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -142,3 +142,24 @@ class OutputCapture:
     def stats(self) -> tuple[int, int, int]:
         """(bytes in use, blocks, large allocations that did not fit)."""
         return _outcapture.stats()
+
+
+# Outputs that lie where they are sent already, without capture: views of an input.
+
+def reuse_input(value: Any, reusable: list) -> Optional[tuple]:
+    """(segment, offset, nbytes) when the output tensor `value` lies inside an
+    input block its client handed over for reuse: the answer then points
+    there and the output is not copied (an identity, or a model that works
+    in place). `reusable` holds (address, nbytes, segment, offset) per such
+    input. Only contiguous CPU tensors qualify; anything else is written out."""
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided \
+            or not value.is_cpu or not value.is_contiguous():
+        return None
+    nbytes = value.nbytes
+    if nbytes == 0:
+        return None
+    address = value.data_ptr()
+    for base, size, segment, offset in reusable:
+        if base <= address and address + nbytes <= base + size:
+            return segment, offset + (address - base), nbytes
+    return None

@@ -40,13 +40,15 @@ from ..shm.fdpass import FdReceiver, close_all, send_with_fds
 from ..shm.segment import Segment
 from ..shm.reaper import Reaper
 from .binding import ExecutionError, ModelLoadError
-from .capture import OutputCapture
+from .capture import OutputCapture, reuse_input
 from .classify import Classified
+from .direct import DirectClients
 from .loader import load_instance
 from .parent import tie_to_the_broker
 from .settings import after_execution, grad_context
 from .spec import WorkerSpec
 from .texts import client_text
+from ..protocol.internal import DIRECT_PREFIX
 from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_header
 from ..shm.regions import RegionMaps
 
@@ -60,25 +62,6 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     # the daemon's level and format, into the stderr inherited from it
     setup_logging(spec.log_level, spec.log_format)
     Worker(spec, sock).serve()
-
-
-def reuse_input(value: Any, reusable: list) -> Optional[tuple]:
-    """(segment, offset, nbytes) when the output tensor `value` lies inside an
-    input block its client handed over for reuse: the answer then points
-    there and the output is not copied (an identity, or a model that works
-    in place). `reusable` holds (address, nbytes, segment, offset) per such
-    input. Only contiguous CPU tensors qualify; anything else is written out."""
-    if not isinstance(value, torch.Tensor) or value.layout != torch.strided \
-            or not value.is_cpu or not value.is_contiguous():
-        return None
-    nbytes = value.nbytes
-    if nbytes == 0:
-        return None
-    address = value.data_ptr()
-    for base, size, segment, offset in reusable:
-        if base <= address and address + nbytes <= base + size:
-            return segment, offset + (address - base), nbytes
-    return None
 
 
 class Worker:
@@ -104,6 +87,7 @@ class Worker:
         self.capture_name: Optional[str] = None
         self.on_cpu, self.clean_cache = True, False      # read on every request: looked up once
         self._arena_addresses: dict[str, int] = {}
+        self.direct = DirectClients(self)
 
     def send(self, msg: internal.Message) -> None:
         self.sock.send(internal.encode(msg))
@@ -138,6 +122,7 @@ class Worker:
         finally:
             if self.capture is not None:
                 self.capture.close()
+            self.direct.close()
             self.outputs.close()
             self.inputs_shm.close()
             self.reaper.stop()
@@ -174,30 +159,42 @@ class Worker:
 
     def loop(self) -> None:
         while True:
-            raw, fds = self.receive()
-            if not raw:
-                return  # the broker went away
-            try:
-                msg = internal.decode(raw)
-            except internal.ProtocolViolation as exc:
-                close_all(fds)
-                log.error("%s: ignoring a message from the broker: %s", self.label, exc)
+            if self.direct.clients:      # local clients sending requests here (direct.py)
+                if not self.direct.turn():
+                    return
                 continue
-            kind = msg.__class__
-            if fds and kind is not internal.Segments:
-                close_all(fds)
-                fds = []
-            if kind is internal.Run:
-                self.release(msg.releases)
-                self.run(msg)
-            elif kind is internal.Stop:
+            raw, fds = self.receive()
+            if not self.handle(raw, fds):
                 return
-            elif kind is internal.Release:
-                self.release(msg.blocks)
-            elif kind is internal.Forget:
-                self.forget(msg.refs)
-            elif kind is internal.Segments:
-                self.map_segments(msg.segments, fds)
+
+    def handle(self, raw: memoryview, fds: list[int]) -> bool:
+        """One message of the broker's; False when the worker stops."""
+        if not raw:
+            return False  # the broker went away
+        try:
+            msg = internal.decode(raw)
+        except internal.ProtocolViolation as exc:
+            close_all(fds)
+            log.error("%s: ignoring a message from the broker: %s", self.label, exc)
+            return True
+        kind = msg.__class__
+        if fds and kind is not internal.Segments and kind is not internal.Adopt:
+            close_all(fds)
+            fds = []
+        if kind is internal.Run:
+            self.release(msg.releases)
+            self.run(msg)
+        elif kind is internal.Stop:
+            return False
+        elif kind is internal.Release:
+            self.release(msg.blocks)
+        elif kind is internal.Forget:
+            self.forget(msg.refs)
+        elif kind is internal.Segments:
+            self.map_segments(msg.segments, fds)
+        elif kind is internal.Adopt:
+            self.direct.adopt(msg, fds)
+        return True
 
     def map_segments(self, segments: list, fds: list[int]) -> None:
         """Input segments the broker handed over (its arena, client arenas)."""
@@ -212,12 +209,19 @@ class Worker:
                 log.error("%s: cannot map segment %s: %s", self.label, name, exc)
 
     def forget(self, refs: list) -> None:
-        """Unmap segments of closed client sessions and unregistered regions."""
+        """Unmap segments of closed client sessions and unregistered regions;
+        close their direct paths."""
+        paths = False
         for ref in refs:
             if isinstance(ref, list):
                 self.regions.drop(ref)
+            elif ref.startswith(DIRECT_PREFIX):
+                self.direct.forget(ref)
+                paths = True
             else:
                 self.inputs_shm.drop(lambda name, ref=ref: name == ref)
+        if paths:     # what ran on them is answered: the broker may stop waiting for them
+            self.send(internal.Served([], True))
 
     def release(self, blocks: list) -> None:
         """Output blocks the broker no longer reads: arena blocks are freed,
@@ -309,11 +313,12 @@ class Worker:
                                      f"shrank while the model used it; unregister and register "
                                      f"it again", errors.INVALID_ARG)
 
-    def failed(self, batch_id: int, exc: Exception) -> internal.Failed:
-        """Log a failed batch for the operator (with its traceback when the
-        model or torchpool raised) and word it for the client: the model and
-        instance, one clean line, no traceback and no server paths."""
-        where = f"{self.label} batch {batch_id}"
+    def failed(self, batch_id: int, exc: Exception, what: str = "") -> internal.Failed:
+        """Log a failed batch (`what`: else named by its id) for the operator
+        (with its traceback when the model or torchpool raised) and word it
+        for the client: the model and instance, one clean line, no traceback
+        and no server paths."""
+        where = f"{self.label} {what or f'batch {batch_id}'}"
         if isinstance(exc, TorchpoolError):   # ExecutionError, ModelLoadError, RegionError
             code, text = exc.code, client_text(exc.message)
             if exc.__cause__ is not None:     # forward (or torch) raised: the operator wants the trace
@@ -353,6 +358,10 @@ class Worker:
     def view_input(self, d: internal.InputDescriptor) -> Any:
         name, datatype, shape, segment, offset, nbytes, generation, _ = d
         buf = self._buffer(segment, offset, nbytes, generation, name)
+        return self.tensor(name, datatype, shape, buf, offset, nbytes)
+
+    def tensor(self, name: str, datatype: str, shape: list, buf: Any, offset: int, nbytes: int) -> Any:
+        """Input `name` as the model takes it, a view of `buf[offset:offset + nbytes]`."""
         if datatype == "BYTES":
             return self._strings(name, memoryview(buf)[offset:offset + nbytes], math.prod(shape))
         dtype, itemsize = _tensor_type(datatype)

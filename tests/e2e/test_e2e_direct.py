@@ -1,0 +1,360 @@
+"""Direct paths (broker/direct.py, worker/direct.py) against a real daemon: a
+local sync client's plain requests go straight to the model's worker, are
+answered and counted as the daemon's own, and a client that abuses its path
+gets a clear error, or loses the path, without harming the worker or anyone
+else.
+
+Attacks, each on a path asked for by hand over a lane: datagrams that are
+not requests, cut-short frames, a header that is not msgpack, a datagram
+over the size limit, requests the path does not take (another model, an
+input in shared memory, an output into a region, a timeout), inputs of the
+wrong type, shape or size, file descriptors sent along (the worker must not
+keep them), a client that sends and never reads, and its session ending.
+"""
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from torchpool import Client
+from torchpool.protocol import errors, lane, messages
+
+from ..support.daemon import Daemon, cpu_ticks, daemon_segments, wait_for
+from .test_e2e_lane import A, RawLane, served
+
+STALL_S = 10.0          # worker/direct.py
+
+
+@pytest.fixture(scope="module")
+def direct_daemon(small_repository: Path, tmp_path_factory: pytest.TempPathFactory):
+    d = Daemon(small_repository, tmp_path_factory.mktemp("direct"), "--log-level", "debug").start()
+    yield d
+    assert d.stop() == 0, d.log()
+    assert "Traceback" not in d.log(), d.log()
+    assert not daemon_segments(d.urls), "the daemon left shared memory behind"
+
+
+def transfer(c: Client) -> dict:
+    return c.server_metadata()["transfer"]
+
+
+def stats(c: Client, model: str) -> dict:
+    return c.statistics(model)["model_stats"][0]
+
+
+def worker_pid(d: Daemon, model: str) -> int:
+    for line in d.log().splitlines():
+        if f"model '{model}' version 1 instance" in line and "ready (pid" in line:
+            return int(line.split("ready (pid ")[1].split(",")[0])
+    raise AssertionError(f"no worker of {model} in the log")
+
+
+class RawPath(RawLane):
+    """A direct path asked for by hand on a lane, and spoken by hand."""
+
+    def __init__(self, url: str, model: str = "addsub") -> None:
+        super().__init__(url)
+        self.send({"v": 1, "op": "direct", "id": 1, "model": model, "version": "", "session": self.token})
+        self.sock.settimeout(10)
+        data, fds, _, _ = socket.recv_fds(self.sock, lane.MAX_DATAGRAM, 4)
+        name = messages.unpack(data)["segments"][0]["segment"]
+        assert len(fds) == 1 and name.startswith("direct-")
+        answer = self.answer()
+        assert answer["ok"] and answer["result"]["direct"] == name, answer
+        self.path = socket.socket(fileno=fds[0])
+        self.path.settimeout(10)
+
+    def send_path(self, data: bytes, fds: tuple = ()) -> None:
+        if fds:
+            socket.send_fds(self.path, [data], list(fds))
+        else:
+            self.path.send(data)
+
+    def request(self, header: dict, *payload: bytes) -> None:
+        self.send_path(b"".join([bytes([lane.LAST]), *lane.encode([messages.pack(header), *payload])]))
+
+    def path_answer(self) -> dict:
+        data = self.path.recv(lane.MAX_DATAGRAM + 1)
+        assert data, "the worker closed the path"
+        assert data[0] == lane.LAST
+        return messages.unpack(lane.decode(memoryview(data)[1:])[0])
+
+    def close(self) -> None:
+        self.path.close()
+        super().close()
+
+
+def test_plain_requests_go_to_the_worker_and_are_counted(direct_daemon: Daemon) -> None:
+    with Client(direct_daemon.url, timeout=30) as c:
+        before, counted = transfer(c), stats(c, "addsub")
+        for i in range(20):
+            x = A + i
+            out = c.infer("addsub", {"INPUT0": x, "INPUT1": A})
+            np.testing.assert_array_equal(out["OUTPUT0"], x + A)
+            np.testing.assert_array_equal(out["OUTPUT1"], x - A)
+            # counted before the answer came: read at once, it is there
+            assert stats(c, "addsub")["inference_count"] == counted["inference_count"] + i + 1
+        after = transfer(c)
+        assert after.get("requests_direct", 0) - before.get("requests_direct", 0) == 20
+        # the lane carried only the ask for the path
+        assert after.get("requests_on_lane", 0) - before.get("requests_on_lane", 0) == 1
+        s = stats(c, "addsub")
+        assert s["execution_count"] == counted["execution_count"] + 20
+        assert s["inference_stats"]["success"]["count"] == counted["inference_stats"]["success"]["count"] + 20
+        strings = c.infer("strings", {"INPUT__0": ["a", "bc"]})["OUTPUT__0"]      # BYTES both ways
+        assert [s.decode() if isinstance(s, bytes) else s for s in strings] == ["A", "BC"]
+        assert transfer(c)["requests_direct"] - after["requests_direct"] == 1
+
+
+def test_requests_a_direct_path_does_not_take_keep_the_lane(direct_daemon: Daemon) -> None:
+    with Client(direct_daemon.url, timeout=30) as c:
+        c.infer("addsub", {"INPUT0": A, "INPUT1": A})                # the path is open
+        before = transfer(c)
+        out = c.infer("addsub", {"INPUT0": A, "INPUT1": A}, timeout=20)        # a timeout
+        np.testing.assert_array_equal(out["OUTPUT0"], A + A)
+        big = np.arange(1 << 16, dtype=np.float32)                   # 256 KiB: in the arena
+        np.testing.assert_array_equal(c.infer("identity", {"INPUT__0": big})["OUTPUT__0"], big)
+        after = transfer(c)
+        assert after.get("requests_direct", 0) == before.get("requests_direct", 0)
+        assert after["requests_on_lane"] - before["requests_on_lane"] == 2     # no path asked for either
+
+
+@pytest.mark.parametrize("model, version, code, expected", [
+    ("mlp", "", errors.UNSUPPORTED, "model 'mlp' version 1 takes no direct requests: its requests are "
+                                    "batched"),
+    ("addsub", "7", errors.NOT_FOUND, "addsub"),
+    ("nothing", "", errors.NOT_FOUND, "nothing"),
+])
+def test_a_path_is_refused_with_the_reason(direct_daemon: Daemon, model: str, version: str, code: str,
+                                           expected: str) -> None:
+    raw = RawLane(direct_daemon.url)
+    try:
+        raw.send({"v": 1, "op": "direct", "id": 5, "model": model, "version": version, "session": raw.token})
+        answer = raw.answer()
+        assert not answer["ok"] and answer["error"]["code"] == code, answer
+        assert expected in answer["error"]["message"], answer
+        assert _nothing_waits(raw.sock)            # no fd was pushed
+    finally:
+        raw.close()
+    with Client(direct_daemon.url, timeout=30) as c:          # the model's requests keep the lane
+        before = transfer(c)
+        out = c.infer("mlp", {"INPUT__0": np.zeros((1, 256), np.float32)})["OUTPUT__0"]
+        assert out.shape == (1, 10)
+        assert transfer(c).get("requests_direct", 0) == before.get("requests_direct", 0)
+
+
+def _nothing_waits(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return True
+    finally:
+        sock.settimeout(10)
+    return False
+
+
+@pytest.mark.parametrize("data, expected", [
+    (b"\x07" + bytes(20), "one datagram"),
+    (bytes([lane.MORE]) + bytes(20), "one datagram"),
+    (bytes([lane.LAST]) + b"\x10\x00", "cut short"),
+    (bytes([lane.LAST]) + b"\x00\x00\x00\x00", "malformed request header"),
+    (bytes([lane.LAST]) + b"\x03\x00\x00\x00\xc1\xc1\xc1", "malformed request header"),
+    (bytes([lane.LAST]) + bytes(lane.MAX_DATAGRAM + 10), "one datagram"),
+])
+def test_malformed_datagrams_get_an_error_and_the_path_serves_on(direct_daemon: Daemon, data: bytes,
+                                                                 expected: str) -> None:
+    raw = RawPath(direct_daemon.url)
+    try:
+        raw.send_path(data)
+        answer = raw.path_answer()
+        assert not answer["ok"] and answer["error"]["code"] == errors.INVALID_ARG, answer
+        assert expected in answer["error"]["message"], answer
+        raw.request(raw.infer(9))
+        answer = raw.path_answer()
+        assert answer["ok"] and answer["id"] == 9, answer
+    finally:
+        raw.close()
+    served(direct_daemon)
+
+
+def _with(raw: RawPath, rid: int, **fields: object) -> dict:
+    header = raw.infer(rid)
+    header.update(fields)
+    return header
+
+
+@pytest.mark.parametrize("change, code, expected", [
+    ({"op": "unload"}, errors.UNSUPPORTED, "the direct path of model 'addsub' takes only infer"),
+    ({"model": "identity"}, errors.INVALID_ARG, "serves model 'addsub'"),
+    ({"timeout_us": 5}, errors.UNSUPPORTED, "goes to the daemon"),
+    ({"outputs": [{"name": "OUTPUT0", "region": "r"}]}, errors.UNSUPPORTED, "by name only"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "shm": ["x", 0, 64, 1]},
+                 {"name": "INPUT1", "datatype": "FP32", "shape": [1, 16], "data": A.tobytes()}]},
+     errors.UNSUPPORTED, "inline inputs only"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": A.tobytes()},
+                 {"name": "INPUT1", "datatype": "FP32", "shape": [1, 16], "data": A.tobytes()[:60]}]},
+     errors.INVALID_ARG, "input byte size mismatch for input 'INPUT1' for model 'addsub'"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": A.tobytes()},
+                 {"name": "INPUT1", "datatype": "FP32", "shape": [1, 16], "data": A.tobytes()}]},
+     errors.INVALID_ARG, "inference input 'INPUT0' data-type is 'INT32', but model 'addsub' expects"),
+    ({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": 7}]},
+     errors.INVALID_ARG, "expected 2 inputs"),
+])
+def test_requests_the_path_does_not_take_are_refused_clearly(direct_daemon: Daemon, change: dict, code: str,
+                                                             expected: str) -> None:
+    raw = RawPath(direct_daemon.url)
+    try:
+        raw.request(_with(raw, 3, **change))
+        answer = raw.path_answer()
+        assert not answer["ok"] and answer["id"] == 3, answer
+        assert answer["error"]["code"] == code and expected in answer["error"]["message"], answer
+        raw.request(raw.infer(4))
+        assert raw.path_answer()["ok"]
+    finally:
+        raw.close()
+
+
+def test_fds_sent_on_a_path_are_not_kept(direct_daemon: Daemon) -> None:
+    pid = worker_pid(direct_daemon, "addsub")
+    raw = RawPath(direct_daemon.url)
+    try:
+        raw.request(raw.infer(1))
+        assert raw.path_answer()["ok"]
+        before = len(os.listdir(f"/proc/{pid}/fd"))
+        r, w = os.pipe()
+        try:
+            for i in range(10):
+                header = messages.pack(raw.infer(10 + i))
+                raw.send_path(b"".join([bytes([lane.LAST]), *lane.encode([header])]), (r, w))
+                assert raw.path_answer()["ok"]
+        finally:
+            os.close(r)
+            os.close(w)
+        assert len(os.listdir(f"/proc/{pid}/fd")) <= before
+    finally:
+        raw.close()
+
+
+def test_a_client_that_never_reads_its_path_loses_it_and_others_are_served(direct_daemon: Daemon) -> None:
+    raw = RawPath(direct_daemon.url)
+    try:
+        raw.path.setblocking(False)
+        sent = 0
+        header = messages.pack(raw.infer(1))
+        datagram = b"".join([bytes([lane.LAST]), *lane.encode([header])])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:        # until the worker stops reading us
+            if not select.select([], [raw.path], [], 2.0)[1]:
+                break                              # no room for 2 s: it reads nothing more
+            try:
+                raw.path.send(datagram)
+                sent += 1
+            except BlockingIOError:
+                pass
+        assert sent > 1
+        served(direct_daemon)                      # meanwhile the worker serves everyone else
+        with Client(direct_daemon.url, timeout=30) as c:
+            for _ in range(5):
+                np.testing.assert_array_equal(c.infer("addsub", {"INPUT0": A, "INPUT1": A})["OUTPUT0"], A + A)
+        # and waits for the stalled client without spinning on its unread requests
+        pid = worker_pid(direct_daemon, "addsub")
+        ticks = cpu_ticks(pid)
+        time.sleep(1.0)                            # a measuring window, not a synchronisation
+        assert cpu_ticks(pid) - ticks < 20, "the worker spun while a client did not read"
+        # and closes the path of the client that does not read its answer
+        raw.path.setblocking(True)
+        raw.path.settimeout(STALL_S + 20)
+        wait_for(lambda: "left an answer unread" in direct_daemon.log(), STALL_S + 20,
+                 "the worker to close the path of a client that does not read")
+        try:
+            while raw.path.recv(lane.MAX_DATAGRAM + 1):
+                pass                               # what was sent before it closed, then EOF
+        except ConnectionResetError:
+            pass                                   # closed with our requests unread: a reset
+    finally:
+        raw.close()
+    served(direct_daemon)
+
+
+def test_a_session_that_ends_closes_its_path(direct_daemon: Daemon) -> None:
+    raw = RawPath(direct_daemon.url)
+    try:
+        raw.request(raw.infer(1))
+        assert raw.path_answer()["ok"]
+        raw.dealer.send(messages.pack({"v": 1, "op": "goodbye", "id": 2, "session": raw.token}))
+        assert raw.dealer.poll(10000) and messages.unpack(raw.dealer.recv())["ok"]
+        raw.path.settimeout(10)
+        assert raw.path.recv(lane.MAX_DATAGRAM + 1) == b""     # EOF: the worker closed it
+    finally:
+        raw.close()
+    served(direct_daemon)
+
+
+def test_a_path_whose_worker_dies_fails_fast_and_the_client_goes_on(direct_daemon: Daemon) -> None:
+    with Client(direct_daemon.url, timeout=60) as c:
+        c.infer("slow", {"INPUT__0": np.array([1], dtype=np.int64)})        # the path is open
+        pid = worker_pid(direct_daemon, "slow")
+        before = _ready_lines(direct_daemon, "slow")
+        from ..support.model_repository import slow_iterations
+        import threading
+        outcome: dict = {}
+
+        def call() -> None:
+            started = time.monotonic()
+            try:
+                c.infer("slow", {"INPUT__0": np.array([slow_iterations(30)], dtype=np.int64)})
+            except Exception as exc:   # noqa: BLE001 - the test reads it
+                outcome["error"] = exc
+            outcome["took"] = time.monotonic() - started
+
+        t = threading.Thread(target=call)
+        t.start()
+        wait_for(lambda: _busy(pid), 20, "the slow request to run")
+        os.kill(pid, 9)
+        t.join(30)
+        assert not t.is_alive()
+        err = outcome.get("error")
+        # worded as the daemon words its own: the instance, how it died
+        assert err is not None and err.code == errors.INTERNAL, outcome
+        assert "'slow'" in err.message and "SIGKILL" in err.message, outcome
+        assert outcome["took"] < 20
+        wait_for(lambda: _ready_lines(direct_daemon, "slow") > before, 30, "a new instance of slow")
+        out = c.infer("slow", {"INPUT__0": np.array([3], dtype=np.int64)})        # a new path, or the lane
+        assert out["OUTPUT__0"].tolist() == [3]
+
+
+def _ready_lines(d: Daemon, model: str) -> int:
+    return sum(1 for line in d.log().splitlines()
+               if f"model '{model}' version 1 instance" in line and "ready (pid" in line)
+
+
+def _busy(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[1].split()[0] == "R"
+
+
+def test_an_unloaded_model_closes_its_paths_and_a_reload_opens_new_ones(small_repository: Path,
+                                                                       tmp_path: Path) -> None:
+    d = Daemon(small_repository, tmp_path, "--model-control-mode", "explicit", "--load-model", "addsub").start()
+    try:
+        with Client(d.url, timeout=30) as c:
+            np.testing.assert_array_equal(c.infer("addsub", {"INPUT0": A, "INPUT1": A})["OUTPUT0"], A + A)
+            assert c._state.direct._paths[("addsub", "")].__class__.__name__ == "DirectSocket"
+            c.unload("addsub")
+            with pytest.raises(Exception) as exc:        # the closed path's call goes to the daemon
+                c.infer("addsub", {"INPUT0": A, "INPUT1": A})
+            assert exc.value.code in (errors.UNAVAILABLE, errors.NOT_FOUND) and "addsub" in exc.value.message
+            c.load("addsub")
+            direct = transfer(c).get("requests_direct", 0)
+            np.testing.assert_array_equal(c.infer("addsub", {"INPUT0": A, "INPUT1": A})["OUTPUT1"], A - A)
+            assert transfer(c)["requests_direct"] == direct + 1          # on a new path
+    finally:
+        assert d.stop() == 0, d.log()
+    assert "Traceback" not in d.log(), d.log()

@@ -1,0 +1,145 @@
+"""Direct paths: a local client's small, plain requests, sent to a worker.
+
+A local client with a request lane asks here (`{"op": "direct", "model",
+"version"}` on its lane) for a path to a model's instance. When the model
+takes direct requests, the broker makes a socket pair, hands one end to an
+instance (internal ADOPT, worker/direct.py) and the other to the client (its
+fd on the side channel, before the answer naming it), and steps out: the
+client's plain requests to that model then cross two process hops, not four.
+
+What stays with the broker, and why a model may take direct requests:
+- the requests the worker takes are the ones the broker's DirectScheduler
+  would have run alone and at once: the model has no dynamic batching and
+  no sequence batching, no batch inputs or outputs, no output `reshape` (the
+  broker undoes those while answering), and no execution timeout (the
+  broker times its own batches: it cannot time a worker's direct requests);
+- the worker checks each request by the broker's own rules (validate_infer,
+  with this daemon's TensorLimits) and reports each answered one (SERVED),
+  so the model's statistics count them;
+- one path per session and model version: asking again replaces it; the
+  session's end closes them all (FORGET), the instance's end closes its
+  own (its socket ends go with it) and the client then asks again or uses
+  its lane.
+"""
+from __future__ import annotations
+
+import itertools
+import socket
+from typing import Any, Callable, Optional
+
+from ..protocol import errors, internal, messages
+from ..protocol.errors import TorchpoolError
+from ..protocol.validation import TensorLimits
+from ..shm.fdpass import send_with_fds
+from .registry import ModelVersion, Registry
+from .schedulers.direct import DirectScheduler
+from .stats import BACKEND
+from .supervisor import BUSY, DEAD, IDLE, describe_exit
+
+
+def refusal(mv: ModelVersion, execution_timeout: float) -> Optional[str]:
+    """Why `mv` takes no direct requests (None: it does)."""
+    cfg = mv.config
+    if mv.scheduler.__class__ is not DirectScheduler:
+        return "its requests are batched or sequenced by the daemon"
+    if cfg.batch_inputs or cfg.batch_outputs:
+        return "the daemon computes its batch inputs or outputs"
+    if any(spec.reshape is not None for spec in cfg.outputs):
+        return "the daemon undoes its output reshape"
+    if execution_timeout:
+        return "the daemon times its executions (an execution timeout is set)"
+    return None
+
+
+class DirectPaths:
+    def __init__(self, registry: Registry, limits: TensorLimits, execution_timeout: Callable[[Any], float],
+                 stopping: Callable[[], bool]) -> None:
+        self.registry = registry
+        self.stopping = stopping
+        self.limits = limits
+        self.execution_timeout = execution_timeout      # (mv) -> seconds, 0 for none
+        self._names = (f"{internal.DIRECT_PREFIX}{n}" for n in itertools.count(1))
+        self._turn = itertools.count()
+
+    def open(self, session: Any, header: dict) -> dict:
+        """A direct path to the model `header` names, for a session attached
+        with a lane: the fd is on its side channel when this returns."""
+        mv = self.registry.resolve(header.get("model"), header.get("version"))
+        why = refusal(mv, self.execution_timeout(mv))
+        if why:
+            raise TorchpoolError(errors.UNSUPPORTED, f"{mv.label} takes no direct requests: {why}")
+        instances = [h for h in mv.workers if h.state in (IDLE, BUSY) and not h.stopping]
+        if not instances:
+            raise TorchpoolError(errors.UNAVAILABLE, f"{mv.label} has no running instance")
+        h = instances[next(self._turn) % len(instances)]      # clients spread over instances
+        self.close(session, mv)
+        name = next(self._names)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            send_with_fds(h.sock, internal.encode(internal.Adopt(
+                name, self.limits.max_bytes_elements, self.limits.max_bytes_tensor_bytes)), [ours.fileno()])
+            try:
+                send_with_fds(session.channel, messages.pack({"segments": [{"segment": name, "size": 0}]}),
+                              [theirs.fileno()], socket.MSG_DONTWAIT)
+            except OSError:
+                h.send(internal.Forget([name]))
+                raise TorchpoolError(errors.UNAVAILABLE, "the client does not read its local side "
+                                                         "channel") from None
+        finally:
+            ours.close()            # the worker and the client hold their own ends now
+            theirs.close()
+        session.direct[mv] = (name, h)
+        return {"direct": name, "version": mv.version}
+
+    def why_ended(self, session: Any, name: Any) -> TorchpoolError:
+        """The error of a request a client's path `name` had when it closed:
+        the instance's death (as the broker words it for its own batches,
+        counted as the model's failure), else the path was closed."""
+        if self.stopping():           # the broker's words for a request it refuses now
+            return TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
+        h = next((h for n, h in (session.direct.values() if session is not None else ()) if n == name), None)
+        if h is None:
+            return TorchpoolError(errors.INVALID_ARG, f"this session has no direct path {name!r}")
+        if h.stopping:                # its version was unloaded or replaced
+            return TorchpoolError(errors.UNAVAILABLE, f"{h.label} was unloaded")
+        how = h.how_it_ended
+        if h.state != DEAD:
+            if h.process.exitcode is None and _at_eof(h.sock):
+                h.process.join(0.2)      # its sockets closed as it exited: it is about to be reaped
+            if h.process.exitcode is not None:
+                how = describe_exit(h.process.exitcode)
+        if not how:
+            return TorchpoolError(errors.UNAVAILABLE, f"{h.label} closed this client's direct path (the "
+                                                      f"session ended)")
+        h.mv.stats.record_failure(0, BACKEND)
+        return TorchpoolError(errors.INTERNAL, f"{h.label} {how} with this request on its direct path")
+
+    def close(self, session: Any, mv: ModelVersion) -> None:
+        """The session's path to `mv`, if any, is closed (the worker closes its end)."""
+        old = session.direct.pop(mv, None)
+        if old is not None:
+            name, h = old
+            try:
+                h.send(internal.Forget([name]))
+            except OSError:
+                pass                 # the instance is gone, and its end with it
+
+    def close_all(self, sessions: Any) -> None:
+        """Every session's paths are closed (the daemon is stopping): a worker
+        counts as running until it says it closed them, having answered the
+        direct request it ran."""
+        for session in list(sessions):
+            for mv in list(session.direct):
+                h = session.direct[mv][1]
+                self.close(session, mv)
+                h.closing_paths = h.state != DEAD
+
+
+def _at_eof(sock: socket.socket) -> bool:
+    """Has the peer of this socket closed it? (nothing is read)"""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True

@@ -1,0 +1,138 @@
+"""Direct paths: a local session's small, plain requests, sent to the model's worker.
+
+A sync `Client` with a request lane (lane.py) asks the daemon once per model
+for a direct path (broker/direct.py): a socket to one of the model's
+instances, handed over on the side channel. Requests the daemon's scheduler
+would only pass on, run alone and answer (inputs inline, outputs by name, no
+timeout, priority or sequence) then go there, and their answers come back
+there, in the lane's form: two process hops where the daemon makes four.
+Everything else keeps the lane.
+
+A model that takes no direct requests (batched, sequenced, ...) is asked
+again after RETRY_S. A path whose instance stopped (it crashed or was
+unloaded, or the session ended) fails the calls it had taken with
+UNAVAILABLE; a call it had not taken goes over the lane, and the next one
+asks again.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any, Callable, Optional
+
+from ..protocol import errors, lane, messages, tensors
+from ..protocol.errors import InferenceError
+from ..shm.fdpass import FdReceiver, close_all
+from .lane import LaneSocket
+from .types import NoAnswer
+
+RETRY_S = 30.0          # a model that refused is asked again after this long
+ASK_S = 60.0            # while one thread asks for a path, the others take the lane
+
+
+class _DirectLink:
+    """What a LaneSocket reads through: the socket, and no segments (a
+    worker hands none over)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._receiver = FdReceiver(lane.MAX_DATAGRAM)
+
+    def recv(self) -> tuple[memoryview, list[int]]:
+        return self._receiver.recv(self.sock, socket.MSG_DONTWAIT)
+
+    def keep(self, data: Any, fds: list[int]) -> None:
+        close_all(fds)
+
+
+class DirectSocket(LaneSocket):
+    zmq_fallback = False        # a call it did not take goes over the lane (flows.py)
+
+    def __init__(self, sock: socket.socket, model: str, url: str, on_late: Callable[[Any], None]) -> None:
+        sock.setblocking(False)
+        self.model = model
+        self.name = ""                  # the daemon's name of the path (for ended_flow)
+        super().__init__(_DirectLink(sock), url, on_late)
+
+    def lost_error(self) -> InferenceError:
+        return InferenceError(errors.UNAVAILABLE, self._lost_error(True).message)
+
+    def _lost_error(self, sent: bool) -> NoAnswer:
+        return NoAnswer(errors.UNAVAILABLE, f"the instance of model '{self.model}' that torchpool at "
+                                            f"{self._url} serves this client directly closed its path "
+                                            f"(it stopped, crashed or was unloaded, or the session "
+                                            f"ended)", sent=sent)
+
+    def shut(self) -> None:
+        self.close(0)            # calls still on it fail with CANCELLED
+        self._link.sock.close()
+
+
+def takes_direct(header: dict) -> bool:
+    """Is this infer request one a direct path takes? (its size is checked apart)"""
+    if header.get("timeout_us") or header.get("priority") or header.get("sequence"):
+        return False
+    outputs = header["outputs"]
+    if outputs is not None:
+        for o in outputs:
+            if o.__class__ is not str:
+                return False
+    for e in header["inputs"]:
+        # bytes in the header itself: a payload frame means a tensor too large for a path
+        if tensors.location(e) != tensors.DATA or e[tensors.DATA].__class__ is not bytes:
+            return False
+    return True
+
+
+class DirectPaths:
+    """A session's direct paths, by (model, version as sent)."""
+
+    def __init__(self) -> None:
+        # (model, version) -> its DirectSocket, or when to ask again after a refusal
+        self._paths: dict[tuple[str, str], Any] = {}
+
+    def path_flow(self, state: Any, model: str, version: str, timeout: Optional[float]) -> Any:
+        """The open path to `model`, asking the daemon for one when due; None
+        when there is none. (A flow: `yield from` it.)"""
+        key = (model, version)
+        path = self._paths.get(key)
+        if path.__class__ is float:
+            if time.monotonic() < path:
+                return None
+        elif path is not None:
+            if not path.lost:
+                return path
+            path.shut()                  # its instance stopped: ask for another
+        # asked once: the calls of other threads meanwhile take the lane
+        self._paths[key] = time.monotonic() + ASK_S
+        try:
+            header, _ = yield from state.exchange(messages.OP_DIRECT, timeout,
+                                                  {"model": model, "version": version}, lane=True)
+            fd = state.link.take(header["result"]["direct"])
+        except (InferenceError, KeyError, TypeError, AttributeError):
+            # not for this model (or not now): the lane takes its requests, and says
+            # what is wrong with them if anything is
+            self._paths[key] = time.monotonic() + RETRY_S
+            return None
+        except BaseException:            # no answer, the session lost: ask again next time
+            self._paths.pop(key, None)
+            raise
+        path = self._paths[key] = state.direct_factory(socket.socket(fileno=fd), model)
+        path.name = header["result"]["direct"]
+        return path
+
+    def ended_flow(self, state: Any, path: "DirectSocket", timeout: Optional[float]) -> Any:
+        """The error of a call `path` had taken when it closed: the daemon
+        knows why (the instance crashed, the model is unloading, ...). (A flow.)"""
+        try:
+            yield from state.exchange(messages.OP_DIRECT, timeout, {"model": path.model, "ended": path.name},
+                                      lane=True)
+        except InferenceError as exc:
+            return exc
+        return path.lost_error()
+
+    def close(self) -> None:
+        for path in self._paths.values():
+            if path.__class__ is not float:
+                path.shut()
+        self._paths.clear()
