@@ -71,13 +71,10 @@ class RawPath(RawLane):
         self.path.settimeout(10)
 
     def send_path(self, data: bytes, fds: tuple = ()) -> None:
-        if fds:
-            socket.send_fds(self.path, [data], list(fds))
-        else:
-            self.path.send(data)
+        self.send_raw(data, fds, sock=self.path)
 
     def request(self, header: dict, *payload: bytes) -> None:
-        self.send_path(b"".join([bytes([lane.LAST]), *lane.encode([messages.pack(header), *payload])]))
+        self.send(header, *payload, sock=self.path)
 
     def path_answer(self) -> dict:
         data = self.path.recv(lane.MAX_DATAGRAM + 1)
@@ -358,3 +355,21 @@ def test_an_unloaded_model_closes_its_paths_and_a_reload_opens_new_ones(small_re
     finally:
         assert d.stop() == 0, d.log()
     assert "Traceback" not in d.log(), d.log()
+
+
+def test_direct_requests_keep_their_session_alive(small_repository: Path, tmp_path: Path) -> None:
+    """The broker never sees a direct request; the worker's report of it
+    renews the session's lease, as a request to the broker would."""
+    d = Daemon(small_repository, tmp_path, "--client-lease", "0.5").start()
+    try:
+        with Client(d.url, timeout=30) as c:
+            c.infer("addsub", {"INPUT0": A, "INPUT1": A})
+            token, lane = c._state.session, transfer(c)["requests_on_lane"]
+            end = time.monotonic() + 2.0                  # four leases of direct requests only
+            while time.monotonic() < end:
+                np.testing.assert_array_equal(c.infer("addsub", {"INPUT0": A, "INPUT1": A})["OUTPUT0"], A + A)
+            assert c._state.session == token              # never lost, never said hello again
+            assert transfer(c)["requests_on_lane"] == lane
+    finally:
+        assert d.stop() == 0, d.log()
+    assert "idle for" not in d.log(), d.log()

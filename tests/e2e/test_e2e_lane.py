@@ -62,14 +62,17 @@ class RawLane:
         self.sock = self.link.sock
         self.sock.settimeout(10)
 
-    def send_raw(self, data: bytes, fds: tuple = ()) -> None:
+    def send_raw(self, data: bytes, fds: tuple = (), sock: socket.socket | None = None) -> None:
+        """One datagram on the lane (or `sock`), with `fds` if any."""
+        sock = sock or self.sock
         if fds:
-            socket.send_fds(self.sock, [data], list(fds))
+            socket.send_fds(sock, [data], list(fds))
         else:
-            self.sock.send(data)
+            sock.send(data)
 
-    def send(self, header: dict, *payload: bytes) -> None:
-        self.send_raw(b"".join([bytes([lane.LAST]), *lane.encode([messages.pack(header), *payload])]))
+    def send(self, header: dict, *payload: bytes, sock: socket.socket | None = None) -> None:
+        self.send_raw(b"".join([bytes([lane.LAST]), *lane.encode([messages.pack(header), *payload])]),
+                      sock=sock)
 
     def answer(self, timeout: float = 10) -> dict:
         """The next answer (segments handed over on the way are closed)."""

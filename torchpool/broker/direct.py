@@ -77,7 +77,8 @@ class DirectPaths:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             send_with_fds(h.sock, internal.encode(internal.Adopt(
-                name, self.limits.max_bytes_elements, self.limits.max_bytes_tensor_bytes)), [ours.fileno()])
+                name, session.token, self.limits.max_bytes_elements, self.limits.max_bytes_tensor_bytes)),
+                [ours.fileno()])
             try:
                 send_with_fds(session.channel, messages.pack({"segments": [{"segment": name, "size": 0}]}),
                               [theirs.fileno()], socket.MSG_DONTWAIT)

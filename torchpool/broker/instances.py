@@ -230,13 +230,17 @@ class Instances:
 
     def _on_served(self, h: WorkerHandle, mv: ModelVersion, records: list, closed: bool) -> None:
         """Direct requests the worker answered (worker/direct.py), counted as
-        the broker counts its own (they did not wait in its queue)."""
+        the broker counts its own (they did not wait in its queue); each
+        renews its client's session, as a request to the broker does."""
         stats, now = mv.stats, time.monotonic()
         if closed:
             h.closing_paths = False          # what ran on them is answered
         self.answers.transfer["requests_direct"] += len(records)
         try:
-            for ok, batch_size, ns, input_ns, infer_ns, output_ns in records:
+            for ok, batch_size, ns, input_ns, infer_ns, output_ns, token in records:
+                session = self.sessions.sessions.get(token)
+                if session is not None:
+                    session.last_seen = now      # the broker never saw it: its lease is renewed here
                 if not ok:
                     stats.record_failure(ns, BACKEND)
                     continue

@@ -50,8 +50,8 @@ broker -> worker
     [FORGET, [segment name | [key, inode] | direct name, ...]]   unmap (close): a client
                                       session or region is gone
     [STOP]
-    [ADOPT, name, max_bytes_elements, max_bytes_tensor_bytes]   with one fd attached: a
-                                      local client's direct socket (worker/direct.py)
+    [ADOPT, name, session, max_bytes_elements, max_bytes_tensor_bytes]   with one fd
+                                      attached: a local client's direct socket (worker/direct.py)
 A released block is `[segment, offset, size]` of an output block the broker
 no longer reads: the worker may reuse it.
 worker -> broker
@@ -59,9 +59,10 @@ worker -> broker
     [LOAD_FAILED, code, message]
     [DONE, batch_id, [descriptor, ...], [input_ns, infer_ns, output_ns], [reused output, ...]]
     [FAILED, batch_id, code, message]
-    [SERVED, [[ok, batch_size, request_ns, input_ns, infer_ns, output_ns], ...], closed]
+    [SERVED, [[ok, batch_size, request_ns, input_ns, infer_ns, output_ns, session], ...], closed]
                                       direct requests answered since the last SERVED (ok 0: the
-                                      model failed); closed: the paths a FORGET named are closed
+                                      model failed; session: its client's, which they renew);
+                                      closed: the paths a FORGET named are closed
 An output descriptor is `[name, datatype, shape, segment, offset, nbytes]`;
 a reused output's descriptor points into the input block it is a view of
 (nothing to release), every other one into the worker's arena or a region.
@@ -180,6 +181,7 @@ DIRECT_PREFIX = "direct-"          # names a direct path (ADOPT, FORGET)
 class Adopt(NamedTuple):
     """A local client's direct socket: its fd travels with the message."""
     name: str                   # "direct-N": a later FORGET names it to close it
+    session: str                # the client's session token: its requests renew the session
     max_bytes_elements: int     # the broker's TensorLimits, which the worker's checks apply
     max_bytes_tensor_bytes: int
     KIND = ADOPT
@@ -214,7 +216,7 @@ class Failed(NamedTuple):
 
 class Served(NamedTuple):
     """Direct requests answered since the last report, for the statistics."""
-    records: list               # [[ok, batch_size, request_ns, input_ns, infer_ns, output_ns], ...]
+    records: list               # [[ok, batch_size, request_ns, input_ns, infer_ns, output_ns, session], ...]
     closed: bool = False        # sent after closing the direct paths a FORGET named
     KIND = SERVED
 
@@ -284,7 +286,7 @@ _DECODERS = {
     FORGET: lambda m: _new(Forget, (m[1],)),
     STOP: lambda m: _STOP,
     SEGMENTS: lambda m: _new(Segments, (m[1],)),
-    ADOPT: lambda m: _new(Adopt, (m[1], m[2], m[3])),
+    ADOPT: lambda m: _new(Adopt, (m[1], m[2], m[3], m[4])),
     READY: lambda m: _new(Ready, (m[1], m[2])),
     LOAD_FAILED: lambda m: _new(LoadFailed, (m[1], m[2])),
     DONE: _done,

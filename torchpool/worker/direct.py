@@ -56,10 +56,11 @@ class _Model(NamedTuple):
 
 
 class _Client:
-    __slots__ = ("name", "sock", "outbox", "stalled_at")
+    __slots__ = ("name", "session", "sock", "outbox", "stalled_at")
 
-    def __init__(self, name: str, sock: socket.socket) -> None:
+    def __init__(self, name: str, session: str, sock: socket.socket) -> None:
         self.name = name
+        self.session = session          # reported with its requests: they renew its lease
         self.sock = sock
         self.outbox: list = []          # datagrams of the answer not sent yet
         self.stalled_at = 0.0           # when its socket was first found full
@@ -90,7 +91,7 @@ class DirectClients:
         sock = socket.socket(fileno=fds[0])
         sock.setblocking(False)
         self.limits = TensorLimits(msg.max_bytes_elements, msg.max_bytes_tensor_bytes)
-        self.clients[sock.fileno()] = _Client(msg.name, sock)
+        self.clients[sock.fileno()] = _Client(msg.name, msg.session, sock)
         self.poller.register(sock.fileno(), _POLLIN)
 
     def forget(self, name: str) -> None:
@@ -245,13 +246,13 @@ class DirectClients:
             for name, value in results.items():
                 entries.append(_output(name, value, frames))
         except Exception as exc:         # the model failed: counted, answered, the worker goes on
-            failed = worker.failed(f"direct request {request_id!r}", exc)
-            worker.send(internal.Served([[0, batch_size, time.perf_counter_ns() - t0, 0, 0, 0]]))
+            failed = worker.failed(0, exc, f"direct request {request_id!r}")
+            worker.send(internal.Served([[0, batch_size, time.perf_counter_ns() - t0, 0, 0, 0, c.session]]))
             self._answer(c, [messages.pack(messages.error_response(
                 request_id, TorchpoolError(failed.code, failed.message)))])
             return
         t3 = time.perf_counter_ns()
-        worker.send(internal.Served([[1, batch_size, t3 - t0, t1 - t0, t2 - t1, t3 - t2]]))
+        worker.send(internal.Served([[1, batch_size, t3 - t0, t1 - t0, t2 - t1, t3 - t2, c.session]]))
         header = messages.ok_response(request_id, model_name=self.model.name, model_version=self.version,
                                       outputs=entries)
         self._answer(c, [messages.pack(header), *frames])
