@@ -299,6 +299,7 @@ def test_a_path_whose_worker_dies_fails_fast_and_the_client_goes_on(direct_daemo
         c.infer("slow", {"INPUT__0": np.array([1], dtype=np.int64)})        # the path is open
         pid = worker_pid(direct_daemon, "slow")
         before = _ready_lines(direct_daemon, "slow")
+        failed = stats(c, "slow")["inference_stats"]["fail"]["count"]
         from ..support.model_repository import slow_iterations
         import threading
         outcome: dict = {}
@@ -322,6 +323,7 @@ def test_a_path_whose_worker_dies_fails_fast_and_the_client_goes_on(direct_daemo
         assert err is not None and err.code == errors.INTERNAL, outcome
         assert "'slow'" in err.message and "SIGKILL" in err.message, outcome
         assert outcome["took"] < 20
+        assert stats(c, "slow")["inference_stats"]["fail"]["count"] == failed + 1   # the model's failure
         wait_for(lambda: _ready_lines(direct_daemon, "slow") > before, 30, "a new instance of slow")
         out = c.infer("slow", {"INPUT__0": np.array([3], dtype=np.int64)})        # a new path, or the lane
         assert out["OUTPUT__0"].tolist() == [3]

@@ -60,6 +60,7 @@ class DirectPaths:
         self.execution_timeout = execution_timeout      # (mv) -> seconds, 0 for none
         self._names = (f"{internal.DIRECT_PREFIX}{n}" for n in itertools.count(1))
         self._turn = itertools.count()
+        self._crashes_counted: set[str] = set()   # paths whose instance's death is in the statistics
 
     def open(self, session: Any, header: dict) -> dict:
         """A direct path to the model `header` names, for a session attached
@@ -95,7 +96,7 @@ class DirectPaths:
     def why_ended(self, session: Any, name: Any) -> TorchpoolError:
         """The error of a request a client's path `name` had when it closed:
         the instance's death (as the broker words it for its own batches,
-        counted as the model's failure), else the path was closed."""
+        counted once per path as the model's failure), else the path was closed."""
         if self.stopping():           # the broker's words for a request it refuses now
             return TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
         h = next((h for n, h in (session.direct.values() if session is not None else ()) if n == name), None)
@@ -112,7 +113,9 @@ class DirectPaths:
         if not how:
             return TorchpoolError(errors.UNAVAILABLE, f"{h.label} closed this client's direct path (the "
                                                       f"session ended)")
-        h.mv.stats.record_failure(0, BACKEND)
+        if name not in self._crashes_counted:     # once: a client may ask again and again
+            self._crashes_counted.add(name)
+            h.mv.stats.record_failure(0, BACKEND)
         return TorchpoolError(errors.INTERNAL, f"{h.label} {how} with this request on its direct path")
 
     def close(self, session: Any, mv: ModelVersion) -> None:
@@ -120,6 +123,7 @@ class DirectPaths:
         old = session.direct.pop(mv, None)
         if old is not None:
             name, h = old
+            self._crashes_counted.discard(name)
             try:
                 h.send(internal.Forget([name]))
             except OSError:
