@@ -88,7 +88,7 @@ def test_traceback_in_the_log_clean_message_to_the_client(daemon: Daemon) -> Non
                    "the worker's traceback in the daemon's log")
     if daemon.format == "json":
         entries = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
-        failed = [e for e in entries if "batch" in e["message"] and "failed" in e["message"]]
+        failed = [e for e in entries if "direct request" in e["message"] and "failed" in e["message"]]
         assert len(failed) == 1, entries
         entry = failed[0]
         assert entry["level"] == "ERROR" and entry["logger"] == "torchpool.worker"
@@ -99,7 +99,8 @@ def test_traceback_in_the_log_clean_message_to_the_client(daemon: Daemon) -> Non
     else:
         entry = {"message": log}
         trace = log
-    assert f"model '{MODEL}' version 1 instance '{MODEL}_0' batch " in entry["message"]
+    # the local client's request went on its direct path to the worker (worker/direct.py)
+    assert f"model '{MODEL}' version 1 instance '{MODEL}_0' direct request " in entry["message"]
     assert "boom: input sum is negative" in entry["message"]
     assert "Traceback (most recent call last)" in trace
     assert "Traceback of TorchScript" in trace and "RaiseException" in trace
