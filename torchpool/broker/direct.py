@@ -91,6 +91,7 @@ class DirectPaths:
             ours.close()            # the worker and the client hold their own ends now
             theirs.close()
         session.direct[mv] = (name, h)
+        h.adopted = True
         return {"direct": name, "version": mv.version}
 
     def why_ended(self, session: Any, name: Any) -> TorchpoolError:

@@ -212,11 +212,12 @@ class Instances:
     def catch_up(self) -> None:
         """Read the reports workers have already sent: a worker reports each
         direct request before answering it, so statistics read after an
-        answer count it, wherever the loop would have read it."""
+        answer count it, wherever the loop would have read it. Only workers
+        given direct paths: the others' messages keep the loop's order."""
         poller, by_fd = select.poll(), {}
         for h in self.supervisor.workers.values():
             fd = h.sock.fileno()
-            if h.state != DEAD and fd >= 0 and self.loop.watching(fd):
+            if h.adopted and h.state != DEAD and fd >= 0 and self.loop.watching(fd):
                 poller.register(fd, select.POLLIN)
                 by_fd[fd] = h
         for _ in range(64):              # bounded: a busy worker keeps sending
