@@ -24,11 +24,11 @@ import pytest
 
 from torchpool import Client
 from torchpool.protocol import errors, lane, messages
+from torchpool.worker.direct import STALL_S
 
 from ..support.daemon import Daemon, cpu_ticks, daemon_segments, wait_for
 from .test_e2e_lane import A, RawLane, served
 
-STALL_S = 10.0          # worker/direct.py
 
 
 @pytest.fixture(scope="module")
