@@ -123,8 +123,6 @@ def test_requests_a_direct_path_does_not_take_keep_the_lane(direct_daemon: Daemo
 
 
 @pytest.mark.parametrize("model, version, code, expected", [
-    ("mlp", "", errors.UNSUPPORTED, "model 'mlp' version 1 takes no direct requests: its requests are "
-                                    "batched"),
     ("addsub", "7", errors.NOT_FOUND, "addsub"),
     ("nothing", "", errors.NOT_FOUND, "nothing"),
 ])
@@ -139,11 +137,6 @@ def test_a_path_is_refused_with_the_reason(direct_daemon: Daemon, model: str, ve
         assert _nothing_waits(raw.sock)            # no fd was pushed
     finally:
         raw.close()
-    with Client(direct_daemon.url, timeout=30) as c:          # the model's requests keep the lane
-        before = transfer(c)
-        out = c.infer("mlp", {"INPUT__0": np.zeros((1, 256), np.float32)})["OUTPUT__0"]
-        assert out.shape == (1, 10)
-        assert transfer(c).get("requests_direct", 0) == before.get("requests_direct", 0)
 
 
 def _nothing_waits(sock: socket.socket) -> bool:

@@ -9,13 +9,17 @@ client's plain requests to that model then cross two process hops, not four.
 
 What stays with the broker, and why a model may take direct requests:
 - the requests the worker takes are the ones the broker's DirectScheduler
-  would have run alone and at once: the model has no dynamic batching and
-  no sequence batching, no batch inputs or outputs, no output `reshape` (the
-  broker undoes those while answering), and no execution timeout (the
+  would have run alone and at once, or, for a model with dynamic batching,
+  the ones its DynamicBatcher would batch by the batching rules alone (one
+  priority level, no queue policy, no ragged input): the worker batches
+  those itself by the same rules (worker/direct_batch.py). Never a model
+  with sequence batching, batch inputs or outputs, an output `reshape` (the
+  broker undoes those while answering), or an execution timeout (the
   broker times its own batches: it cannot time a worker's direct requests);
 - the worker checks each request by the broker's own rules (validate_infer,
-  with this daemon's TensorLimits) and reports each answered one (SERVED),
-  so the model's statistics count them;
+  with this daemon's TensorLimits) and reports each answered one in the
+  report ring handed over with its first path (protocol/reports.py), so the
+  model's statistics count them;
 - one path per session and model version: asking again replaces it; the
   session's end closes them all (FORGET), the instance's end closes its
   own (its socket ends go with it) and the client then asks again or uses
@@ -24,15 +28,18 @@ What stays with the broker, and why a model may take direct requests:
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 from typing import Any, Callable, Optional
 
 from ..protocol import errors, internal, messages
 from ..protocol.errors import TorchpoolError
+from ..protocol.reports import ReportRing
 from ..protocol.validation import TensorLimits
 from ..shm.fdpass import send_with_fds
 from .registry import ModelVersion, Registry
 from .schedulers.direct import DirectScheduler
+from .schedulers.dynamic import DynamicBatcher
 from .stats import BACKEND
 from .supervisor import BUSY, DEAD, IDLE, describe_exit
 
@@ -40,8 +47,17 @@ from .supervisor import BUSY, DEAD, IDLE, describe_exit
 def refusal(mv: ModelVersion, execution_timeout: float) -> Optional[str]:
     """Why `mv` takes no direct requests (None: it does)."""
     cfg = mv.config
-    if mv.scheduler.__class__ is not DirectScheduler:
-        return "its requests are batched or sequenced by the daemon"
+    kind = mv.scheduler.__class__
+    if kind is DynamicBatcher:
+        db = cfg.dynamic_batching or {}
+        policies = [db.get("default_queue_policy") or {}, *(db.get("priority_queue_policy") or {}).values()]
+        if db.get("priority_levels", 0) > 1 or any(
+                p.get("default_timeout_microseconds") or p.get("max_queue_size") for p in policies):
+            return "the daemon orders its queue (priority levels, queue timeouts or sizes)"
+        if any(spec.allow_ragged_batch for spec in cfg.inputs):
+            return "the daemon batches its ragged inputs"
+    elif kind is not DirectScheduler:
+        return "its requests are sequenced by the daemon"
     if cfg.batch_inputs or cfg.batch_outputs:
         return "the daemon computes its batch inputs or outputs"
     if any(spec.reshape is not None for spec in cfg.outputs):
@@ -76,10 +92,14 @@ class DirectPaths:
         self.close(session, mv)
         name = next(self._names)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        ring, ring_fd = (None, -1) if h.reports is not None else ReportRing.create()
         try:
+            # its first path: the ring it reports in goes with it
             send_with_fds(h.sock, internal.encode(internal.Adopt(
                 name, session.token, self.limits.max_bytes_elements, self.limits.max_bytes_tensor_bytes)),
-                [ours.fileno()])
+                [ours.fileno()] if ring is None else [ours.fileno(), ring_fd])
+            if ring is not None:
+                h.reports, ring = ring, None
             try:
                 send_with_fds(session.channel, messages.pack({"segments": [{"segment": name, "size": 0}]}),
                               [theirs.fileno()], socket.MSG_DONTWAIT)
@@ -90,6 +110,10 @@ class DirectPaths:
         finally:
             ours.close()            # the worker and the client hold their own ends now
             theirs.close()
+            if ring_fd >= 0:
+                os.close(ring_fd)
+            if ring is not None:        # not handed over
+                ring.close()
         session.direct[mv] = (name, h)
         h.adopted = True
         return {"direct": name, "version": mv.version}

@@ -47,6 +47,9 @@ log = logging.getLogger("torchpool.broker")
 # a model of several instances gets batches sent ahead only while its mean
 # execution (per request) is shorter than this
 AHEAD_MAX_MEAN_NS = 2_000_000
+# While workers have report rings they are read this often: how stale the
+# metrics of direct requests may be (statistics calls read them first).
+REPORTS_EVERY_S = 0.1
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Instances:
         self.options = options
         self.events = events
         self._batch_ids = iter(range(1, 1 << 62))
+        self._reading_reports = False      # a timer reads the report rings
 
     # ------------------------------------------------------------- start
 
@@ -207,13 +211,34 @@ class Instances:
         elif kind is internal.Done or kind is internal.Failed:
             self._on_finished(h, mv, msg)
         elif kind is internal.Served:
+            self.read_reports(h)         # the ring first: its reports were written before
             self._on_served(h, mv, msg.records, msg.closed)
 
+    def read_reports(self, h: Optional[WorkerHandle] = None) -> bool:
+        """Count the direct requests in the report rings (protocol/reports.py)
+        of `h`, or of every worker; False when there is no ring to read."""
+        rings = False
+        for w in (h,) if h is not None else self.supervisor.workers.values():
+            if w.reports is not None:
+                rings = True
+                records = w.reports.take()
+                if records:
+                    self._on_served(w, w.mv, records, False)
+        if rings and not self._reading_reports:       # and from now on, every REPORTS_EVERY_S
+            self._reading_reports = True
+            self.loop.call_later(REPORTS_EVERY_S, self._read_reports_again)
+        return rings
+
+    def _read_reports_again(self) -> None:
+        self._reading_reports = False
+        self.read_reports()
+
     def catch_up(self) -> None:
-        """Read the reports workers have already sent: a worker reports each
+        """Read the reports workers have already made: a worker reports each
         direct request before answering it, so statistics read after an
         answer count it, wherever the loop would have read it. Only workers
         given direct paths: the others' messages keep the loop's order."""
+        self.read_reports()
         poller, by_fd = select.poll(), {}
         for h in self.supervisor.workers.values():
             fd = h.sock.fileno()
@@ -231,25 +256,27 @@ class Instances:
 
     def _on_served(self, h: WorkerHandle, mv: ModelVersion, records: list, closed: bool) -> None:
         """Direct requests the worker answered (worker/direct.py), counted as
-        the broker counts its own (they did not wait in its queue); each
-        renews its client's session, as a request to the broker does."""
+        the broker counts its own (their queue: the wait for their batch in
+        the worker); each renews its client's session, as a request to the
+        broker does."""
         stats, now = mv.stats, time.monotonic()
         if closed:
             h.closing_paths = False          # what ran on them is answered
         self.answers.transfer["requests_direct"] += len(records)
         try:
-            for ok, batch_size, ns, input_ns, infer_ns, output_ns, token in records:
+            for ok, ns, queue_ns, token, execution in records:
                 session = self.sessions.sessions.get(token)
                 if session is not None:
                     session.last_seen = now      # the broker never saw it: its lease is renewed here
+                if execution is not None:
+                    stats.record_execution(*execution)
                 if not ok:
                     stats.record_failure(ns, BACKEND)
                     continue
                 stats.success.add(ns)
-                stats.queue.add(0)
+                stats.queue.add(queue_ns)
                 if stats.windows is not None:
                     stats.windows.request.observe(ns // 1000, now)
-                stats.record_execution(batch_size, 1, input_ns, infer_ns, output_ns)
         except (TypeError, ValueError) as exc:
             log.error("%s reported direct requests the broker cannot read (%r); not counted", h.label, exc)
 
@@ -315,6 +342,10 @@ class Instances:
         self.events.settled(mv)
 
     def _on_exit(self, h: WorkerHandle) -> None:
+        if h.reports is not None:      # what it reported before it ended counts
+            self.read_reports(h)
+            h.reports.close()
+            h.reports = None
         self.loop.unwatch(h.sentinel)
         self.loop.unwatch(h.sock.fileno())
         was = h.state

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from ..config import ModelConfig
 from ..protocol import errors
+from ..protocol.batching import batch_key
 from ..protocol.errors import TorchpoolError
 from ..protocol.internal import InputDescriptor
 from ..shm.arena import Arena, ArenaFull, Block
@@ -80,8 +81,7 @@ def batch_layout(req: "InferRequest", staged: list[tuple], cfg: ModelConfig) -> 
     if req.exclusive:
         req.key = ("alone", id(req))
     else:
-        req.key = tuple(sorted((spec.name, "ragged" if spec.allow_ragged_batch else tuple(shape[1:]))
-                               for spec, shape, *_ in staged))
+        req.key = batch_key(staged)
 
 
 def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[list], list[Block]]:

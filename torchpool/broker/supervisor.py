@@ -80,6 +80,7 @@ class WorkerHandle:
     how_it_ended: str = ""            # once reaped: "was killed by signal SIGKILL (9)", ...
     closing_paths: bool = False       # told to close direct paths, not done yet (broker/direct.py)
     adopted: bool = False             # given a direct path once: it may send SERVED reports
+    reports: Any = None               # its report ring then (protocol/reports.py)
 
     @property
     def label(self) -> str:

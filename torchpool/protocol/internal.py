@@ -51,7 +51,8 @@ broker -> worker
                                       session or region is gone
     [STOP]
     [ADOPT, name, session, max_bytes_elements, max_bytes_tensor_bytes]   with one fd
-                                      attached: a local client's direct socket (worker/direct.py)
+                                      attached: a local client's direct socket (worker/direct.py);
+                                      the worker's first also has its report ring's (reports.py)
 A released block is `[segment, offset, size]` of an output block the broker
 no longer reads: the worker may reuse it.
 worker -> broker
@@ -59,9 +60,12 @@ worker -> broker
     [LOAD_FAILED, code, message]
     [DONE, batch_id, [descriptor, ...], [input_ns, infer_ns, output_ns], [reused output, ...]]
     [FAILED, batch_id, code, message]
-    [SERVED, [[ok, batch_size, request_ns, input_ns, infer_ns, output_ns, session], ...], closed]
-                                      direct requests answered since the last SERVED (ok 0: the
-                                      model failed; session: its client's, which they renew);
+    [SERVED, [[ok, request_ns, queue_ns, session, execution], ...], closed]
+                                      direct requests answered that the report ring had no room
+                                      for (none: "read my ring", it is half full) (ok 0: the
+                                      model failed; session: its client's, which they renew;
+                                      execution: [batch_size, requests, input_ns, infer_ns,
+                                      output_ns] on the first request of each execution, else nil);
                                       closed: the paths a FORGET named are closed
 An output descriptor is `[name, datatype, shape, segment, offset, nbytes]`;
 a reused output's descriptor points into the input block it is a view of
@@ -216,7 +220,7 @@ class Failed(NamedTuple):
 
 class Served(NamedTuple):
     """Direct requests answered since the last report, for the statistics."""
-    records: list               # [[ok, batch_size, request_ns, input_ns, infer_ns, output_ns, session], ...]
+    records: list               # [[ok, request_ns, queue_ns, session, execution], ...]
     closed: bool = False        # sent after closing the direct paths a FORGET named
     KIND = SERVED
 

@@ -19,8 +19,14 @@ outputs travel back inline (in pieces when large).
 The worker serves its broker first, then each direct client one request in
 turn. A client that does not read its answer keeps that one answer waiting
 here, and nothing more is read from it until it does; after STALL_S it is
-closed. Each request answered is reported to the broker (SERVED) before its
-answer goes, so statistics read after an answer count it.
+closed. Each request answered is reported to the broker before its answer
+goes, so statistics read after an answer count it: in the report ring the
+broker shares with the worker (protocol/reports.py), or as a SERVED
+message when the ring is full.
+
+A model with dynamic batching batches its direct requests here
+(direct_batch.py): what a turn reads waits for its batch by the broker's
+batching rules, and runs with the others of its batch.
 """
 from __future__ import annotations
 
@@ -29,15 +35,17 @@ import os
 import select
 import socket
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from ..config import ModelConfig
 from ..protocol import datatypes, errors, internal, lane, messages, tensors
 from ..protocol.errors import TorchpoolError
+from ..protocol.reports import ReportRing, open_ring
 from ..protocol.validation import TensorLimits, validate_infer
 from ..shm.fdpass import close_all
+from .direct_batch import DirectBatcher, poll_timeout_ms
 
 log = logging.getLogger("torchpool.worker")
 
@@ -80,10 +88,19 @@ class DirectClients:
         self.broker_fd = worker.sock.fileno()
         self.poller.register(self.broker_fd, _POLLIN)
         self._buffer = bytearray(lane.MAX_DATAGRAM + 1)
+        self.ring: Optional[ReportRing] = None     # where answered requests are reported
+        cfg = spec.config
+        self.batcher = (DirectBatcher(worker, cfg, _output)
+                        if cfg.max_batch_size > 0 and cfg.dynamic_batching is not None else None)
 
     # ------------------------------------------------------------ clients
 
     def adopt(self, msg: internal.Adopt, fds: list[int]) -> None:
+        """A direct client's socket; with the first, the report ring."""
+        if len(fds) == 2 and self.ring is None:
+            self.ring = open_ring(fds[1])
+            os.close(fds.pop())
+            self.worker.send(internal.Served([]))     # the broker reads it from now on
         if len(fds) != 1:
             close_all(fds)
             log.error("%s: a direct client came with %d fds; ignored", self.worker.label, len(fds))
@@ -95,12 +112,16 @@ class DirectClients:
         self.poller.register(sock.fileno(), _POLLIN)
 
     def forget(self, name: str) -> None:
-        """The broker closed the client's session (FORGET)."""
+        """The broker closed the client's session (FORGET): what it sent is answered first."""
+        if self.batcher is not None and self.batcher.waiting:
+            self.batcher.run_due(self._answer_batch, force=True)
         for c in list(self.clients.values()):
             if c.name == name:
                 self._drop(c)
 
     def _drop(self, c: _Client) -> None:
+        if self.batcher is not None:
+            self.batcher.drop(c)
         fd = c.sock.fileno()
         if self.clients.pop(fd, None) is not None:
             self.poller.unregister(fd)
@@ -109,12 +130,16 @@ class DirectClients:
     def close(self) -> None:
         for c in list(self.clients.values()):
             self._drop(c)
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
 
     # ------------------------------------------------------------ the loop
 
     def turn(self) -> bool:
         """Wait for the broker or a client, then serve what is ready: one
-        broker message, one request of each client. False: the worker stops."""
+        broker message, one request of each client (as many as a batch takes,
+        for a model that batches). False: the worker stops."""
         worker = self.worker
         for fd, events in self._wait():
             if fd == self.broker_fd:
@@ -134,7 +159,21 @@ class DirectClients:
                 self._flush(c)
             elif events & _GONE:
                 self._drop(c)
+        if self.batcher is not None and self.batcher.waiting:
+            self._fill_batch()
+            self.batcher.run_due(self._answer_batch)
         return True
+
+    def _fill_batch(self) -> None:
+        """Read more of what the clients already sent, one request of each in
+        turn, until the batch is full: the threads of one client share its
+        path, and their requests are batched as the broker batches them."""
+        batcher = self.batcher
+        more = list({id(w.client): w.client for w in batcher.waiting}.values())
+        for _ in range(batcher.max_preferred):       # (bounded: refused requests fill nothing)
+            more = [c for c in more if not c.outbox and self._serve(c)]
+            if not more or batcher.items() >= batcher.max_preferred:
+                return
 
     def _wait(self) -> list:
         poll = self.poller.poll
@@ -147,7 +186,10 @@ class DirectClients:
                 ready = poll(0)
         stalled = [c for c in self.clients.values() if c.outbox]
         if not ready:
-            ready = poll(1000 if stalled else None)
+            timeout = poll_timeout_ms(self.batcher.wake_at) if self.batcher is not None else None
+            if stalled:
+                timeout = 1000 if timeout is None else min(timeout, 1000)
+            ready = poll(timeout)
         if stalled:
             now = time.monotonic()
             for c in stalled:
@@ -159,16 +201,17 @@ class DirectClients:
 
     # ------------------------------------------------------------ requests
 
-    def _serve(self, c: _Client) -> None:
+    def _serve(self, c: _Client) -> bool:
+        """Read and serve (or batch) one request of `c`; False when it had none."""
         try:
             n = c.sock.recv_into(self._buffer, 0, _DONTWAIT)   # fds sent along are closed by the kernel
         except BlockingIOError:
-            return
+            return False
         except OSError:
             n = 0
         if n == 0:                       # the client closed it
             self._drop(c)
-            return
+            return False
         t0 = time.perf_counter_ns()
         request_id = None
         try:
@@ -182,12 +225,16 @@ class DirectClients:
             staged, requested, batch_size, _, _ = validate_infer(header, payload, self.model, limits=self.limits)
         except TorchpoolError as exc:    # not accepted: nothing ran, nothing to count
             self._answer(c, [messages.pack(messages.error_response(request_id, exc))])
-            return
+            return True
         except Exception as exc:         # a malformed request must never take the worker down
             self._answer(c, [messages.pack(messages.error_response(request_id, TorchpoolError(
                 errors.INVALID_ARG, f"malformed request for model '{self.model.name}': {exc!r}")))])
-            return
-        self._run(c, request_id, staged, requested, batch_size, t0)
+            return True
+        if self.batcher is not None:
+            self.batcher.add(c, request_id, staged, requested, batch_size, t0)
+        else:
+            self._run(c, request_id, staged, requested, batch_size, t0)
+        return True
 
     def _request(self, data: memoryview) -> tuple[dict, list]:
         """The header and payload frames of one direct request; TorchpoolError
@@ -247,18 +294,36 @@ class DirectClients:
                 entries.append(_output(name, value, frames))
         except Exception as exc:         # the model failed: counted, answered, the worker goes on
             failed = worker.failed(0, exc, f"direct request {request_id!r}")
-            worker.send(internal.Served([[0, batch_size, time.perf_counter_ns() - t0, 0, 0, 0, c.session]]))
+            self._report([[0, time.perf_counter_ns() - t0, 0, c.session, None]])
             self._answer(c, [messages.pack(messages.error_response(
                 request_id, TorchpoolError(failed.code, failed.message)))])
             return
         t3 = time.perf_counter_ns()
-        worker.send(internal.Served([[1, batch_size, t3 - t0, t1 - t0, t2 - t1, t3 - t2, c.session]]))
+        self._report([[1, t3 - t0, 0, c.session, [batch_size, 1, t1 - t0, t2 - t1, t3 - t2]]])
         header = messages.ok_response(request_id, model_name=self.model.name, model_version=self.version,
                                       outputs=entries)
         self._answer(c, [messages.pack(header), *frames])
 
+    def _answer_batch(self, records: list, answers: list) -> None:
+        """A batch's report, then its answers (a client gone meanwhile gets none)."""
+        self._report(records)
+        for c, frames in answers:
+            if self.clients.get(c.sock.fileno()) is c:
+                self._answer(c, frames)
+
+    def _report(self, records: list) -> None:
+        """Report answered requests to the broker before answering them: in
+        the report ring (protocol/reports.py), as SERVED when it is full."""
+        ring = self.ring
+        if ring is not None:
+            records = [r for r in records if not ring.put(r)]
+            if ring.half_full() and not records:
+                self.worker.send(internal.Served([]))      # the broker reads the ring now
+        if records:
+            self.worker.send(internal.Served(records))
+
     def _answer(self, c: _Client, frames: list) -> None:
-        c.outbox = lane.datagrams(frames)
+        c.outbox += lane.datagrams(frames)     # (a batch may answer two of its requests)
         self._flush(c)
 
     def _flush(self, c: _Client) -> None:

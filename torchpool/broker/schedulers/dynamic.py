@@ -4,15 +4,11 @@ A version whose config has `dynamic_batching { }` is scheduled by a
 `DynamicBatcher`. Requests wait in one FIFO per priority level; a batch is formed by Triton's rules:
 
     scan the queues in priority order (level 1 first; within a level, the
-    requests that timed out with DELAY come after the others), adding
-    requests while the batch stays within the largest preferred size (or
-    max_batch_size) and every non-ragged input has the same shape beyond the
-    batch dimension (and the same inputs are present). Send it when
-      - it reached the largest preferred size, or the next request cannot
-        join (too big, another shape, or it must run alone), or
-      - it reached a preferred size (the largest one reached is sent), or
-      - its oldest request has waited max_queue_delay_microseconds;
-    otherwise wait until that delay is over or more requests arrive.
+    requests that timed out with DELAY come after the others) and form the
+    batch from them by the rules of protocol/batching.py (the same inputs
+    with the same shapes beyond the batch dimension, sent at the largest
+    preferred size, at a preferred size, or when the oldest request has
+    waited max_queue_delay_microseconds).
 
 Queue policies per priority level: `max_queue_size` (a request beyond it is
 rejected at once), `default_timeout_microseconds` (a request's own shorter
@@ -43,6 +39,7 @@ from typing import Any, Iterator, Optional
 
 from ...config import ModelConfig
 from ...protocol import errors
+from ...protocol.batching import select_batch
 from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch, stage_batch_inputs
@@ -203,32 +200,7 @@ class DynamicBatcher(Scheduler):
     def _select(self, now: float) -> tuple[list[InferRequest], bool, Optional[float]]:
         """The requests of the next batch, whether it should go now, and else
         when it should go at the latest."""
-        reqs: list[InferRequest] = []
-        items, best, send_now, key, oldest = 0, 0, False, None, None
-        for req in self._ordered():
-            n = req.batch_size
-            if reqs and (req.exclusive or req.key != key or items + n > self.max_preferred):
-                send_now = True          # the batch cannot grow any more
-                break
-            if not reqs:
-                key = req.key
-            reqs.append(req)
-            items += n
-            if oldest is None or req.enqueued < oldest:
-                oldest = req.enqueued
-            if req.exclusive or items >= self.max_preferred:
-                send_now = True
-                break
-            if items in self.preferred:
-                best = len(reqs)
-        if not reqs:
-            return reqs, False, None
-        if send_now:
-            return reqs, True, None
-        if best:
-            return reqs[:best], True, None
-        wake = oldest + self.delay
-        return reqs, now >= wake, wake
+        return select_batch(self._ordered(), self.max_preferred, self.preferred, self.delay, now)
 
     def _sync(self, reqs: list[InferRequest]) -> None:
         """Make the forming batch hold exactly `reqs`, keeping what is right."""
