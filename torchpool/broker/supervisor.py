@@ -24,7 +24,7 @@ from ..config import InstanceGroup
 from ..config.devices import visible_gpus
 from ..config.parameters import model_parameters
 from ..protocol import internal
-from ..shm.fdpass import FdReceiver, send_with_fds
+from ..shm.fdpass import DONTWAIT, FdReceiver, send_with_fds
 from ..shm.segment import Segment
 from ..worker.entry import run_worker
 from ..worker.spec import WorkerSpec
@@ -107,7 +107,7 @@ class WorkerHandle:
         BlockingIOError when none waits (the loop saw the socket readable, and
         Instances.catch_up read it since)."""
         try:
-            raw, fds = _receiver.recv(self.sock, _DONTWAIT)
+            raw, fds = _receiver.recv(self.sock, DONTWAIT)
         except BlockingIOError:
             raise
         except (ConnectionError, OSError):
@@ -124,7 +124,6 @@ class WorkerHandle:
 
 # The broker's one thread decodes each message before reading the next: one buffer serves all.
 _receiver = FdReceiver(internal.MAX_MESSAGE)
-_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 def shares_weights(mv: ModelVersion) -> bool:

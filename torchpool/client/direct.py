@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 from ..protocol import errors, lane, messages, tensors
 from ..protocol.errors import InferenceError
-from ..shm.fdpass import FdReceiver, close_all
+from ..shm.fdpass import DONTWAIT, FdReceiver, close_all
 from .lane import LaneSocket
 from .types import NoAnswer
 
@@ -39,7 +39,7 @@ class _DirectLink:
         self._receiver = FdReceiver(lane.MAX_DATAGRAM)
 
     def recv(self) -> tuple[memoryview, list[int]]:
-        return self._receiver.recv(self.sock, socket.MSG_DONTWAIT)
+        return self._receiver.recv(self.sock, DONTWAIT)
 
     def keep(self, data: Any, fds: list[int]) -> None:
         close_all(fds)

@@ -16,11 +16,11 @@ one waiting thread reads for all); what differs is the transport:
 from __future__ import annotations
 
 import select
-import socket
 import time
 from typing import Any, Callable, Optional
 
 from ..protocol import errors, lane, messages
+from ..shm.fdpass import DONTWAIT
 from .channel import SharedSocket, _Waiter
 from .types import NoAnswer
 
@@ -44,7 +44,7 @@ class LaneSocket(SharedSocket):
             datagram = lane.request(w.frames)
             while True:
                 try:
-                    self._link.sock.sendmsg(datagram, (), socket.MSG_DONTWAIT)
+                    self._link.sock.sendmsg(datagram, (), DONTWAIT)
                     break
                 except BlockingIOError:
                     # the daemon has not read what we sent yet: wait for room, as

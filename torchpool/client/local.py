@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from ..protocol import errors, lane, messages
 from ..protocol.errors import InferenceError
-from ..shm.fdpass import FdReceiver, close_all, recv_with_fds
+from ..shm.fdpass import DONTWAIT, FdReceiver, close_all, recv_with_fds
 
 MAX_MESSAGE = lane.MAX_DATAGRAM      # the largest datagram the daemon sends here
 ATTACH_TIMEOUT_S = 10.0
@@ -96,7 +96,7 @@ class LocalLink:
     def recv(self) -> tuple[memoryview, list[int]]:
         """One datagram (a view, valid until the next recv) and its fds;
         BlockingIOError when none waits."""
-        return self._receiver.recv(self.sock, socket.MSG_DONTWAIT)
+        return self._receiver.recv(self.sock, DONTWAIT)
 
     def keep(self, data: Any, fds: list[int]) -> None:
         """Keep the fds of segments the daemon handed over, by name, for take()."""

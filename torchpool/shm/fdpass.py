@@ -62,6 +62,7 @@ class FdReceiver:
 
 
 # plain ints: socket's flags are IntFlag enums, whose | costs microseconds per message
+DONTWAIT = int(socket.MSG_DONTWAIT)
 _CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 _CUT_SHORT = int(socket.MSG_CTRUNC | socket.MSG_TRUNC)
 

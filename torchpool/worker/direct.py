@@ -44,7 +44,7 @@ from ..protocol import datatypes, errors, internal, lane, messages, tensors
 from ..protocol.errors import TorchpoolError
 from ..protocol.reports import ReportRing, open_ring
 from ..protocol.validation import TensorLimits, validate_infer
-from ..shm.fdpass import close_all
+from ..shm.fdpass import DONTWAIT, close_all
 from .direct_batch import DirectBatcher, poll_timeout_ms
 
 log = logging.getLogger("torchpool.worker")
@@ -54,7 +54,6 @@ STALL_S = 10.0          # a client that leaves an answer unread this long is clo
 _POLLIN = select.POLLIN
 _POLLOUT = select.POLLOUT
 _GONE = select.POLLHUP | select.POLLERR
-_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 class _Model(NamedTuple):
@@ -144,7 +143,7 @@ class DirectClients:
         for fd, events in self._wait():
             if fd == self.broker_fd:
                 try:
-                    raw, fds = worker.receiver.recv(worker.sock, _DONTWAIT)
+                    raw, fds = worker.receiver.recv(worker.sock, DONTWAIT)
                 except BlockingIOError:
                     continue
                 if not worker.handle(raw, fds):
@@ -204,7 +203,7 @@ class DirectClients:
     def _serve(self, c: _Client) -> bool:
         """Read and serve (or batch) one request of `c`; False when it had none."""
         try:
-            n = c.sock.recv_into(self._buffer, 0, _DONTWAIT)   # fds sent along are closed by the kernel
+            n = c.sock.recv_into(self._buffer, 0, DONTWAIT)   # fds sent along are closed by the kernel
         except BlockingIOError:
             return False
         except OSError:
@@ -331,7 +330,7 @@ class DirectClients:
         outbox = c.outbox
         while outbox:
             try:
-                c.sock.sendmsg(outbox[0], (), _DONTWAIT)
+                c.sock.sendmsg(outbox[0], (), DONTWAIT)
             except BlockingIOError:
                 if not c.stalled_at:     # its requests wait until it reads: no POLLIN
                     c.stalled_at = time.monotonic()
@@ -354,6 +353,10 @@ def _output(name: str, value: Any, frames: list) -> dict:
         return entry
     if not (value.is_cpu and value.is_contiguous()):
         value = value.cpu().contiguous()
+    try:
+        data = value.numpy()             # one torch call (three for the bytes view below)
+    except TypeError:                    # a dtype numpy lacks (bfloat16)
+        data = value.reshape(-1).view(torch.uint8).numpy()
     entry = tensors.tensor_entry(name, datatypes.wire_from_torch(value.dtype), list(value.shape))
-    tensors.put_data(entry, value.reshape(-1).view(torch.uint8).numpy(), frames)
+    tensors.put_data(entry, data, frames)
     return entry
