@@ -7,6 +7,7 @@ vanishes. A model whose queue the daemon must order keeps the broker.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 import time
@@ -14,13 +15,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from torchpool import Client
 from torchpool.protocol import errors
+from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon, daemon_segments
+from ..support.model_repository import RaiseOnNegative, serialize, tensor
+from ..support.model_repository import config as model_config
 from .test_e2e_direct import RawPath, stats, transfer
 from .test_e2e_lane import RawLane
+
+class FirstRow(torch.nn.Module):
+    """Loses the batch dimension: one row, whatever the batch."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:1]
+
 
 WAIT_S = 0.3                 # mlp_delay's max_queue_delay_microseconds
 
@@ -41,10 +52,19 @@ def batching_daemon(small_repository: Path, tmp_path_factory: pytest.TempPathFac
         assert "dynamic_batching { }" in config
         (root / name / "config.pbtxt").write_text(
             config.replace('name: "mlp"', f'name: "{name}"').replace("dynamic_batching { }", batching))
+    pair = "dynamic_batching { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 30000000 }\n"
+    for name, module in (("first_row_pair", FirstRow()), ("raise_pair", RaiseOnNegative())):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.pt").write_bytes(serialize(module))
+        (root / name / "config.pbtxt").write_text(model_config(
+            name, inputs=[tensor("INPUT__0", "FP32", [4])], outputs=[tensor("OUTPUT__0", "FP32", [4])],
+            max_batch_size=8, extra=pair))
     d = Daemon(root, tmp_path_factory.mktemp("direct_batching"), "--log-level", "debug").start()
     yield d
     assert d.stop() == 0, d.log()
-    assert "Traceback" not in d.log(), d.log()
+    # a traceback only where raise_pair raised (its failure is logged with the model's trace)
+    records = re.split(r"\n(?=\d{4}-\d\d-\d\d )", d.log())
+    assert not [r for r in records if "Traceback" in r and "'raise_pair_0' direct batch" not in r], d.log()
     assert not daemon_segments(d.urls), "the daemon left shared memory behind"
 
 
@@ -57,13 +77,16 @@ def alone(c: Client, x: np.ndarray) -> np.ndarray:
     return np.concatenate([c.infer("mlp_delay", {"INPUT__0": x[i:i + 1]})["OUTPUT__0"] for i in range(len(x))])
 
 
-def concurrently(url: str, model: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
-    """Each input sent at once by a client of its own; their answers."""
+def concurrently(url: str, model: str, inputs: list[np.ndarray]) -> list:
+    """Each input sent at once by a client of its own; their answers (or errors)."""
     results: list = [None] * len(inputs)
 
     def call(i: int) -> None:
         with Client(url, timeout=60) as c:
-            results[i] = c.infer(model, {"INPUT__0": inputs[i]})["OUTPUT__0"]
+            try:
+                results[i] = c.infer(model, {"INPUT__0": inputs[i]})["OUTPUT__0"]
+            except InferenceError as exc:
+                results[i] = exc
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(inputs))]
     for t in threads:
@@ -189,3 +212,29 @@ def test_a_bad_request_in_a_batching_turn_is_refused_alone(batching_daemon: Daem
                                        rtol=1e-4, atol=1e-5)
     finally:
         path.close()
+
+
+def test_a_batch_whose_output_lost_the_batch_dimension_fails_clearly(batching_daemon: Daemon) -> None:
+    ones = np.ones((1, 4), np.float32)
+    got = concurrently(batching_daemon.url, "first_row_pair", [ones, ones])
+    for err in got:
+        assert isinstance(err, InferenceError) and err.code == errors.INTERNAL, got
+        assert ("output 'OUTPUT__0' of model 'first_row_pair' has 1 rows for a batch of 2 rows from 2 "
+                "requests: a batched output must keep the batch dimension first") in str(err)
+    with Client(batching_daemon.url, timeout=60) as c:                  # the worker serves on
+        s = c.statistics("first_row_pair")["model_stats"][0]
+        assert s["inference_stats"]["fail"]["count"] == 2
+        out = c.infer("mlp_delay", {"INPUT__0": rows(1, 8)})["OUTPUT__0"]
+        assert out.shape == (1, 10)
+
+
+def test_a_request_that_makes_the_model_raise_fails_its_batch_only(batching_daemon: Daemon) -> None:
+    url = batching_daemon.url
+    good, bad = np.ones((1, 4), np.float32), -3 * np.ones((1, 4), np.float32)   # their batch sums < 0
+    got = concurrently(url, "raise_pair", [good, bad])
+    for err in got:                     # one batch: both fail, as in any batch (Triton's too)
+        assert isinstance(err, InferenceError) and err.code == errors.INTERNAL, got
+        assert "raise_pair" in str(err) and "boom: input sum is negative" in str(err)
+    got = concurrently(url, "raise_pair", [good, 2 * good])           # the next batch runs
+    np.testing.assert_array_equal(got[0], good)
+    np.testing.assert_array_equal(got[1], 2 * good)

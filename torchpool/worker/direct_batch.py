@@ -135,9 +135,14 @@ class DirectBatcher:
             if single:
                 parts[name] = [value]
                 continue
-            count = len(value) if isinstance(value, list) else (value.shape[0] if value.dim() else 0)
-            per_row = count // rows if rows else 0
-            if not rows or count % rows or (per_row != 1 and not isinstance(value, list)):
+            if isinstance(value, list):      # BYTES: split by element count
+                count = len(value)
+                per_row = count // rows if rows else 0
+                fits = count == per_row * rows
+            else:
+                count = value.shape[0] if value.dim() else 0
+                per_row, fits = 1, count == rows and value.dim() > 0
+            if not fits:
                 raise TorchpoolError(errors.INTERNAL, f"output '{name}' of model '{model}' has {count} "
                                                       f"rows for a batch of {rows} rows from {len(reqs)} "
                                                       f"requests: a batched output must keep the batch "
