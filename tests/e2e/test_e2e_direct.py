@@ -232,23 +232,27 @@ def test_fds_sent_on_a_path_are_not_kept(direct_daemon: Daemon) -> None:
         raw.close()
 
 
+def flood(path: socket.socket, header: dict) -> int:
+    """Send `header` as a request on `path` until the worker stops reading
+    it (no room for 2 s), never reading an answer; how many were sent."""
+    path.setblocking(False)
+    datagram = b"".join([bytes([lane.LAST]), *lane.encode([messages.pack(header)])])
+    sent, deadline = 0, time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not select.select([], [path], [], 2.0)[1]:
+            break
+        try:
+            path.send(datagram)
+            sent += 1
+        except BlockingIOError:
+            pass
+    return sent
+
+
 def test_a_client_that_never_reads_its_path_loses_it_and_others_are_served(direct_daemon: Daemon) -> None:
     raw = RawPath(direct_daemon.url)
     try:
-        raw.path.setblocking(False)
-        sent = 0
-        header = messages.pack(raw.infer(1))
-        datagram = b"".join([bytes([lane.LAST]), *lane.encode([header])])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:        # until the worker stops reading us
-            if not select.select([], [raw.path], [], 2.0)[1]:
-                break                              # no room for 2 s: it reads nothing more
-            try:
-                raw.path.send(datagram)
-                sent += 1
-            except BlockingIOError:
-                pass
-        assert sent > 1
+        assert flood(raw.path, raw.infer(1)) > 1
         served(direct_daemon)                      # meanwhile the worker serves everyone else
         with Client(direct_daemon.url, timeout=30) as c:
             for _ in range(5):

@@ -21,10 +21,10 @@ from torchpool import Client
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
-from ..support.daemon import Daemon, daemon_segments
+from ..support.daemon import Daemon, cpu_ticks, daemon_segments
 from ..support.model_repository import RaiseOnNegative, serialize, tensor
 from ..support.model_repository import config as model_config
-from .test_e2e_direct import RawPath, stats, transfer
+from .test_e2e_direct import RawPath, flood, stats, transfer, worker_pid
 from .test_e2e_lane import RawLane
 
 class FirstRow(torch.nn.Module):
@@ -238,3 +238,23 @@ def test_a_request_that_makes_the_model_raise_fails_its_batch_only(batching_daem
     got = concurrently(url, "raise_pair", [good, 2 * good])           # the next batch runs
     np.testing.assert_array_equal(got[0], good)
     np.testing.assert_array_equal(got[1], 2 * good)
+
+
+def test_a_client_that_floods_a_batching_path_and_never_reads_harms_no_one(batching_daemon: Daemon) -> None:
+    url = batching_daemon.url
+    flooder = RawPath(url, "mlp_four")
+    try:
+        sent = flood(flooder.path, {"v": 1, "op": "infer", "id": 1, "model": "mlp_four", "version": "",
+                                    "inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 256],
+                                                "data": rows(1, 11).tobytes()}]})
+        assert sent > 4                             # more than one batch was read from it
+        x = rows(4, 12)                             # others are served meanwhile (4 items: no wait)
+        with Client(url, timeout=60) as c:
+            np.testing.assert_allclose(c.infer("mlp_four", {"INPUT__0": x})["OUTPUT__0"], alone(c, x),
+                                       rtol=1e-4, atol=1e-5)
+        pid = worker_pid(batching_daemon, "mlp_four")
+        ticks = cpu_ticks(pid)
+        time.sleep(1.0)                             # a measuring window, not a synchronisation
+        assert cpu_ticks(pid) - ticks < 20, "the worker spun on a client that does not read"
+    finally:
+        flooder.close()

@@ -115,7 +115,6 @@ class DirectPaths:
             if ring is not None:        # not handed over
                 ring.close()
         session.direct[mv] = (name, h)
-        h.adopted = True
         return {"direct": name, "version": mv.version}
 
     def why_ended(self, session: Any, name: Any) -> TorchpoolError:

@@ -214,9 +214,9 @@ class Instances:
             self.read_reports(h)         # the ring first: its reports were written before
             self._on_served(h, mv, msg.records, msg.closed)
 
-    def read_reports(self, h: Optional[WorkerHandle] = None) -> bool:
+    def read_reports(self, h: Optional[WorkerHandle] = None) -> None:
         """Count the direct requests in the report rings (protocol/reports.py)
-        of `h`, or of every worker; False when there is no ring to read."""
+        of `h`, or of every worker."""
         rings = False
         for w in (h,) if h is not None else self.supervisor.workers.values():
             if w.reports is not None:
@@ -227,7 +227,6 @@ class Instances:
         if rings and not self._reading_reports:       # and from now on, every REPORTS_EVERY_S
             self._reading_reports = True
             self.loop.call_later(REPORTS_EVERY_S, self._read_reports_again)
-        return rings
 
     def _read_reports_again(self) -> None:
         self._reading_reports = False
@@ -242,7 +241,7 @@ class Instances:
         poller, by_fd = select.poll(), {}
         for h in self.supervisor.workers.values():
             fd = h.sock.fileno()
-            if h.adopted and h.state != DEAD and fd >= 0 and self.loop.watching(fd):
+            if h.reports is not None and h.state != DEAD and fd >= 0 and self.loop.watching(fd):
                 poller.register(fd, select.POLLIN)
                 by_fd[fd] = h
         for _ in range(64):              # bounded: a busy worker keeps sending

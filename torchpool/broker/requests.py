@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from ..config import ModelConfig
 from ..protocol import errors
-from ..protocol.batching import batch_key
+from ..protocol.batching import batch_key, batch_rows
 from ..protocol.errors import TorchpoolError
 from ..protocol.internal import InputDescriptor
 from ..shm.arena import Arena, ArenaFull, Block
@@ -64,7 +64,7 @@ def batch_layout(req: "InferRequest", staged: list[tuple], cfg: ModelConfig) -> 
     except ragged inputs)."""
     batching = cfg.max_batch_size > 0
     req.shapes = {spec.name: shape for spec, shape, *_ in staged}
-    req.rows = staged[0][1][0] if batching and staged and staged[0][1] else 1
+    req.rows = batch_rows(staged, batching)
     # A request with an output into a region or a classified output (both
     # are the only requested outputs that are not plain names) runs alone:
     # a batch of several requests asks the worker for plain names

@@ -79,8 +79,7 @@ class WorkerHandle:
     known: set = field(default_factory=set)   # segments whose fds it has been handed
     how_it_ended: str = ""            # once reaped: "was killed by signal SIGKILL (9)", ...
     closing_paths: bool = False       # told to close direct paths, not done yet (broker/direct.py)
-    adopted: bool = False             # given a direct path once: it may send SERVED reports
-    reports: Any = None               # its report ring then (protocol/reports.py)
+    reports: Any = None               # given a direct path: its report ring (protocol/reports.py)
 
     @property
     def label(self) -> str:

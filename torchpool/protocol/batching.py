@@ -14,7 +14,27 @@ otherwise it waits until that delay is over or more requests arrive.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
+
+
+class BatchLimits(NamedTuple):
+    max_preferred: int          # the largest preferred size (max_batch_size when none)
+    preferred: frozenset        # the preferred sizes within max_batch_size
+    delay: float                # max_queue_delay_microseconds, in seconds
+
+
+def batch_limits(cfg: Any) -> BatchLimits:
+    """The sizes and the delay of a model's `dynamic_batching`."""
+    db = cfg.dynamic_batching or {}
+    max_batch = max(1, cfg.max_batch_size)
+    preferred = [p for p in db.get("preferred_batch_size", []) if 0 < p <= max_batch]
+    return BatchLimits(max(preferred) if preferred else max_batch, frozenset(preferred),
+                       db.get("max_queue_delay_microseconds", 0) / 1e6)
+
+
+def batch_rows(staged: list, batching: bool) -> int:
+    """A validated request's rows along dim 0 (1 for a model without batching)."""
+    return staged[0][1][0] if batching and staged and staged[0][1] else 1
 
 
 def batch_key(staged: Iterable[tuple]) -> tuple:

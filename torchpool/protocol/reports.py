@@ -45,6 +45,7 @@ class ReportRing:
             raise ValueError(f"a report ring is {SIZE} bytes")
         self.map = mmap.mmap(fd, SIZE)
         self.written = self.read_count = 0      # each side's own count (never trusted from the other)
+        self.pending = 0                        # the worker's: written, not read, at its last put
         self.nudged = False
 
     @classmethod
@@ -58,21 +59,22 @@ class ReportRing:
 
     def put(self, record: list) -> bool:
         """Write one report (False: the ring is full)."""
-        read = _COUNT.unpack_from(self.map, _READ)[0]
-        if self.written - read >= SLOTS:
+        self.pending = self.written - _COUNT.unpack_from(self.map, _READ)[0]
+        if self.pending >= SLOTS:
             return False
         ok, ns, queue_ns, session, execution = record
         items, requests, input_ns, infer_ns, output_ns = execution or (0, 0, 0, 0, 0)
         RECORD.pack_into(self.map, _HEADER + (self.written % SLOTS) * RECORD.size, ok, requests, items,
                          input_ns, infer_ns, output_ns, ns, queue_ns, session.encode())
         self.written += 1
+        self.pending += 1
         _COUNT.pack_into(self.map, _WRITTEN, self.written)   # after the record: the broker reads up to it
         return True
 
     def half_full(self) -> bool:
-        """True once per filling past half (the worker then tells the broker)."""
-        pending = self.written - _COUNT.unpack_from(self.map, _READ)[0]
-        if pending < SLOTS // 2:
+        """True once per filling past half, as of the last put (the worker
+        then tells the broker)."""
+        if self.pending < SLOTS // 2:
             self.nudged = False
             return False
         if self.nudged:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 from ..config import ModelConfig
 from ..protocol import errors, messages
-from ..protocol.batching import batch_key, select_batch
+from ..protocol.batching import batch_key, batch_limits, batch_rows, select_batch
 from ..protocol.errors import TorchpoolError
 
 # answer(records for SERVED, [(client, frames of its answer), ...])
@@ -38,12 +38,12 @@ class Waiting:
                  t0: int) -> None:
         self.client = client
         self.request_id = request_id
-        # name -> (datatype, model shape, bytes): a copy, the receive buffer is reused
-        self.inputs = {spec.name: (spec.datatype, model_shape, bytes(payload))
+        # name -> (datatype, model shape, payload): a copy, the receive buffer is reused
+        self.inputs = {spec.name: (spec.datatype, model_shape, bytearray(payload))
                        for spec, _shape, model_shape, payload, _location in staged}
         self.requested = requested
         self.batch_size = batch_size
-        self.rows = staged[0][1][0] if staged and staged[0][1] else 0
+        self.rows = batch_rows(staged, True)
         self.key = batch_key(staged)
         self.enqueued = time.monotonic()
         self.t0 = t0
@@ -53,15 +53,10 @@ class DirectBatcher:
     """The waiting direct requests of one worker and the batches they form."""
 
     def __init__(self, worker: Any, cfg: ModelConfig, output: Callable[[str, Any, list], dict]) -> None:
-        db = cfg.dynamic_batching or {}
         self.worker = worker
         self.cfg = cfg
         self.output = output             # (name, value, frames) -> the output's entry
-        max_batch = max(1, cfg.max_batch_size)
-        preferred = [p for p in db.get("preferred_batch_size", []) if 0 < p <= max_batch]
-        self.preferred = frozenset(preferred)
-        self.max_preferred = max(preferred) if preferred else max_batch
-        self.delay = db.get("max_queue_delay_microseconds", 0) / 1e6
+        self.max_preferred, self.preferred, self.delay = batch_limits(cfg)
         self.waiting: list[Waiting] = []
         self.wake_at: Optional[float] = None      # the waiting batch is due then
 
@@ -99,8 +94,11 @@ class DirectBatcher:
         try:
             inputs = {}
             for name, (datatype, model_shape, _payload) in reqs[0].inputs.items():
-                buf = bytearray(b"".join([w.inputs[name][2] for w in reqs]))
-                shape = model_shape if len(reqs) == 1 else [rows, *model_shape[1:]]
+                if len(reqs) == 1:       # its own copy already
+                    buf, shape = reqs[0].inputs[name][2], model_shape
+                else:
+                    buf = bytearray(b"".join([w.inputs[name][2] for w in reqs]))
+                    shape = [rows, *model_shape[1:]]
                 inputs[name] = worker.tensor(name, datatype, shape, buf, 0, len(buf))
             t1 = time.perf_counter_ns()
             results = worker.execute(inputs, self._requested(reqs))

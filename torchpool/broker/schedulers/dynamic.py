@@ -39,7 +39,7 @@ from typing import Any, Iterator, Optional
 
 from ...config import ModelConfig
 from ...protocol import errors
-from ...protocol.batching import select_batch
+from ...protocol.batching import batch_limits, select_batch
 from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch, stage_batch_inputs
@@ -56,11 +56,7 @@ class DynamicBatcher(Scheduler):
         self.cfg = self.config = cfg
         self.arena = arena
         self.transfer = transfer if transfer is not None else {}
-        self.max_batch = max(1, cfg.max_batch_size)
-        preferred = [p for p in db.get("preferred_batch_size", []) if 0 < p <= self.max_batch]
-        self.preferred = frozenset(preferred)
-        self.max_preferred = max(preferred) if preferred else self.max_batch
-        self.delay = db.get("max_queue_delay_microseconds", 0) / 1e6
+        self.max_preferred, self.preferred, self.delay = batch_limits(cfg)
         self.levels = max(1, db.get("priority_levels", 0))
         self.default_level = max(1, db.get("default_priority_level", 0) or 1)
         default_policy = db.get("default_queue_policy") or {}
