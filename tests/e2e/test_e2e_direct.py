@@ -67,6 +67,7 @@ class RawPath(RawLane):
         assert len(fds) == 1 and name.startswith("direct-")
         answer = self.answer()
         assert answer["ok"] and answer["result"]["direct"] == name, answer
+        self.result = answer["result"]
         self.path = socket.socket(fileno=fds[0])
         self.path.settimeout(10)
 
@@ -107,6 +108,40 @@ def test_plain_requests_go_to_the_worker_and_are_counted(direct_daemon: Daemon) 
         strings = c.infer("strings", {"INPUT__0": ["a", "bc"]})["OUTPUT__0"]      # BYTES both ways
         assert [s.decode() if isinstance(s, bytes) else s for s in strings] == ["A", "BC"]
         assert transfer(c)["requests_direct"] - after["requests_direct"] == 1
+
+
+def test_both_ends_spin_as_long_as_the_daemon_says_and_not_when_idle(direct_daemon: Daemon) -> None:
+    raw = RawPath(direct_daemon.url)
+    try:
+        assert raw.result["spin_us"] == 300      # the default --direct-spin-us
+    finally:
+        raw.close()
+    with Client(direct_daemon.url, timeout=30) as c:
+        for i in range(200):
+            np.testing.assert_array_equal(c.infer("addsub", {"INPUT0": A + i, "INPUT1": A})["OUTPUT1"], A + i - A)
+        assert c._state.direct._paths[("addsub", "")]._spin.window_ns == 300_000
+        # nothing comes: the worker sleeps again (each wait spins the window at most)
+        pid = worker_pid(direct_daemon, "addsub")
+        ticks = cpu_ticks(pid)
+        time.sleep(1.0)                            # a measuring window, not a synchronisation
+        assert cpu_ticks(pid) - ticks < 20, "the worker spun with no requests coming"
+
+
+def test_a_daemon_without_spinning_serves_its_paths_asleep(small_repository: Path, tmp_path: Path) -> None:
+    d = Daemon(small_repository, tmp_path, "--direct-spin-us", "0").start()
+    try:
+        raw = RawPath(d.url)
+        try:
+            assert raw.result["spin_us"] == 0
+        finally:
+            raw.close()
+        with Client(d.url, timeout=30) as c:
+            for i in range(20):
+                np.testing.assert_array_equal(c.infer("addsub", {"INPUT0": A + i, "INPUT1": A})["OUTPUT0"], A + i + A)
+            assert c._state.direct._paths[("addsub", "")]._spin is None
+            assert transfer(c)["requests_direct"] >= 20
+    finally:
+        assert d.stop() == 0, d.log()
 
 
 def test_requests_a_direct_path_does_not_take_keep_the_lane(direct_daemon: Daemon) -> None:

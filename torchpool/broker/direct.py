@@ -69,8 +69,9 @@ def refusal(mv: ModelVersion, execution_timeout: float) -> Optional[str]:
 
 class DirectPaths:
     def __init__(self, registry: Registry, limits: TensorLimits, execution_timeout: Callable[[Any], float],
-                 stopping: Callable[[], bool]) -> None:
+                 stopping: Callable[[], bool], spin_us: int = 0) -> None:
         self.registry = registry
+        self.spin_us = spin_us          # both ends' spin window (protocol/spin.py)
         self.stopping = stopping
         self.limits = limits
         self.execution_timeout = execution_timeout      # (mv) -> seconds, 0 for none
@@ -96,7 +97,8 @@ class DirectPaths:
         try:
             # its first path: the ring it reports in goes with it
             send_with_fds(h.sock, internal.encode(internal.Adopt(
-                name, session.token, self.limits.max_bytes_elements, self.limits.max_bytes_tensor_bytes)),
+                name, session.token, self.limits.max_bytes_elements, self.limits.max_bytes_tensor_bytes,
+                self.spin_us)),
                 [ours.fileno()] if ring is None else [ours.fileno(), ring_fd])
             if ring is not None:
                 h.reports, ring = ring, None
@@ -115,7 +117,7 @@ class DirectPaths:
             if ring is not None:        # not handed over
                 ring.close()
         session.direct[mv] = (name, h)
-        return {"direct": name, "version": mv.version}
+        return {"direct": name, "version": mv.version, "spin_us": self.spin_us}
 
     def why_ended(self, session: Any, name: Any) -> TorchpoolError:
         """The error of a request a client's path `name` had when it closed:

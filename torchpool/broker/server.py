@@ -183,7 +183,7 @@ class Server:
                                     self.start_version, self.instances.version_gone)
         limits = TensorLimits.of(o)
         direct = DirectPaths(self.registry, limits, self.instances.execution_timeout,
-                             lambda: self.should_exit) if o.direct_paths else None
+                             lambda: self.should_exit, o.direct_spin_us) if o.direct_paths else None
         self.intake = Intake(self.frontend, self.registry, self.sessions, self.control, self.answers,
                              self.transfer, self._dispatch, lambda: self.should_exit,
                              remote_model_control=o.remote_model_control, limits=limits,

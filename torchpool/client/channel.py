@@ -30,6 +30,7 @@ import zmq
 
 from ..protocol import errors, messages
 from ..protocol.errors import InferenceError
+from ..protocol.spin import SpinWait
 from .types import NoAnswer
 from .watch import ConnectionWatch, Mark
 
@@ -82,6 +83,7 @@ class SharedSocket:
         self._reader: Optional[_Waiter] = None
         self._closed = False
         self._polled = 0.0            # when a poll last saw the monitor (as good as a drain)
+        self._spin: Optional[SpinWait] = None     # a direct path's (client/direct.py)
         # threads that queued a request wake the reader through this
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_closer = weakref.finalize(self, os.close, self._wake)
@@ -156,7 +158,10 @@ class SharedSocket:
         """Own the socket until `me` is answered or its deadline passes,
         sending (`me` first, at `sent_at`, if given) and routing for
         everyone meanwhile; then hand it over."""
-        sock, wake, items = self._sock, self._wake, self._poll_items
+        sock, wake, items, spin = self._sock, self._wake, self._poll_items, self._spin
+        if spin is not None:
+            def poll(timeout_ms: Optional[int]) -> list:
+                return _zmq_poll(items, timeout_ms)
         try:
             if sent_at is not None:
                 self._transmit(me, sent_at)
@@ -170,7 +175,8 @@ class SharedSocket:
                 if remaining <= 0:
                     self._on_deadline()
                     return
-                ready = _zmq_poll(items, max(1, int(remaining * 1000)))
+                timeout_ms = max(1, int(remaining * 1000))
+                ready = _zmq_poll(items, timeout_ms) if spin is None else spin.wait(poll, timeout_ms)
                 # the poll saw the monitor at least from `now` on (the
                 # earlier time errs towards draining once more)
                 self._polled = now

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 from ..protocol import errors, lane, messages, tensors
 from ..protocol.errors import InferenceError
+from ..protocol.spin import SpinWait
 from ..shm.fdpass import DONTWAIT, FdReceiver, close_all
 from .lane import LaneSocket
 from .types import NoAnswer
@@ -53,6 +54,11 @@ class DirectSocket(LaneSocket):
         self.model = model
         self.name = ""                  # the daemon's name of the path (for ended_flow)
         super().__init__(_DirectLink(sock), url, on_late)
+
+    def spin(self, window_us: int) -> None:
+        """Poll this long for an answer before sleeping, while answers come
+        sooner (protocol/spin.py; the daemon says how long)."""
+        self._spin = SpinWait(window_us) if window_us else None
 
     def lost_error(self) -> InferenceError:
         return InferenceError(errors.UNAVAILABLE, self._lost_error(True).message)
@@ -119,6 +125,8 @@ class DirectPaths:
             raise
         path = self._paths[key] = state.direct_factory(socket.socket(fileno=fd), model)
         path.name = header["result"]["direct"]
+        spin_us = header["result"].get("spin_us")
+        path.spin(spin_us if spin_us.__class__ is int else 0)
         return path
 
     def ended_flow(self, state: Any, path: "DirectSocket", timeout: Optional[float]) -> Any:

@@ -188,6 +188,7 @@ class Adopt(NamedTuple):
     session: str                # the client's session token: its requests renew the session
     max_bytes_elements: int     # the broker's TensorLimits, which the worker's checks apply
     max_bytes_tensor_bytes: int
+    spin_us: int                # how long the worker may poll without sleeping (protocol/spin.py)
     KIND = ADOPT
 
 
@@ -290,7 +291,7 @@ _DECODERS = {
     FORGET: lambda m: _new(Forget, (m[1],)),
     STOP: lambda m: _STOP,
     SEGMENTS: lambda m: _new(Segments, (m[1],)),
-    ADOPT: lambda m: _new(Adopt, (m[1], m[2], m[3], m[4])),
+    ADOPT: lambda m: _new(Adopt, (m[1], m[2], m[3], m[4], m[5])),
     READY: lambda m: _new(Ready, (m[1], m[2])),
     LOAD_FAILED: lambda m: _new(LoadFailed, (m[1], m[2])),
     DONE: _done,

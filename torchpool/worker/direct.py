@@ -43,6 +43,7 @@ from ..config import ModelConfig
 from ..protocol import datatypes, errors, internal, lane, messages, tensors
 from ..protocol.errors import TorchpoolError
 from ..protocol.reports import ReportRing, open_ring
+from ..protocol.spin import SpinWait
 from ..protocol.validation import TensorLimits, validate_infer
 from ..shm.fdpass import DONTWAIT, close_all
 from .direct_batch import DirectBatcher, poll_timeout_ms
@@ -88,6 +89,7 @@ class DirectClients:
         self.poller.register(self.broker_fd, _POLLIN)
         self._buffer = bytearray(lane.MAX_DATAGRAM + 1)
         self.ring: Optional[ReportRing] = None     # where answered requests are reported
+        self.spin = SpinWait(worker.busy_poll_ns // 1000)     # the broker widens it with a path
         cfg = spec.config
         self.batcher = (DirectBatcher(worker, cfg, _output)
                         if cfg.max_batch_size > 0 and cfg.dynamic_batching is not None else None)
@@ -107,6 +109,8 @@ class DirectClients:
         sock = socket.socket(fileno=fds[0])
         sock.setblocking(False)
         self.limits = TensorLimits(msg.max_bytes_elements, msg.max_bytes_tensor_bytes)
+        if msg.spin_us * 1000 > self.spin.window_ns:
+            self.spin.window_ns = msg.spin_us * 1000
         self.clients[sock.fileno()] = _Client(msg.name, msg.session, sock)
         self.poller.register(sock.fileno(), _POLLIN)
 
@@ -177,18 +181,12 @@ class DirectClients:
     def _wait(self) -> list:
         poll = self.poller.poll
         ready = poll(0)
-        busy_ns = self.worker.busy_poll_ns
-        if not ready and busy_ns:        # as Worker.receive: a short poll before sleeping
-            end = time.perf_counter_ns() + busy_ns
-            while not ready and time.perf_counter_ns() < end:
-                os.sched_yield()
-                ready = poll(0)
         stalled = [c for c in self.clients.values() if c.outbox]
         if not ready:
             timeout = poll_timeout_ms(self.batcher.wake_at) if self.batcher is not None else None
             if stalled:
                 timeout = 1000 if timeout is None else min(timeout, 1000)
-            ready = poll(timeout)
+            ready = self.spin.wait(poll, timeout)
         if stalled:
             now = time.monotonic()
             for c in stalled:

@@ -1,0 +1,88 @@
+"""SpinWait (protocol/spin.py): a direct path's ends poll without sleeping
+only while what they wait for comes sooner than the window, and never
+longer than the window or the caller's timeout. Real sockets and poll."""
+from __future__ import annotations
+
+import select
+import socket
+import time
+
+import pytest
+
+from torchpool.protocol.spin import SpinWait
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    yield a, b
+    a.close()
+    b.close()
+
+
+class CountingPoll:
+    """A real poll on one socket that counts the calls that do not sleep."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.poller = select.poll()
+        self.poller.register(sock.fileno(), select.POLLIN)
+        self.spins = 0
+        self.sleeps = 0
+
+    def __call__(self, timeout_ms):
+        if timeout_ms == 0:
+            self.spins += 1
+        else:
+            self.sleeps += 1
+        return self.poller.poll(timeout_ms)
+
+
+def test_no_window_sleeps_at_once(pair) -> None:
+    a, b = pair
+    poll = CountingPoll(a)
+    b.send(b"x")
+    assert SpinWait(0).wait(poll, 1000) == [(a.fileno(), select.POLLIN)]
+    assert (poll.spins, poll.sleeps) == (0, 1)
+
+
+def test_what_is_there_is_found_without_sleeping(pair) -> None:
+    a, b = pair
+    poll, spin = CountingPoll(a), SpinWait(300)
+    b.send(b"x")
+    for _ in range(5):
+        assert spin.wait(poll, 1000) == [(a.fileno(), select.POLLIN)]
+    assert poll.sleeps == 0 and poll.spins == 5
+    assert spin.typical_ns < spin.window_ns
+
+
+def test_long_waits_stop_the_spinning_and_short_ones_bring_it_back(pair) -> None:
+    a, b = pair
+    poll, spin = CountingPoll(a), SpinWait(200)
+    # nothing comes: each wait spins the window, then times out in poll
+    for _ in range(40):
+        assert spin.wait(poll, 1) == []
+    assert spin.typical_ns >= spin.window_ns, "waits longer than the window: spinning stops"
+    poll.spins = poll.sleeps = 0
+    assert spin.wait(poll, 1) == []
+    assert (poll.spins, poll.sleeps) == (0, 1), "it slept at once"
+    # answers come at once again: the average falls and it spins again
+    b.send(b"x")
+    for _ in range(40):
+        spin.wait(poll, 1000)
+    poll.spins = poll.sleeps = 0
+    assert spin.wait(poll, 1000) and poll.sleeps == 0 and poll.spins == 1
+
+
+def test_a_spin_never_outlasts_the_window_or_the_timeout(pair) -> None:
+    a, _ = pair
+    poll = CountingPoll(a)
+    spin = SpinWait(1_000_000)                   # a 1 s window
+    start = time.monotonic()
+    assert spin.wait(poll, 20) == []             # ... bounded by the 20 ms timeout
+    assert time.monotonic() - start < 0.5
+    spin = SpinWait(2000)                        # a 2 ms window, no timeout for the sleep
+    start = time.monotonic()
+    assert spin.wait(poll, 30) == []
+    took = time.monotonic() - start
+    assert 0.030 <= took < 0.5, took             # spun ≤ 2 ms, then slept the 30 ms
+    assert poll.sleeps == 2
