@@ -144,6 +144,29 @@ def test_a_daemon_without_spinning_serves_its_paths_asleep(small_repository: Pat
         assert d.stop() == 0, d.log()
 
 
+def test_a_direct_call_past_the_clients_timeout_leaves_no_trace(direct_daemon: Daemon) -> None:
+    """A plain call goes the short way (no flow) on its open path; one that
+    outlives the client's timeout fails DEADLINE_EXCEEDED, its late answer
+    is dropped, and the calls after it get their own answers."""
+    from ..support.model_repository import slow_iterations
+    n = slow_iterations(0.5)
+    with Client(direct_daemon.url, timeout=30) as c:
+        assert int(c.infer("slow", {"INPUT__0": np.array([5])})["OUTPUT__0"][0]) == 5     # the path opens
+        before = transfer(c)
+        c.timeout = 0.05
+        with pytest.raises(Exception) as exc:
+            c.infer("slow", {"INPUT__0": np.array([n])})
+        assert exc.value.code == errors.DEADLINE_EXCEEDED
+        assert c._state.quarantine, "its id is kept for the late answer"
+        c.timeout = 30
+        for i in range(3):       # the late answer arrives meanwhile: each call gets its own
+            assert int(c.infer("slow", {"INPUT__0": np.array([i + 1])})["OUTPUT__0"][0]) == i + 1
+        wait_for(lambda: not c._state.quarantine, 10, "the late answer to be taken")
+        after = transfer(c)
+        assert after["requests_direct"] - before["requests_direct"] == 4
+        assert after.get("requests_on_lane", 0) == before.get("requests_on_lane", 0)
+
+
 def test_requests_a_direct_path_does_not_take_keep_the_lane(direct_daemon: Daemon) -> None:
     with Client(direct_daemon.url, timeout=30) as c:
         c.infer("addsub", {"INPUT0": A, "INPUT1": A})                # the path is open

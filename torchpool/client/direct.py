@@ -97,6 +97,11 @@ class DirectPaths:
         # (model, version) -> its DirectSocket, or when to ask again after a refusal
         self._paths: dict[tuple[str, str], Any] = {}
 
+    def open_path(self, model: str, version: str) -> Optional["DirectSocket"]:
+        """The path to `model` if one is open and not lost (asks nothing)."""
+        path = self._paths.get((model, version))
+        return path if path.__class__ is not float and path is not None and not path.lost else None
+
     def path_flow(self, state: Any, model: str, version: str, timeout: Optional[float]) -> Any:
         """The open path to `model`, asking the daemon for one when due; None
         when there is none. (A flow: `yield from` it.)"""

@@ -248,7 +248,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
         token = extra.get("session")
         call = self.call(op, timeout, **fields, **extra)
         if lane:
-            call.channel = self._lane()
+            call.channel = self.open_lane()
         try:
             return (yield call)
         except InferenceError as exc:
@@ -304,21 +304,9 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
                 enc = self.encode_inputs(inputs, arena)
             except _NeedRoom as room:
                 enc, arena = yield from self._encode_after_growing(inputs, arena, room.nbytes, timeout)
-        wanted = None
-        if outputs is not None:
-            wanted = [o.wire() if isinstance(o, (OutputRef, Classification)) else o for o in outputs]
-        header = {"v": messages.PROTOCOL_VERSION, "op": messages.OP_INFER, "id": next(self.ids),
-                  "model": model, "version": "" if version is None else str(version),
-                  "inputs": enc.entries, "outputs": wanted,
-                  "timeout_us": int(timeout * 1e6) if timeout else 0}
-        if priority:
-            header["priority"] = int(priority)
-        if sequence:
-            header["sequence"] = sequence
-        if self.local:
-            header["output_shm"] = True
+        header = self._infer_header(model, version, enc, outputs, timeout, priority, sequence)
         direct = None
-        if self.direct_factory is not None and self._lane() is not None and self.link.direct_ok \
+        if self.direct_factory is not None and self.open_lane() is not None and self.link.direct_ok \
                 and not self.releases and takes_direct(header):
             direct = yield from self.direct.path_flow(self, model, header["version"], timeout)
         if direct is not None:
@@ -326,7 +314,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
         else:
             token = self.add_session(header)
         frames = [messages.pack(header), *enc.frames]
-        lane = self._lane() if self.local else None
+        lane = self.open_lane() if self.local else None
         if lane is not None and not lane_protocol.fits(frames):
             # over ZeroMQ, and nothing lent: the segments lent outputs need are
             # handed over on the lane, which only its reader reads
@@ -345,14 +333,68 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
                     raise SessionLost(token, exc) from None
                 raise
             answered = True
-            s = self.stats
-            s["bytes_copied"] += enc.stats[0]
-            s["bytes_zero_copy"] += enc.stats[1]
-            s["bytes_inline"] += enc.stats[2]
-            # before finish(): outputs that point into our input blocks keep them
-            return self.decode_outputs(reply_header, payload, copy, token, enc, arena)
+            return self._answered(reply_header, payload, copy, token, enc, arena)
         finally:
             self.finish(enc, arena, answered, rid, token)
+
+    def _infer_header(self, model: str, version: Any, enc: Any, outputs: Optional[Sequence[Any]],
+                      timeout: Optional[float], priority: int, sequence: Optional[dict]) -> dict:
+        wanted = None
+        if outputs is not None:
+            wanted = [o.wire() if isinstance(o, (OutputRef, Classification)) else o for o in outputs]
+        header = {"v": messages.PROTOCOL_VERSION, "op": messages.OP_INFER, "id": next(self.ids),
+                  "model": model, "version": "" if version is None else str(version),
+                  "inputs": enc.entries, "outputs": wanted,
+                  "timeout_us": int(timeout * 1e6) if timeout else 0}
+        if priority:
+            header["priority"] = int(priority)
+        if sequence:
+            header["sequence"] = sequence
+        if self.local:
+            header["output_shm"] = True
+        return header
+
+    def _answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: Any,
+                  arena: Optional[ClientArena]) -> Any:
+        s = self.stats
+        s["bytes_copied"] += enc.stats[0]
+        s["bytes_zero_copy"] += enc.stats[1]
+        s["bytes_inline"] += enc.stats[2]
+        # before finish(): outputs that point into our input blocks keep them
+        return self.decode_outputs(header, payload, copy, token, enc, arena)
+
+    # -- a direct path's short way (Client.infer): no flow, for the requests that need none
+    def direct_request(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
+                       version: Any) -> Optional[tuple]:
+        """(path, id, frames, encoded inputs, session) of a request that goes
+        to the open direct path of its model, encoded as `infer_flow` encodes
+        it; None when it needs the flow (no path open yet, inputs that go by
+        shared memory, lent outputs to give back, ...). Under `lock`."""
+        arena = self.arena
+        if self.direct_factory is None or arena is None or not self.local or self.releases:
+            return None
+        for value in inputs.values():        # inline for sure: small arrays not built by empty()
+            if type(value) is not np.ndarray or tensors.worth_descriptor(value.nbytes) or \
+                    (arena.user_blocks and arena.lookup(value) is not None):
+                return None
+        path = self.direct.open_path(model, "" if version is None else str(version))
+        if path is None or self.open_lane() is None or not self.link.direct_ok:
+            return None
+        enc = self._encode_inline(inputs)    # what encode_inputs makes of these: nothing in the arena
+        header = self._infer_header(model, version, enc, outputs, None, 0, None)
+        if not takes_direct(header):
+            self.finish(enc, arena, answered=True)
+            return None
+        token = header["session"] = self.session
+        frames = [messages.pack(header)]
+        if not lane_protocol.fits(frames):  # (many inputs) over ZeroMQ: the flow's
+            self.finish(enc, arena, answered=True)
+            return None
+        return path, header["id"], frames, enc, token
+
+    def direct_answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: Any) -> Any:
+        """The outputs of a `direct_request`'s answer. Under `lock`."""
+        return self._answered(header, payload, copy, token, enc, None)
 
     def _send_infer(self, rid: Any, frames: list, timeout: Optional[float], direct: Any, lane: Any) -> Flow:
         if direct is not None:
@@ -366,7 +408,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
                 # the path closed before it took the request: the lane takes it
         return (yield Call(rid, frames, timeout, lane))
 
-    def _lane(self) -> Any:
+    def open_lane(self) -> Any:
         """The session's request lane, while it is open; else None."""
         lane = self.link.lane if self.link is not None else None
         return lane if lane is not None and not lane.lost else None

@@ -10,12 +10,13 @@ import numpy as np
 import zmq
 
 from ..protocol import messages
+from ..protocol.errors import InferenceError
 from .arena import DEFAULT_ARENA_CAP
 from .channel import SharedSocket
 from .direct import DirectSocket
 from .lane import LaneSocket
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control, error_of
-from .flows import ClientState, SessionLost, run_sync, sequence_field
+from .flows import ClientState, SessionLost, is_session_error, run_sync, sequence_field
 from .regions import needs_session
 from .types import Call, NoAnswer
 from .types import InferResult
@@ -207,9 +208,54 @@ class Client(ClientBase):
         END; the server feeds the model's control and state tensors.
         """
         seq = sequence_field(sequence_id, sequence_start, sequence_end)
+        if timeout is None and not priority and seq is None:
+            st = self._state
+            with st.lock:
+                short = st.direct_request(model, inputs, outputs, version)
+            if short is not None:
+                result = self._direct_infer(short, copy)
+                if result is not None:
+                    return result
         return self._perform(
             lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy, priority, seq),
             timeout, needs_session(inputs, outputs))
+
+    def _direct_infer(self, short: tuple, copy: bool) -> Optional[InferResult]:
+        """A plain request on its model's open direct path, the short way:
+        `infer_flow`'s direct case without the flow (~15 us less per call on
+        the development VM). None when the session was lost: then the flow
+        says hello again and sends it."""
+        st = self._state
+        path, rid, frames, enc, token = short
+        answered = False
+        try:
+            try:
+                header, payload = path.request(frames, rid, self.timeout)
+            except NoAnswer as exc:
+                if exc.sent and not path.lost:
+                    raise                  # maybe still running: finish() keeps its id
+                if exc.sent:               # the path closed with it: the daemon says why
+                    raise run_sync(st.direct.ended_flow(st, path, None), self._send, st.lock) from None
+                # it closed before it took the request: the lane takes it (as in infer_flow)
+                header, payload = self._send(Call(rid, frames, None, st.open_lane()))
+            answered = True
+            if not header.get("ok"):
+                raise error_of(header)
+            with st.lock:
+                return st.direct_answered(header, payload, copy, token, enc)
+        except InferenceError as exc:
+            if isinstance(exc, NoAnswer) and not answered:
+                raise
+            answered = True
+            if not is_session_error(exc):
+                raise
+            with st.lock:
+                st.session_lost(token)
+            return None
+        finally:
+            if not answered:
+                with st.lock:
+                    st.finish(enc, st.arena, False, rid, token)
 
     def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:
         """A writable array in this client's shared-memory arena: fill it and
