@@ -32,8 +32,9 @@ ratios are meaningful even on a noisy 2-core machine.
      and 32, in one daemon (`--only pt2` runs this section alone, --skip-pt2
      leaves it out);
   8. CPU per tiny request by process and thread (bench_cpu.py): client,
-     broker, worker beside the raw echo, with and without busy polling
-     (`--only cpu` runs this section alone);
+     broker, worker beside the raw echo, with the defaults, with a direct
+     path's ends asleep (`--direct-spin-us 0`) and with the broker busy
+     polling (`--only cpu` runs this section alone);
   9. TorchServe, PyTriton, the raw echo and the ZeroMQ+shm floor beside
      torchpool on the same models (bench_anchors.py: ../shared/anchors, when
      $ANCHORS_VENV_ROOT has its venvs; `--only anchors`, --skip-anchors).

@@ -103,13 +103,12 @@ def bench_echo(work: Path, n: int) -> dict:
     return res
 
 
-def bench_torchpool(work: Path, n: int, busy_poll_us: int | None) -> dict:
+def bench_torchpool(work: Path, n: int, options: list[str]) -> dict:
     repo = work / "repo"
     build_example_repository(repo)
     url = f"ipc://{work}/tp.sock"
-    args = [sys.executable, "-m", "torchpool", "serve", "--model-repository", str(repo), "--listen", url]
-    if busy_poll_us is not None:
-        args += ["--busy-poll-us", str(busy_poll_us)]
+    args = [sys.executable, "-m", "torchpool", "serve", "--model-repository", str(repo), "--listen", url,
+            *options]
     log = open(work / "daemon.log", "wb")
     daemon = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -136,15 +135,23 @@ def bench_torchpool(work: Path, n: int, busy_poll_us: int | None) -> dict:
         log.close()
 
 
+# torchpool's configurations: the defaults (a direct path's ends spin up to
+# 300 us), both ends of a direct path asleep in poll, and the broker and
+# workers busy-polling after activity
+CONFIGS = (("default", "daemon defaults", []),
+           ("no_spin", "--direct-spin-us 0", ["--direct-spin-us", "0"]),
+           ("busy_poll_500", "--busy-poll-us 500", ["--busy-poll-us", "500"]))
+
+
 def bench_cpu(requests: int) -> dict:
-    """The echo, and torchpool with the daemon's defaults (no busy polling) and with --busy-poll-us 500."""
+    """The echo, and torchpool in each of CONFIGS."""
     with tempfile.TemporaryDirectory(prefix="torchpool-bench-cpu.") as tmp:
         work = Path(tmp)
         out = {"requests": requests, "echo": bench_echo(work, requests)}
-        for label, busy in (("default", None), ("busy_poll_500", 500)):
+        for label, _, options in CONFIGS:
             sub = work / label
             sub.mkdir()
-            out[label] = bench_torchpool(sub, requests, busy)
+            out[label] = bench_torchpool(sub, requests, options)
     return out
 
 
@@ -173,7 +180,9 @@ def render_cpu(r: dict) -> list[str]:
                  f"{r['requests']} requests; schedstat)"]
     lines += _block("raw ZeroMQ echo", r["echo"])
     echo = _total(r["echo"])
-    for label, title_ in (("default", "daemon defaults"), ("busy_poll_500", "--busy-poll-us 500")):
+    for label, title_, _ in CONFIGS:
+        if label not in r:               # (a result file from before the configuration existed)
+            continue
         for path in ("local", "inline"):
             res = r[label][path]
             lines += _block(f"torchpool, {title_}, {'local shared-memory path' if path == 'local' else 'inline frames'}"

@@ -77,7 +77,6 @@ class DirectPaths:
         self.execution_timeout = execution_timeout      # (mv) -> seconds, 0 for none
         self._names = (f"{internal.DIRECT_PREFIX}{n}" for n in itertools.count(1))
         self._turn = itertools.count()
-        self._crashes_counted: set[str] = set()   # paths whose instance's death is in the statistics
 
     def open(self, session: Any, header: dict) -> dict:
         """A direct path to the model `header` names, for a session attached
@@ -139,8 +138,8 @@ class DirectPaths:
         if not how:
             return TorchpoolError(errors.UNAVAILABLE, f"{h.label} closed this client's direct path (the "
                                                       f"session ended)")
-        if name not in self._crashes_counted:     # once: a client may ask again and again
-            self._crashes_counted.add(name)
+        if name not in session.direct_failed:     # once: a client may ask again and again
+            session.direct_failed.add(name)
             h.mv.stats.record_failure(0, BACKEND)
         return TorchpoolError(errors.INTERNAL, f"{h.label} {how} with this request on its direct path")
 
@@ -149,7 +148,7 @@ class DirectPaths:
         old = session.direct.pop(mv, None)
         if old is not None:
             name, h = old
-            self._crashes_counted.discard(name)
+            session.direct_failed.discard(name)
             try:
                 h.send(internal.Forget([name]))
             except OSError:

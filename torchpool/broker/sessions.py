@@ -70,6 +70,7 @@ class Session:
     challenges: dict[str, Challenge] = field(default_factory=dict)
     in_flight: int = 0
     direct: dict = field(default_factory=dict)   # model version -> (direct path name, worker): direct.py
+    direct_failed: set = field(default_factory=set)   # its paths whose instance's death is counted
 
     @property
     def local(self) -> bool:

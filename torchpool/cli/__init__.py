@@ -271,9 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the same for each worker after a batch; trades CPU for latency "
                             f"(default {_shown(_default('worker_busy_poll_us'))})")
     serve.add_argument("--direct-spin-us", type=int, default=_default("direct_spin_us"),
-                       help="a direct path's client and worker poll this long without sleeping "
-                            "while the other answers sooner: lower latency for small models, "
-                            f"CPU for wake-ups; 0 disables (default {_shown(_default('direct_spin_us'))})")
+                       help="a direct path's client and worker poll at most this long without "
+                            "sleeping, while the other answers sooner and that saves a wake-up: "
+                            "lower latency for small models, CPU for wake-ups; 0 disables "
+                            f"(default {_shown(_default('direct_spin_us'))})")
     serve.add_argument("--client-shm-size", type=_size, default=_default("client_shm_size"),
                        help="arena segment given to each local client "
                             f"(default {_shown(_default('client_shm_size'))})")
