@@ -6,7 +6,9 @@ instances, handed over on the side channel. Requests the daemon's scheduler
 would only pass on, run alone and answer (inputs inline, outputs by name, no
 timeout, priority or sequence) then go there, and their answers come back
 there, in the lane's form: two process hops where the daemon makes four.
-Everything else keeps the lane.
+Everything else keeps the lane. Once a model's path is open, `Client.infer`
+sends such a request the short way (DirectRequests, below): encoded by the
+flow's own code, without the flow's generator machinery.
 
 A model that takes no direct requests (batched, sequenced, ...) is asked
 again after RETRY_S. A path whose instance stopped (it crashed or was
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import numpy as np
 
 from ..protocol import errors, lane, messages, tensors
 from ..protocol.errors import InferenceError
@@ -149,3 +153,41 @@ class DirectPaths:
             if path.__class__ is not float:
                 path.shut()
         self._paths.clear()
+
+
+class DirectRequests:
+    """A direct path's short way (Client.infer): the requests that need no
+    flow. Mixed into `ClientState` (flows.py): uses its arena, lane, paths,
+    encoding and decoding."""
+
+    def direct_request(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
+                       version: Any) -> Optional[tuple]:
+        """(path, id, frames, encoded inputs, session) of a request that goes
+        to the open direct path of its model, encoded as `infer_flow` encodes
+        it; None when it needs the flow (no path open yet, inputs that go by
+        shared memory, lent outputs to give back, ...). Under `lock`."""
+        arena = self.arena
+        if self.direct_factory is None or arena is None or not self.local or self.releases:
+            return None
+        for value in inputs.values():        # inline for sure: small arrays not built by empty()
+            if type(value) is not np.ndarray or tensors.worth_descriptor(value.nbytes) or \
+                    (arena.user_blocks and arena.lookup(value) is not None):
+                return None
+        path = self.direct.open_path(model, "" if version is None else str(version))
+        if path is None or self.open_lane() is None or not self.link.direct_ok:
+            return None
+        enc = self._encode_inline(inputs)    # what encode_inputs makes of these: nothing in the arena
+        header = self._infer_header(model, version, enc, outputs, None, 0, None)
+        if not takes_direct(header):
+            self.finish(enc, arena, answered=True)
+            return None
+        token = header["session"] = self.session
+        frames = [messages.pack(header)]
+        if not lane.fits(frames):           # (many inputs) over ZeroMQ: the flow's
+            self.finish(enc, arena, answered=True)
+            return None
+        return path, header["id"], frames, enc, token
+
+    def direct_answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: Any) -> Any:
+        """The outputs of a `direct_request`'s answer. Under `lock`."""
+        return self._answered(header, payload, copy, token, enc, None)

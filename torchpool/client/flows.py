@@ -32,7 +32,7 @@ from ..protocol.errors import InferenceError
 from ..protocol.messages import OP_ARENA_GROW, OP_GOODBYE, OP_HELLO
 from .arena import DEFAULT_ARENA_CAP, ClientArena, OutputMaps, block_size, local_wanted
 from .inputs import InputEncoding, _NeedRoom
-from .direct import DirectPaths, takes_direct
+from .direct import DirectPaths, DirectRequests, takes_direct
 from .local import LocalLink
 from .outputs import OutputDecoding
 from .regions import RegionFlows
@@ -55,7 +55,7 @@ def is_session_error(exc: InferenceError) -> bool:
 
 # --- the client state and its flows ----------------------------------------------------
 
-class ClientState(InputEncoding, OutputDecoding, RegionFlows):
+class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
     """A client's session, arena, lent outputs, regions and transfer counts
     (decoding answers: outputs.py; registered regions: regions.py)."""
 
@@ -362,39 +362,6 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows):
         s["bytes_inline"] += enc.stats[2]
         # before finish(): outputs that point into our input blocks keep them
         return self.decode_outputs(header, payload, copy, token, enc, arena)
-
-    # -- a direct path's short way (Client.infer): no flow, for the requests that need none
-    def direct_request(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
-                       version: Any) -> Optional[tuple]:
-        """(path, id, frames, encoded inputs, session) of a request that goes
-        to the open direct path of its model, encoded as `infer_flow` encodes
-        it; None when it needs the flow (no path open yet, inputs that go by
-        shared memory, lent outputs to give back, ...). Under `lock`."""
-        arena = self.arena
-        if self.direct_factory is None or arena is None or not self.local or self.releases:
-            return None
-        for value in inputs.values():        # inline for sure: small arrays not built by empty()
-            if type(value) is not np.ndarray or tensors.worth_descriptor(value.nbytes) or \
-                    (arena.user_blocks and arena.lookup(value) is not None):
-                return None
-        path = self.direct.open_path(model, "" if version is None else str(version))
-        if path is None or self.open_lane() is None or not self.link.direct_ok:
-            return None
-        enc = self._encode_inline(inputs)    # what encode_inputs makes of these: nothing in the arena
-        header = self._infer_header(model, version, enc, outputs, None, 0, None)
-        if not takes_direct(header):
-            self.finish(enc, arena, answered=True)
-            return None
-        token = header["session"] = self.session
-        frames = [messages.pack(header)]
-        if not lane_protocol.fits(frames):  # (many inputs) over ZeroMQ: the flow's
-            self.finish(enc, arena, answered=True)
-            return None
-        return path, header["id"], frames, enc, token
-
-    def direct_answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: Any) -> Any:
-        """The outputs of a `direct_request`'s answer. Under `lock`."""
-        return self._answered(header, payload, copy, token, enc, None)
 
     def _send_infer(self, rid: Any, frames: list, timeout: Optional[float], direct: Any, lane: Any) -> Flow:
         if direct is not None:

@@ -438,9 +438,8 @@ class Worker:
 
 @functools.cache
 def _tensor_type(datatype: str) -> tuple[torch.dtype, int, Optional[np.dtype]]:
-    """(torch dtype, bytes per element, numpy dtype when numpy has it) of a
-    wire datatype: read on every request, looked up in protocol.datatypes
-    (their owner) once."""
+    """(torch dtype, bytes per element, numpy dtype if numpy has it) of a wire
+    datatype: read per request, looked up in protocol.datatypes once."""
     array_type = datatypes.numpy_dtype(datatype)
     torch_type = datatypes.torch_dtype(datatype)
     if torch.from_numpy(np.zeros(0, array_type)).dtype != torch_type:    # BF16 travels as uint16
