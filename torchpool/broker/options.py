@@ -27,9 +27,8 @@ class ServerOptions:
     busy_poll_us: int = 0
     worker_busy_poll_us: int = 0        # the same for workers, after each batch
     # A direct path's two ends poll at most this long without sleeping, while
-    # the other answers sooner and that saves a wake-up (protocol/spin.py):
-    # on the idle 2-core VM it halves a tiny request's latency for about the
-    # CPU the wake-ups cost. 0: off
+    # the other answers sooner (protocol/spin.py): on the 2-core VM it halves
+    # a tiny request's latency for about the CPU the wake-ups cost. 0: off
     direct_spin_us: int = 500
     stop_timeout: float = 10.0          # time a worker gets to exit before SIGKILL
     max_restarts: int = 5               # crashes in a row, no batch done in between: UNAVAILABLE

@@ -272,9 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default {_shown(_default('worker_busy_poll_us'))})")
     serve.add_argument("--direct-spin-us", type=int, default=_default("direct_spin_us"),
                        help="a direct path's client and worker poll at most this long without "
-                            "sleeping, while the other answers sooner and that saves a wake-up: "
-                            "lower latency for small models, CPU for wake-ups; 0 disables "
-                            f"(default {_shown(_default('direct_spin_us'))})")
+                            "sleeping, while the other answers sooner: lower latency for small "
+                            f"models, CPU for wake-ups; 0 disables (default {_shown(_default('direct_spin_us'))})")
     serve.add_argument("--client-shm-size", type=_size, default=_default("client_shm_size"),
                        help="arena segment given to each local client "
                             f"(default {_shown(_default('client_shm_size'))})")

@@ -18,8 +18,8 @@ outputs travel back inline (in pieces when large).
 
 The worker serves its broker first, then each direct client one request in
 turn; between turns it waits on all their sockets, polling a while first
-while that saves a wake-up (protocol/spin.py: the broker sends the window
-with each path). A client that does not read its answer keeps that one answer waiting
+while they answer sooner than a window (protocol/spin.py: the broker sends
+the window with each path). A client that does not read its answer keeps that one answer waiting
 here, and nothing more is read from it until it does; after STALL_S it is
 closed. Each request answered is reported to the broker before its answer
 goes, so statistics read after an answer count it: in the report ring the
