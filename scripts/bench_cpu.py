@@ -135,9 +135,9 @@ def bench_torchpool(work: Path, n: int, options: list[str]) -> dict:
         log.close()
 
 
-# torchpool's configurations: the defaults (a direct path's ends spin up to
-# 300 us), both ends of a direct path asleep in poll, and the broker and
-# workers busy-polling after activity
+# torchpool's configurations: the defaults (a direct path's ends poll for
+# up to --direct-spin-us), both ends of a direct path asleep in poll, and the
+# broker and workers busy-polling after activity
 CONFIGS = (("default", "daemon defaults", []),
            ("no_spin", "--direct-spin-us 0", ["--direct-spin-us", "0"]),
            ("busy_poll_500", "--busy-poll-us 500", ["--busy-poll-us", "500"]))

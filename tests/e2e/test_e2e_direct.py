@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from torchpool import Client
+from torchpool.broker.options import ServerOptions
 from torchpool.protocol import errors, lane, messages
 from torchpool.worker.direct import STALL_S
 
@@ -113,13 +114,13 @@ def test_plain_requests_go_to_the_worker_and_are_counted(direct_daemon: Daemon) 
 def test_both_ends_spin_as_long_as_the_daemon_says_and_not_when_idle(direct_daemon: Daemon) -> None:
     raw = RawPath(direct_daemon.url)
     try:
-        assert raw.result["spin_us"] == 500      # the default --direct-spin-us
+        assert raw.result["spin_us"] == ServerOptions.direct_spin_us > 0     # the default
     finally:
         raw.close()
     with Client(direct_daemon.url, timeout=30) as c:
         for i in range(200):
             np.testing.assert_array_equal(c.infer("addsub", {"INPUT0": A + i, "INPUT1": A})["OUTPUT1"], A + i - A)
-        assert c._state.direct._paths[("addsub", "")]._spin.window_ns == 500_000
+        assert c._state.direct._paths[("addsub", "")]._spin.window_ns == ServerOptions.direct_spin_us * 1000
         # nothing comes: the worker sleeps again (each wait spins the window at most)
         pid = worker_pid(direct_daemon, "addsub")
         ticks = cpu_ticks(pid)

@@ -19,9 +19,9 @@ outputs travel back inline (in pieces when large).
 The worker serves its broker first, then each direct client one request in
 turn; between turns it waits on all their sockets, polling a while first
 while they answer sooner than a window (protocol/spin.py: the broker sends
-the window with each path). A client that does not read its answer keeps that one answer waiting
-here, and nothing more is read from it until it does; after STALL_S it is
-closed. Each request answered is reported to the broker before its answer
+the window with each path). A client that does not read its answer keeps
+that one answer waiting here, and nothing more is read from it until it
+does; after STALL_S it is closed. Each request answered is reported to the broker before its answer
 goes, so statistics read after an answer count it: in the report ring the
 broker shares with the worker (protocol/reports.py), or as a SERVED
 message when the ring is full.
