@@ -20,6 +20,7 @@ flight at once, instead of each waiting out its time.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import threading
 import time
@@ -84,6 +85,7 @@ class SharedSocket:
         self._closed = False
         self._polled = 0.0            # when a poll last saw the monitor (as good as a drain)
         self._spin: Optional[SpinWait] = None     # a direct path's (client/direct.py)
+        self._spin_poll: Any = None               # and its poll of `_poll_items`
         # threads that queued a request wake the reader through this
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_closer = weakref.finalize(self, os.close, self._wake)
@@ -159,9 +161,6 @@ class SharedSocket:
         sending (`me` first, at `sent_at`, if given) and routing for
         everyone meanwhile; then hand it over."""
         sock, wake, items, spin = self._sock, self._wake, self._poll_items, self._spin
-        if spin is not None:
-            def poll(timeout_ms: Optional[int]) -> list:
-                return _zmq_poll(items, timeout_ms)
         try:
             if sent_at is not None:
                 self._transmit(me, sent_at)
@@ -176,7 +175,8 @@ class SharedSocket:
                     self._on_deadline()
                     return
                 timeout_ms = max(1, int(remaining * 1000))
-                ready = _zmq_poll(items, timeout_ms) if spin is None else spin.wait(poll, timeout_ms)
+                ready = (_zmq_poll(items, timeout_ms) if spin is None
+                         else spin.wait(self._spin_poll, timeout_ms))
                 # the poll saw the monitor at least from `now` on (the
                 # earlier time errs towards draining once more)
                 self._polled = now
@@ -196,6 +196,12 @@ class SharedSocket:
                     me.error = _closed_error() if self._closed else exc
         finally:
             self._hand_over(me)
+
+    def spin(self, window_us: int) -> None:
+        """Poll this long for an answer before sleeping, while answers come
+        sooner (protocol/spin.py; a direct path's daemon says how long)."""
+        self._spin = SpinWait(window_us) if window_us else None
+        self._spin_poll = functools.partial(_zmq_poll, self._poll_items)   # built once, not per wait
 
     def _no_answer(self, timeout: float) -> NoAnswer:
         return self._watch.no_answer(timeout)

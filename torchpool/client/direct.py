@@ -26,7 +26,6 @@ import numpy as np
 
 from ..protocol import errors, lane, messages, tensors
 from ..protocol.errors import InferenceError
-from ..protocol.spin import SpinWait
 from ..shm.fdpass import DONTWAIT, FdReceiver, close_all
 from .lane import LaneSocket
 from .types import NoAnswer
@@ -58,11 +57,6 @@ class DirectSocket(LaneSocket):
         self.model = model
         self.name = ""                  # the daemon's name of the path (for ended_flow)
         super().__init__(_DirectLink(sock), url, on_late)
-
-    def spin(self, window_us: int) -> None:
-        """Poll this long for an answer before sleeping, while answers come
-        sooner (protocol/spin.py; the daemon says how long)."""
-        self._spin = SpinWait(window_us) if window_us else None
 
     def lost_error(self) -> InferenceError:
         return InferenceError(errors.UNAVAILABLE, self._lost_error(True).message)
@@ -167,14 +161,14 @@ class DirectRequests:
         it; None when it needs the flow (no path open yet, inputs that go by
         shared memory, lent outputs to give back, ...). Under `lock`."""
         arena = self.arena
-        if self.direct_factory is None or arena is None or not self.local or self.releases:
+        if arena is None or not self.local or not self.direct_allowed():
             return None
         for value in inputs.values():        # inline for sure: small arrays not built by empty()
             if type(value) is not np.ndarray or tensors.worth_descriptor(value.nbytes) or \
                     (arena.user_blocks and arena.lookup(value) is not None):
                 return None
         path = self.direct.open_path(model, "" if version is None else str(version))
-        if path is None or self.open_lane() is None or not self.link.direct_ok:
+        if path is None:
             return None
         enc = self._encode_inline(inputs)    # what encode_inputs makes of these: nothing in the arena
         header = self._infer_header(model, version, enc, outputs, None, 0, None)
@@ -187,6 +181,13 @@ class DirectRequests:
             self.finish(enc, arena, answered=True)
             return None
         return path, header["id"], frames, enc, token
+
+    def direct_allowed(self) -> bool:
+        """May this session's requests go on direct paths now? (a lane is open,
+        the daemon offers paths, and no lent outputs wait to be given back:
+        those go with a request to the daemon)"""
+        return self.direct_factory is not None and self.open_lane() is not None and \
+            self.link.direct_ok and not self.releases
 
     def direct_answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: Any) -> Any:
         """The outputs of a `direct_request`'s answer. Under `lock`."""

@@ -306,8 +306,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                 enc, arena = yield from self._encode_after_growing(inputs, arena, room.nbytes, timeout)
         header = self._infer_header(model, version, enc, outputs, timeout, priority, sequence)
         direct = None
-        if self.direct_factory is not None and self.open_lane() is not None and self.link.direct_ok \
-                and not self.releases and takes_direct(header):
+        if self.direct_allowed() and takes_direct(header):
             direct = yield from self.direct.path_flow(self, model, header["version"], timeout)
         if direct is not None:
             token = header["session"] = self.session    # releases wait for a request to the daemon
