@@ -26,6 +26,7 @@ import posix_ipc
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
 from ..protocol.messages import REGION_TOKEN_BYTES
+from ..protocol.names import check_os_name
 from ..shm import guard
 from ..shm.naming import PREFIX
 
@@ -148,11 +149,7 @@ class Challenge:
 
 def region_key(name: str, key: Any) -> str:
     """The shm_open name a register call gives, checked (without the leading '/')."""
-    if not isinstance(key, str) or not key.strip("/"):
-        raise bad(f"region '{name}': 'key' must be a shared-memory name")
-    key = key.lstrip("/")
-    if "/" in key:
-        raise bad(f"region '{name}': a shared-memory name holds no '/' after the leading one")
+    key = check_os_name(f"region '{name}': 'key'", key)
     if key.startswith(PREFIX):
         raise bad(f"region '{name}': that key is reserved for the daemon's own segments "
                   f"(names starting with '{PREFIX}')")

@@ -11,8 +11,9 @@ import os
 from typing import Any, Iterable, Mapping, Optional
 
 from ..protocol import errors
-from ..protocol.errors import InferenceError
+from ..protocol.errors import InferenceError, TorchpoolError
 from ..protocol.messages import OP_REGISTER, OP_SHM_STATUS, OP_UNREGISTER, REGION_TOKEN_BYTES
+from ..protocol.names import check_os_name
 from .local import LocalLink
 from .types import Flow, OutputRef, SharedMemoryRef
 
@@ -41,8 +42,10 @@ class RegionFlows:
         """Register a region after proving we can write it (the daemon's nonce at `offset`)."""
         import posix_ipc
 
-        if not isinstance(key, str) or not key.strip("/"):
-            raise InferenceError(errors.INVALID_ARG, f"region '{name}': key must be a shared-memory name")
+        try:
+            check_os_name(f"region '{name}': key", key)
+        except TorchpoolError as exc:        # posix_ipc would crash this process on a NUL
+            raise InferenceError(exc.code, exc.message) from None
         if not isinstance(offset, int) or not isinstance(byte_size, int) or offset < 0 or byte_size < 0:
             raise InferenceError(errors.INVALID_ARG, f"region '{name}': offset and byte_size must be "
                                                      f"non-negative integers")

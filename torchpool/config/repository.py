@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ..protocol.names import is_path_component
 from .errors import ConfigError
 from .model_config import ModelConfig
 from .pbtxt import parse_pbtxt
@@ -90,9 +91,9 @@ def load_model_entry(root: Path | str, name: str, override: Any = None) -> Model
 
 
 def _is_plain_name(name: str) -> bool:
-    """A single path component: a client-supplied name must not leave the repository."""
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name \
-        and "\0" not in name and not name.startswith(".")
+    """A single path component (protocol/names.py's rule, with no leading '/'
+    or '.'): a client-supplied name must not leave the repository."""
+    return is_path_component(name) and not name.startswith((".", "/")) and "\\" not in name
 
 
 # --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import posix_ipc
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
+from ..protocol.names import is_path_component
 from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_HEADER_LAYOUT, BLOCK_MAGIC  # noqa: F401
 from . import guard
 from .guard import GuardedRange
@@ -111,6 +112,8 @@ class RegionMaps:
                               f"reinstall torchpool with a C compiler, or send tensors inline "
                               f"or through the daemon's shared memory")
         self._close_retired()
+        if not is_path_component(key):       # the broker checked it: never hand posix_ipc a NUL
+            raise RegionError(f"{what}: the region's key is not a shared-memory name")
         try:
             shm = posix_ipc.SharedMemory("/" + key)
         except (posix_ipc.Error, ValueError, OSError):

@@ -1,0 +1,63 @@
+"""Names that reach the operating system: one rule for all of them.
+
+A client names things the daemon hands to the OS: a registered region's
+shared-memory key (`shm_open`, through posix_ipc), a model name that
+becomes a directory of the repository. Such a name must be a single path
+component: posix_ipc 1.3 ends the process with SIGSEGV on a NUL byte
+(`posix_ipc.SharedMemory("/a\\0b")`), `open` raises on one, a `/` past
+the leading one or a `..` walks out of the place the name is meant for,
+and a name longer than NAME_MAX is refused by the kernel with an error that
+names nothing. So every such name is checked here before it is used, and a
+bad one is the client's INVALID_ARG naming what was wrong.
+
+    check_os_name(what, value)   -> the name, without a leading '/'
+    is_path_component(value)     -> whether it passes (no exception)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from . import errors
+from .errors import TorchpoolError
+
+# NAME_MAX: the longest file name Linux takes (tmpfs under /dev/shm included),
+# in bytes of its UTF-8 form.
+MAX_NAME_BYTES = 255
+
+
+def _problem(value: Any) -> str:
+    """What is wrong with `value` as a single path component ('' when nothing)."""
+    if not isinstance(value, str):
+        return f"must be a string, not {type(value).__name__}"
+    if "\0" in value:
+        return "holds a NUL byte"
+    name = value[1:] if value.startswith("/") else value
+    if not name:
+        return "is empty"
+    if "/" in name:
+        return "holds a '/' after the leading one"
+    if name in (".", ".."):
+        return f"is '{name}'"
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "is not valid UTF-8"
+    if size > MAX_NAME_BYTES:
+        return f"is {size} bytes long (at most {MAX_NAME_BYTES})"
+    return ""
+
+
+def is_path_component(value: Any) -> bool:
+    """Whether `value` is a name the OS can be given (see check_os_name)."""
+    return not _problem(value)
+
+
+def check_os_name(what: str, value: Any) -> str:
+    """`value` checked as a name the OS is given, its leading '/' taken off.
+    `what` says whose name it is in the error ("region 'r': key")."""
+    problem = _problem(value)
+    if problem:
+        raise TorchpoolError(errors.INVALID_ARG, f"{what} {problem}; it must be a single name "
+                                                 f"of 1 to {MAX_NAME_BYTES} bytes with no NUL "
+                                                 f"and no '/' after a leading one")
+    return value[1:] if value.startswith("/") else value
