@@ -12,9 +12,11 @@ warning (`ModelEntry.warnings`, logged by whoever loads the model) and the
 others are served; only when none of them exists is the model unavailable.
 
 Every problem is local to its model: `scan_repository` returns an entry with
-`error` set for a broken model and goes on with the others. Whether the model
-file itself exists is not checked here: the worker reports that, in Triton's
-words, when it loads the version.
+`error` set for a broken model and goes on with the others. Every file the
+config names (and the config file, each version directory and its model
+file) must resolve inside the model directory (paths.py), whoever wrote the
+config. Whether the model file itself exists is not checked here: the worker
+reports that, in Triton's words, when it loads the version.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Any, Optional
 from ..protocol.names import is_path_component
 from .errors import ConfigError
 from .model_config import ModelConfig
+from .paths import check_config_file, check_named_files, check_version_paths
 from .pbtxt import parse_pbtxt
 from .warmup import check_warmup_files
 
@@ -85,6 +88,7 @@ def load_model_entry(root: Path | str, name: str, override: Any = None) -> Model
         return ModelEntry(name, path, None, (), str(err))
     try:
         versions, warnings = select_versions(path, config)
+        check_version_paths(path, config, versions)
     except ConfigError as err:
         return ModelEntry(name, path, config, (), str(err))
     return ModelEntry(name, path, config, versions, warnings=warnings)
@@ -124,6 +128,7 @@ def _load_config(model_dir: Path, name: str) -> ModelConfig:
     config_path = next((model_dir / f for f in CONFIG_FILES if (model_dir / f).is_file()), None)
     if config_path is None:
         raise ConfigError(f"model '{name}': no config.pbtxt or config.json in {model_dir}")
+    check_config_file(model_dir, name, config_path)
     data = read_config_file(config_path)
     declared = data.get("name")
     if declared in (None, ""):
@@ -132,6 +137,7 @@ def _load_config(model_dir: Path, name: str) -> ModelConfig:
         raise ConfigError(f"{config_path}: unexpected directory name '{name}' for model "
                           f"'{declared}', directory name must equal model name")
     config = ModelConfig.from_json(data, str(config_path))
+    check_named_files(model_dir, config, str(config_path))
     check_warmup_files(model_dir, config.warmup, str(config_path))
     return config
 
@@ -147,6 +153,7 @@ def _override_config(model_dir: Path, name: str, override: Any) -> ModelConfig:
         raise ConfigError(f"{source}: a model configuration must be a JSON object")
     data.setdefault("name", name)
     config = ModelConfig.from_json(data, source)
+    check_named_files(model_dir, config, source)
     check_warmup_files(model_dir, config.warmup, source)
     return config
 

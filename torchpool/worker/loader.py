@@ -21,10 +21,11 @@ from typing import Any, Optional
 import torch
 
 from ..config.parameters import ModelParameters
+from ..config.paths import leaves_message, resolved_inside
 from ..protocol import errors
 from .classify import Classifier
 from .compile import compile_now, configure_compile_cache, prepare_compiled
-from .formats import AOTI_PACKAGE, LoadedModel, load_model
+from .formats import AOTI_PACKAGE, LoadedModel, load_model, resolve_model_file
 from .settings import (ExecutionSettings, ModelLoadError, apply_process_settings, compile_settings,
                        grad_context, model_settings)
 from .spec import WorkerSpec
@@ -62,6 +63,7 @@ def load_instance(spec: WorkerSpec) -> LoadedInstance:
     options = compile_settings(spec.config)
     if options.enabled:
         configure_compile_cache()   # before anything compiles; only a compiling worker makes it
+    check_model_file(spec.model, model_dir, Path(spec.model_path))
     # Triton names the model where its "unable to find" message says
     # "model instance"; users' tests look for that text.
     model = load_model(spec.config, spec.model_path, map_location, spec.model, settings)
@@ -98,6 +100,17 @@ def _share_weights(spec: WorkerSpec, model: LoadedModel, device: torch.device) -
     return share_weights(model.weights, spec.shared_weights, spec.model)
 
 
+def check_model_file(model: str, model_dir: Path, model_path: Path) -> None:
+    """The file about to be opened (`model.pt2` beside a missing `model.pt`
+    too) is the model directory's: checked again here, where it is opened
+    (config/paths.py checked the config's names when the broker read it)."""
+    relative = resolve_model_file(model_path).relative_to(model_dir)
+    if resolved_inside(model_dir, relative) is None:
+        raise ModelLoadError(f"failed to load model '{model}': "
+                             f"{leaves_message(model, 'default_model_filename', relative, model_dir)}",
+                             errors.INVALID_ARG)
+
+
 def load_extensions(model: str, model_dir: Path, settings: ModelParameters) -> None:
     """Custom operators a model needs, loaded in its own worker process only:
     TORCHPOOL_OP_LIBRARIES (shared libraries, torch.ops.load_library) and
@@ -107,8 +120,8 @@ def load_extensions(model: str, model_dir: Path, settings: ModelParameters) -> N
     for key, items in (("TORCHPOOL_OP_LIBRARIES", settings.op_libraries),
                        ("TORCHPOOL_PYTHON_MODULES", settings.python_modules)):
         for item in items:
-            path = (model_dir / item).resolve()
-            if not path.is_relative_to(model_dir.resolve()) or not path.is_file():
+            path = resolved_inside(model_dir, item)
+            if path is None or not path.is_file():
                 raise ModelLoadError(f"failed to load model '{model}': {key} names '{item}', which is "
                                      f"not a file inside the model directory", errors.INVALID_ARG)
             try:
