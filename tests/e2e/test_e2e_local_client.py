@@ -132,8 +132,8 @@ def test_local_round_trip_copies_in_once_and_lends_the_output(local_daemon: Daem
             y[0] = 1.0
         assert isinstance(backing(y), mmap.mmap)
         # a worker's memory (a sealed memfd handed to us read-only), not a file in /dev/shm
-        # (its arena, or the capture region the model made it in: worker/capture.py)
-        assert re.fullmatch(r"/memfd:torchpool\.[0-9a-f]{8}\.\d+\.w\d+\.(\d+|capture) \(deleted\)",
+        # (this session's lending area in the worker: worker/lending.py)
+        assert re.fullmatch(r"/memfd:torchpool\.[0-9a-f]{8}\.\d+\.w\d+\.l\d+ \(deleted\)",
                             mapped_file(y)), mapped_file(y)
         assert lent_total(c) - lent0 == x.nbytes
         # copy=True: an ordinary writable array, nothing of the daemon's kept
@@ -238,7 +238,7 @@ def test_outputs_that_are_views_of_the_input_come_back_in_its_block(daemon: Daem
         assert tail.__array_interface__["data"][0] == whole.__array_interface__["data"][0] + 32
         assert t1.get("output_bytes_reused", 0) - t0.get("output_bytes_reused", 0) == x.nbytes + tail.nbytes
         # the strided view is not contiguous memory: written out by the worker and lent
-        assert re.search(r"\.w\d+\.(\d+|capture) \(deleted\)$", mapped_file(strided))
+        assert re.search(r"\.w\d+\.l\d+ \(deleted\)$", mapped_file(strided))
         assert t1.get("output_bytes_lent", 0) - t0.get("output_bytes_lent", 0) == strided.nbytes
         assert not whole.flags.writeable and not tail.flags.writeable
         with pytest.raises(ValueError):

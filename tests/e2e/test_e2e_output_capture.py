@@ -1,12 +1,14 @@
 """Outputs made where they are sent (torchpool.worker.capture): a model that
-returns a new large tensor is answered from the worker's capture region,
-with no copy by the worker.
+returns a new large tensor is answered from where it made it, with no copy
+by the worker: for a local client, the client's own lending area in the
+worker (torchpool.worker.lending), the only worker memory lent to it.
 
 A local client sees where each output was lent: the memfd its array lies
-in (the worker's capture region is named `...capture`, its arena `...0`,
-`...1`, ...). Real daemons: one with the default region, one whose region
-holds only 16 MiB (what does not fit is copied, as before), and one with
-capture turned off.
+in (a lending area is named `...w<n>.l<i>`); an output it was not lent
+comes as bytes (an array of its own). Real daemons: one with the default
+region, one whose regions hold only 16 MiB (what does not fit is copied and
+sent as bytes), and one with capture turned off (outputs are copied into
+the area, then lent).
 """
 from __future__ import annotations
 
@@ -107,14 +109,15 @@ def small_region(repository: Path, tmp_path_factory: pytest.TempPathFactory):
 
 def lent_from(array: np.ndarray) -> str:
     """Where an output array of a local client lies, as this process maps it
-    (/proc/self/maps): "capture" (a worker's capture region, the memfd
-    `torchpool.<id>.<pid>.w<n>.capture`), "arena" (a worker's arena segment
-    `....w<n>.<i>`), else the mapping's name."""
-    name = mapped_file(array) or "not mapped"
-    if re.fullmatch(r"/memfd:torchpool\.\S+\.w\d+\.capture \(deleted\)", name):
-        return "capture"
-    if re.fullmatch(r"/memfd:torchpool\.\S+\.w\d+\.\d+ \(deleted\)", name):
-        return "arena"
+    (/proc/self/maps): "area" (a worker's lending area, the memfd
+    `torchpool.<id>.<pid>.w<n>.l<i>`), "bytes" (not lent: the client's own
+    memory), else the mapping's name (a worker's capture region or arena
+    would be a leak of other clients' memory)."""
+    name = mapped_file(array)
+    if not name or not name.startswith("/memfd:torchpool."):
+        return "bytes"
+    if re.fullmatch(r"/memfd:torchpool\.\S+\.w\d+\.l\d+ \(deleted\)", name):
+        return "area"
     return name
 
 
@@ -128,7 +131,7 @@ def test_a_new_12mib_tensor_is_answered_from_the_capture_region(daemon: Daemon) 
         for _ in range(3):
             with c.infer("times_one", {"INPUT__0": x}) as out:
                 np.testing.assert_array_equal(out["OUTPUT__0"], x)
-                assert lent_from(out["OUTPUT__0"]) == "capture"
+                assert lent_from(out["OUTPUT__0"]) == "area"
 
 
 def test_two_outputs_each_come_from_the_region(daemon: Daemon) -> None:
@@ -137,7 +140,7 @@ def test_two_outputs_each_come_from_the_region(daemon: Daemon) -> None:
         with c.infer("two_outputs", {"INPUT__0": x}) as out:
             np.testing.assert_array_equal(out["OUTPUT__0"], x)
             np.testing.assert_array_equal(out["OUTPUT__1"], 2 * x)
-            assert [lent_from(out[n]) for n in ("OUTPUT__0", "OUTPUT__1")] == ["capture", "capture"]
+            assert [lent_from(out[n]) for n in ("OUTPUT__0", "OUTPUT__1")] == ["area", "area"]
 
 
 def test_inline_frames_carry_the_same_values(daemon: Daemon) -> None:
@@ -167,16 +170,25 @@ def test_a_batch_is_answered_in_sub_ranges_of_the_region(daemon: Daemon) -> None
     with Client(daemon.url, timeout=10, local=False) as c:
         executions = c.statistics("batched")["model_stats"][0]["execution_count"] - before
     assert executions < 4, "the requests were not batched"
-    assert segments == ["capture"] * 4
+    assert segments == ["area"] * 4
 
 
 def test_an_output_the_model_keeps_is_copied(daemon: Daemon) -> None:
+    """The model keeps what it returns: the worker copies it. Once a tensor the
+    model keeps was made in a client's area, that area is never lent (the
+    client could watch other clients' requests change it) and the instance
+    captures into its own region from then on, copying outputs into areas."""
     x = ramp(MiB)
     with Client(daemon.url, timeout=60) as c:
-        for _ in range(2):
-            with c.infer("keeps", {"INPUT__0": x}) as out:
-                np.testing.assert_array_equal(out["OUTPUT__0"], x + 1)
-                assert lent_from(out["OUTPUT__0"]) == "arena"
+        where = []
+        for i in range(4):
+            with c.infer("keeps", {"INPUT__0": x + i}) as out:
+                np.testing.assert_array_equal(out["OUTPUT__0"], x + i + 1)
+                where.append(lent_from(out["OUTPUT__0"]))
+    # the first copy made the client's area; the second ran capturing into it, the model
+    # kept its tensor there: that answer went as bytes, the area was retired
+    assert where == ["area", "bytes", "area", "area"]
+    assert "keeps tensors it makes in forward" in daemon.log()
 
 
 def test_blocks_come_back_request_after_request(small_region: Daemon) -> None:
@@ -192,7 +204,7 @@ def test_blocks_come_back_request_after_request(small_region: Daemon) -> None:
             with c.infer("times_one", {"INPUT__0": x}) as out:
                 np.testing.assert_array_equal(out["OUTPUT__0"], x)
                 # (the first may find the last inline block still being sent)
-                assert i == 0 or lent_from(out["OUTPUT__0"]) == "capture", f"request {i}"
+                assert i == 0 or lent_from(out["OUTPUT__0"]) == "area", f"request {i}"
 
 
 def test_an_output_larger_than_the_region_is_copied(small_region: Daemon) -> None:
@@ -200,11 +212,11 @@ def test_an_output_larger_than_the_region_is_copied(small_region: Daemon) -> Non
     with Client(small_region.url, timeout=60) as c:
         with c.infer("times_one", {"INPUT__0": x}) as out:
             np.testing.assert_array_equal(out["OUTPUT__0"], x)
-            assert lent_from(out["OUTPUT__0"]) == "arena"
+            assert lent_from(out["OUTPUT__0"]) == "bytes"
         y = ramp(FLOATS_12MIB, 5.0)        # and the next one that fits is not
         with c.infer("times_one", {"INPUT__0": y}) as out:
             np.testing.assert_array_equal(out["OUTPUT__0"], y)
-            assert lent_from(out["OUTPUT__0"]) == "capture"
+            assert lent_from(out["OUTPUT__0"]) == "area"
 
 
 def test_a_client_that_keeps_its_outputs_does_not_wedge_the_worker(small_region: Daemon) -> None:
@@ -218,7 +230,7 @@ def test_a_client_that_keeps_its_outputs_does_not_wedge_the_worker(small_region:
             np.testing.assert_array_equal(out["OUTPUT__0"], x)
             kept.append((x, out))
         where = [lent_from(out["OUTPUT__0"]) for _, out in kept]
-        assert where == ["capture", "capture", "arena", "arena"]
+        assert where == ["area", "area", "bytes", "bytes"]
         for x, out in kept:                # nothing was overwritten meanwhile
             np.testing.assert_array_equal(out["OUTPUT__0"], x)
         for _, out in kept:
@@ -229,7 +241,7 @@ def test_a_client_that_keeps_its_outputs_does_not_wedge_the_worker(small_region:
             with c.infer("times_one", {"INPUT__0": x}) as out:
                 np.testing.assert_array_equal(out["OUTPUT__0"], x)
                 last = lent_from(out["OUTPUT__0"])
-        assert last == "capture"
+        assert last == "area"
 
 
 def test_with_capture_off_outputs_are_copied_as_before(repository: Path, tmp_path: Path) -> None:
@@ -239,6 +251,6 @@ def test_with_capture_off_outputs_are_copied_as_before(repository: Path, tmp_pat
         with Client(d.url, timeout=60) as c:
             with c.infer("times_one", {"INPUT__0": x}) as out:
                 np.testing.assert_array_equal(out["OUTPUT__0"], x)
-                assert lent_from(out["OUTPUT__0"]) == "arena"
+                assert lent_from(out["OUTPUT__0"]) == "area"
     finally:
         assert d.stop() == 0, d.log()

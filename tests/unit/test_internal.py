@@ -9,7 +9,7 @@ import pytest
 from torchpool.protocol import internal
 from torchpool.protocol.internal import (
     Done, Failed, Forget, InputDescriptor, LoadFailed, OutputDescriptor, OutputTarget,
-    ProtocolViolation, Ready, Release, Run, Stop, decode, encode,
+    ProtocolViolation, Ready, Release, Run, Segments, Stop, decode, encode,
 )
 
 IN0 = ["INPUT0", "FP32", [1, 16], "torchpool.abc.in.0", 4096, 64, 0]
@@ -37,9 +37,10 @@ def test_run_decodes_the_positional_wire_into_named_fields() -> None:
 
 
 @pytest.mark.parametrize("msg, wire", [
-    (Run(3, [InputDescriptor(*IN0)], []), [internal.RUN, 3, [IN0 + [False]], [], []]),
-    (Run(3, [InputDescriptor(*IN1)], ["OUTPUT0"], [internal.Block("s", 0, 8)]),
-     [internal.RUN, 3, [IN1], ["OUTPUT0"], [["s", 0, 8]]]),
+    (Run(3, [InputDescriptor(*IN0)], []), [internal.RUN, 3, [IN0 + [False]], [], [], 0]),
+    (Run(3, [InputDescriptor(*IN1)], ["OUTPUT0"], [internal.Block("s", 0, 8)], 17),
+     [internal.RUN, 3, [IN1], ["OUTPUT0"], [["s", 0, 8]], 17]),
+    (Segments([["torchpool.x.w0.l1", 4096, 17]]), [internal.SEGMENTS, [["torchpool.x.w0.l1", 4096, 17]]]),
     (Release([["s", 0, 8]]), [internal.RELEASE, [["s", 0, 8]]]),
     (Forget(["torchpool.x.c1", ["key", 9]]), [internal.FORGET, ["torchpool.x.c1", ["key", 9]]]),
     (Stop(), [internal.STOP]),

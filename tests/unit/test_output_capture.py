@@ -141,7 +141,7 @@ HOOKED = textwrap.dedent("""
     buf_size = capture.size
 
     def inside(t):
-        return 0 <= t.data_ptr() - oc.base() < buf_size
+        return 0 <= t.data_ptr() - capture.base < buf_size
 
     # 1. large tensors made while capturing land in the region, and come back
     before = torch.ones(4 * MiB)                # not capturing: the heap
@@ -149,10 +149,10 @@ HOOKED = textwrap.dedent("""
     big = torch.full((4 * MiB,), 3.0)           # 16 MiB
     small = torch.ones(16)                      # under the threshold
     capture.off()
-    seen["placement"] = {"used": list(oc.stats()), "where": [inside(before), inside(big), inside(small)],
+    seen["placement"] = {"used": list(capture.stats()), "where": [inside(before), inside(big), inside(small)],
                          "sum": float(big.sum())}
     del big
-    seen["placement"]["after"] = list(oc.stats())
+    seen["placement"]["after"] = list(capture.stats())
 
     # 2. intermediates go back; when the region is full, the heap
     class Chain(torch.nn.Module):
@@ -165,10 +165,10 @@ HOOKED = textwrap.dedent("""
         capture.on()
         outs = [chain(x), chain(x), chain(x)]
         capture.off()
-    seen["full"] = {"where": [inside(t) for t in outs], "stats": list(oc.stats()),
+    seen["full"] = {"where": [inside(t) for t in outs], "stats": list(capture.stats()),
                     "values": [float(t[0, 0, 0]) for t in outs]}
     del outs
-    seen["full"]["after"] = list(oc.stats())[:2]
+    seen["full"]["after"] = list(capture.stats())[:2]
 
     # 3. threads allocate and free at once
     failures = []
@@ -189,7 +189,7 @@ HOOKED = textwrap.dedent("""
     for t in threads:
         t.join()
     capture.off()
-    seen["threads"] = {"failures": failures, "after": list(oc.stats())[:2]}
+    seen["threads"] = {"failures": failures, "after": list(capture.stats())[:2]}
 
     # 4. only tensors nobody else holds are lent
     class Keeper(torch.nn.Module):
@@ -216,16 +216,16 @@ HOOKED = textwrap.dedent("""
                     "lent": None if lent is None else [lent[0], lent[2]],
                     "twice": capture.lend(alone), "held_by_model": capture.lend(held_by_model),
                     "base": capture.lend(base), "view": capture.lend(view), "small": capture.lend(small),
-                    "used": oc.stats()[0]}
+                    "used": capture.stats()[0]}
     del alone
-    seen["lend"]["while_lent"] = oc.stats()[0]
+    seen["lend"]["while_lent"] = capture.stats()[0]
     capture.release(lent[1])
-    seen["lend"]["released"] = oc.stats()[0]
+    seen["lend"]["released"] = capture.stats()[0]
     del held_by_model, keeper, base, view
 
     # 5. installing is once; a forked child never captures (the region's pages are shared)
     try:
-        oc.install(mmap.mmap(-1, MiB), 256 << 10)
+        oc.install(256 << 10)
         seen["again"] = "installed twice"
     except RuntimeError as exc:
         seen["again"] = str(exc)
@@ -247,7 +247,41 @@ HOOKED = textwrap.dedent("""
         os.write(write, b"1" if ok else b"0")
         os._exit(0)
     os.waitpid(pid, 0)
-    seen["fork"] = {"child_ok": os.read(read, 1) == b"1", "parent": list(oc.stats())[:2]}
+    seen["fork"] = {"child_ok": os.read(read, 1) == b"1", "parent": list(capture.stats())[:2]}
+    del kept
+
+    # 6. more regions: capturing goes to the one chosen, each free to its own region
+    from torchpool.shm.segment import Segment
+    from torchpool.worker.capture import CaptureRegion
+    other = CaptureRegion(Segment.create("capture-unit-test-2", 16 * MiB, prefault=False, only_we_write=True))
+    capture.on(other)
+    in_other = torch.full((MiB,), 5.0)
+    capture.on()
+    in_own = torch.full((MiB,), 6.0)
+    capture.off()
+    seen["regions"] = {"where": [0 <= in_other.data_ptr() - other.base < other.size, inside(in_own)],
+                       "blocks": [other.blocks(), capture.stats()[1]]}
+    written = other.alloc(300 << 10)
+    seen["regions"]["written"] = [written is not None, other.blocks()]
+    seen["regions"]["close_in_use"] = other.close()
+    lent = other.lend(in_other)
+    del in_other, in_own
+    seen["regions"]["after_free"] = [other.blocks(), capture.stats()[1]]
+    seen["regions"]["release"] = [other.release(lent[1]), other.release(written), other.release(12345)]
+    seen["regions"]["close"] = [other.blocks(), other.close()]
+    try:
+        capture.on(other)
+        seen["regions"]["capture_closed"] = "captured into a closed region"
+    except ValueError as exc:
+        seen["regions"]["capture_closed"] = str(exc)
+    extra = []
+    try:
+        for i in range(70):
+            extra.append(oc.add_region(mmap.mmap(-1, 1 << 16), 4096))
+        seen["regions"]["full"] = "no limit"
+    except RuntimeError as exc:
+        seen["regions"]["full"] = [str(exc), len(extra)]
+    seen["regions"]["removed"] = all(oc.remove_region(i) for i in extra)
     print(json.dumps(seen))
     """)
 
@@ -293,6 +327,20 @@ def test_only_tensors_nobody_else_holds_are_lent(hooked: dict) -> None:
     assert seen["small"] is None                   # on the heap
     assert seen["used"] == seen["while_lent"] == 3 * 4 * MiB
     assert seen["released"] == 2 * 4 * MiB         # the model's and base's are still alive
+
+
+def test_capture_goes_to_the_chosen_region_and_frees_to_its_own(hooked: dict) -> None:
+    seen = hooked["regions"]
+    assert seen["where"] == [True, True]
+    assert seen["blocks"] == [1, 1]
+    assert seen["written"] == [True, 2]                 # a block Python writes an output into
+    assert seen["close_in_use"] is False                # never unmapped under a tensor
+    assert seen["after_free"] == [2, 0]                 # the lent one and the written block stay
+    assert seen["release"] == [True, True, False]
+    assert seen["close"] == [0, True]
+    assert "no capture region" in seen["capture_closed"]
+    message, added = seen["full"]
+    assert "full" in message and added == 64 - 1        # the own region holds one slot
 
 
 def test_install_is_once_and_a_forked_child_never_captures(hooked: dict) -> None:

@@ -49,6 +49,19 @@ class Batch:
             row += r.rows
         return out
 
+    def lend_to(self) -> int:
+        """The lending id of the one local session all the batch's requests
+        belong to, when one of them asked for its outputs in place: the
+        worker puts the outputs in that session's area (worker/lending.py),
+        the only memory lent to it. 0: nothing of this batch is lent."""
+        session, wanted = None, False
+        for req in self.requests:
+            if req.session is None or (session is not None and req.session is not session) \
+                    or req.hidden_outputs:
+                return 0
+            session, wanted = req.session, wanted or req.output_shm
+        return session.lend_id if wanted and session.local else 0
+
     @classmethod
     def single(cls, req: InferRequest) -> "Batch":
         """A request run on its own, staged already (its blocks stay its own:

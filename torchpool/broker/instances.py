@@ -122,7 +122,7 @@ class Instances:
             missing = [d.segment for d in batch.inputs if d.segment.__class__ is str and d.segment not in known]
             if missing:
                 self._hand_over(worker, missing)
-            worker.send(internal.Run(batch_id, batch.inputs, batch.outputs, releases))
+            worker.send(internal.Run(batch_id, batch.inputs, batch.outputs, releases, batch.lend_to()))
         except OSError:
             pass  # the worker is dying; its sentinel will answer this batch
 
@@ -213,6 +213,8 @@ class Instances:
         elif kind is internal.Served:
             self.read_reports(h)         # the ring first: its reports were written before
             self._on_served(h, mv, msg.records, msg.closed)
+        elif kind is internal.Forget:
+            self.answers.worker_areas_closed(h, msg.refs)
 
     def read_reports(self, h: Optional[WorkerHandle] = None) -> None:
         """Count the direct requests in the report rings (protocol/reports.py)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
+from ..protocol.internal import lend_ref
 from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_header
 from ..shm.fdpass import send_with_fds
 from ..shm.segment import Segment
@@ -71,6 +72,7 @@ class Session:
     in_flight: int = 0
     direct: dict = field(default_factory=dict)   # model version -> (direct path name, worker): direct.py
     direct_failed: set = field(default_factory=set)   # its paths whose instance's death is counted
+    lend_id: int = 0              # names its lending areas in the workers (worker/lending.py)
 
     @property
     def local(self) -> bool:
@@ -103,6 +105,7 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self.segments: dict[str, Segment] = {}    # every client arena segment, by name
         self._counter = itertools.count()
+        self._lend_ids = itertools.count(1)
 
     # --- lifecycle -------------------------------------------------------
 
@@ -116,7 +119,7 @@ class SessionManager:
             if mine >= o.max_sessions_per_peer:
                 raise _exhausted(f"this connection already holds {mine} sessions, the limit per "
                                  f"connection (--max-sessions-per-peer)")
-        session = Session(secrets.token_hex(16), time.monotonic(), identity)
+        session = Session(secrets.token_hex(16), time.monotonic(), identity, lend_id=next(self._lend_ids))
         self.sessions[session.token] = session
         return {"session": session.token, "local": False, "lease_s": self.lease_s,
                 "local_socket": self.local_socket, "block_header": BLOCK_HEADER_BYTES}
@@ -262,6 +265,8 @@ class SessionManager:
             os.close(challenge.fd)
         session.challenges.clear()
         forgotten = list(session.arena) + [name for name, _ in session.direct.values()]
+        if session.local:         # the workers' lending areas of it go (worker/lending.py)
+            forgotten.append(lend_ref(session.lend_id))
         session.direct.clear()
         for seg in list(session.arena.values()):
             self._drop_arena_segment(session, seg, tell_workers=False)

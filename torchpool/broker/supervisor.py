@@ -225,6 +225,9 @@ class Supervisor:
         for h in self.workers.values():
             h.known.difference_update(names)
             try:
+                if h.releases:      # blocks lent to a session that closed: back before its areas go
+                    releases, h.releases = h.releases, []
+                    h.send(internal.Release(releases))
                 h.send(internal.Forget(refs))
             except OSError:
                 pass

@@ -43,12 +43,16 @@ classification extension: a BYTES tensor of "score:index[:label]").
 either way
     [SEGMENTS, [[name, size], ...]]   with one fd per segment attached (SCM_RIGHTS):
                                       the daemon's memory has no names, so a segment
-                                      is handed over before any descriptor names it
+                                      is handed over before any descriptor names it;
+                                      a worker's [name, size, lend_id] is a lending
+                                      area of that session (worker/lending.py)
 broker -> worker
-    [RUN, batch_id, [descriptor, ...], [requested output, ...], [released block, ...]]
+    [RUN, batch_id, [descriptor, ...], [requested output, ...], [released block, ...], lend_to]
+                                      lend_to: the lending id of the one local session
+                                      the batch's outputs may be lent to (0: none)
     [RELEASE, [released block, ...]]
-    [FORGET, [segment name | [key, inode] | direct name, ...]]   unmap (close): a client
-                                      session or region is gone
+    [FORGET, [segment name | [key, inode] | direct name | "lend-<id>", ...]]   unmap
+                                      (close): a client session or region is gone
     [STOP]
     [ADOPT, name, session, max_bytes_elements, max_bytes_tensor_bytes]   with one fd
                                       attached: a local client's direct socket (worker/direct.py);
@@ -57,6 +61,7 @@ A released block is `[segment, offset, size]` of an output block the broker
 no longer reads: the worker may reuse it.
 worker -> broker
     [READY, pid, device]
+    [FORGET, [area name]]             a lending area is closed: the broker unmaps it
     [LOAD_FAILED, code, message]
     [DONE, batch_id, [descriptor, ...], [input_ns, infer_ns, output_ns], [reused output, ...]]
     [FAILED, batch_id, code, message]
@@ -156,6 +161,7 @@ class Run(NamedTuple):
     inputs: list                # [InputDescriptor, ...]
     outputs: list               # [str | OutputTarget | Classify, ...]; empty: every output
     releases: Sequence = ()     # [Block | [segment, offset, size], ...] piggybacked frees
+    lend_to: int = 0            # the session whose area the outputs go into (worker/lending.py)
     KIND = RUN
 
 
@@ -175,11 +181,17 @@ class Stop(NamedTuple):
 
 class Segments(NamedTuple):
     """Segments handed over: their fds travel with the message, in this order."""
-    segments: list              # [[name, size], ...]
+    segments: list              # [[name, size], ...]; a worker's lending area: [name, size, lend_id]
     KIND = SEGMENTS
 
 
 DIRECT_PREFIX = "direct-"          # names a direct path (ADOPT, FORGET)
+LEND_PREFIX = "lend-"              # FORGET "lend-<id>": that session's lending areas go
+
+
+def lend_ref(lend_id: int) -> str:
+    """How a FORGET names the lending areas of the session with this lending id."""
+    return f"{LEND_PREFIX}{lend_id}"
 
 
 class Adopt(NamedTuple):
@@ -253,7 +265,7 @@ def _run(m: list) -> Run:
         if r.__class__ is not str:      # rare: an output into a client's region, or classified
             requested = [r if r.__class__ is str else _requested(r) for r in requested]
             break
-    return _new(Run, (m[1], inputs, requested, m[4] if len(m) > 4 else []))
+    return _new(Run, (m[1], inputs, requested, m[4] if len(m) > 4 else [], m[5] if len(m) > 5 else 0))
 
 
 def _done(m: list) -> Done:
@@ -313,7 +325,7 @@ def decode(raw: bytes) -> Message:
 
 
 __all__ = [
-    "ADOPT", "Adopt", "Block", "DIRECT_PREFIX", "Classify", "DONE", "Done", "FAILED", "FORGET", "Failed", "Forget", "InputDescriptor",
+    "ADOPT", "Adopt", "Block", "DIRECT_PREFIX", "LEND_PREFIX", "lend_ref", "Classify", "DONE", "Done", "FAILED", "FORGET", "Failed", "Forget", "InputDescriptor",
     "LOAD_FAILED", "LoadFailed", "MAX_MESSAGE", "Message", "OutputDescriptor", "OutputTarget",
     "ProtocolViolation", "READY", "RELEASE", "RUN", "Ready", "Release", "Run", "SEGMENTS",
     "SERVED", "STOP", "Segments", "Served", "Stop",

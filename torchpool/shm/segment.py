@@ -31,6 +31,11 @@ _MADV_POPULATE_WRITE: Optional[int] = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # What a client holding the fd must not be able to do: shrink the memory
 # under the daemon (SIGBUS), grow it, or lift the seals.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+# Linux 5.1: no write() and no new writable shared mapping, by anyone, from
+# now on; the mappings that exist keep writing. A read-only fd alone is not
+# enough: a memfd's inode has mode 0777, so whoever holds one can reopen it
+# writable through /proc/self/fd. (Python's fcntl lacks the name before 3.12.)
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 
 
 def _prefault(buf: mmap.mmap, size: int) -> None:
@@ -69,16 +74,25 @@ class Segment:
         self._closed = False
 
     @classmethod
-    def create(cls, name: str, size: int, prefault: bool = True) -> "Segment":
-        """New zeroed memory of `size` bytes, sealed; keeps its fd to hand on."""
+    def create(cls, name: str, size: int, prefault: bool = True, only_we_write: bool = False) -> "Segment":
+        """New zeroed memory of `size` bytes, sealed; keeps its fd to hand on.
+        `only_we_write`: this process's mapping is the only writable one there
+        will ever be (F_SEAL_FUTURE_WRITE): what it lends cannot be altered."""
         if size <= 0:
             raise ValueError("segment size must be positive")
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        buf = None
         try:
             os.ftruncate(fd, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            buf = mmap.mmap(fd, size)
+            if only_we_write:
+                buf = mmap.mmap(fd, size)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | F_SEAL_FUTURE_WRITE)
+            else:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+                buf = mmap.mmap(fd, size)
         except BaseException:
+            if buf is not None:
+                buf.close()
             os.close(fd)
             raise
         seg = cls(name, buf, size, fd)
@@ -95,8 +109,10 @@ class Segment:
             size = os.fstat(fd).st_size
             if size <= 0:
                 raise ValueError(f"shared-memory segment '{name}' is empty")
-            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK == 0:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if seals & fcntl.F_SEAL_SHRINK == 0:
                 raise ValueError(f"shared-memory segment '{name}' is not sealed against shrinking")
+            writable = writable and not seals & (F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_WRITE)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         except BaseException:

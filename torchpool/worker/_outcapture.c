@@ -1,4 +1,4 @@
-/* Output capture: torch's large CPU allocations served from one shared-memory
+/* Output capture: torch's large CPU allocations served from a shared-memory
  * region while a worker runs its model, so the output tensor `forward`
  * returns already lies where the broker reads it and is never copied again.
  *
@@ -8,9 +8,9 @@
  * walking its dynamic section's relocations) to point at two hooks:
  *
  *   posix_memalign: while capturing is on and the size is at least the
- *     threshold, a block of the region (first fit; when nothing fits, the
- *     real posix_memalign). Otherwise the real one.
- *   free: a pointer inside the region goes back to the region; anything
+ *     threshold, a block of the target region (first fit; when nothing
+ *     fits, the real posix_memalign). Otherwise the real one.
+ *   free: a pointer inside a region goes back to that region; anything
  *     else to the real free (two compares on every free libc10 makes).
  *
  * Why GOT patching rather than the alternatives:
@@ -25,25 +25,41 @@
  *     model is loaded: weights and everything else torch allocated stay where
  *     they were, and other libraries never see the hooks.
  *
- * The region's bookkeeping lives outside the region (two sorted arrays of
+ * Regions: a table of up to MAX_REGIONS, each a mapping with its own
+ * allocator. Capturing allocates from one of them, the target, which the
+ * worker chooses per batch: its own region for most batches, and for a
+ * batch of one local session that session's own region (worker/lending.py),
+ * so that memory lent to a client holds nothing of anyone else's. A free
+ * finds the region its pointer lies in (a quick reject first: every region
+ * lies in [span_lo, span_hi)). Python allocates in a region too (alloc /
+ * release) for outputs it copies there.
+ *
+ * Each region's bookkeeping lives outside the region (two sorted arrays of
  * ranges, fixed capacity: outcapture_heap.c), under one mutex: torch's
- * intra-op threads allocate too. The capturing flag is process-wide. The
- * region stays mapped for the life of the process (this module keeps a
- * buffer export of it), so a tensor freed late can never touch unmapped
- * memory. The hooks are never taken out: a pointer from the region may be
- * freed at any time.
+ * intra-op threads allocate too. The capturing flag is process-wide. A
+ * region stays mapped while it is in the table (this module keeps a buffer
+ * export of it), and it leaves the table only once no block of it is in
+ * use, so a tensor freed late can never touch unmapped memory. The hooks
+ * are never taken out: a pointer from a region may be freed at any time.
  *
  * Module:
  *   Heap(size, min_block=64)   the allocator alone, over offsets (for tests):
  *       .alloc(n, align=64) -> offset | None, .free(offset) -> bool,
  *       .used_bytes, .free_bytes, .largest_free, .blocks
- *   install(buffer, threshold) -> int   map the hooks onto `buffer` (page
- *       aligned, writable); returns the number of GOT slots rewritten.
+ *   add_region(buffer, min_block) -> index   a writable, page-aligned mapping
+ *       joins the table (RuntimeError when the table is full)
+ *   remove_region(index) -> bool   it leaves the table (and its export is
+ *       dropped) when no block of it is in use; False otherwise
+ *   install(threshold) -> int  map the hooks (allocations of at least
+ *       `threshold` bytes are captured); returns the GOT slots rewritten.
  *       Raises OSError when libc10.so or its slots cannot be found.
- *   capture(on)                turn capturing on or off (process-wide)
- *   base() -> int              the region's address (0 before install)
- *   stats() -> (used_bytes, blocks, misses)   misses: large allocations
- *       made while capturing that did not fit
+ *   capture(index)             capture into region `index` (process-wide);
+ *       -1 turns capturing off
+ *   alloc(index, n) -> offset | None, release(index, offset) -> bool
+ *                              a block of a region for Python's own use
+ *   base(index) -> int         where a region is mapped
+ *   stats(index) -> (used_bytes, blocks, misses)   misses: large allocations
+ *       made while capturing that did not fit (in any region)
  */
 #define PY_SSIZE_T_CLEAN
 #ifndef _GNU_SOURCE
@@ -62,16 +78,25 @@
 
 #include "outcapture_heap.h"
 
-/* ------------------------------------------------------------ the region and its hooks */
+/* ------------------------------------------------------------ the regions and the hooks */
 
-static Heap region;
-static char *region_base;                /* NULL until install() */
-static size_t region_size;
+#define MAX_REGIONS 64
+
+typedef struct {
+    char *base;                          /* NULL: the slot is free */
+    size_t size;
+    Heap heap;
+    Py_buffer view;                      /* keeps the mapping alive while in the table */
+} Region;
+
+static Region regions[MAX_REGIONS];
+static int target = -1;                  /* the region capturing allocates from */
+static uintptr_t span_lo = UINTPTR_MAX, span_hi = 0;    /* every region lies inside */
 static size_t threshold;
+static int installed;
 static int capturing;                    /* read by every thread that allocates */
 static unsigned long misses;
 static pthread_mutex_t region_lock = PTHREAD_MUTEX_INITIALIZER;
-static Py_buffer region_view;            /* keeps the mapping alive for good */
 static int forked;                       /* this process is a fork of the one that installed */
 
 /* A process forked from a worker (a model that starts one) has a private copy
@@ -89,10 +114,11 @@ static void stop_capturing_in_child(void) {
 static int hooked_posix_memalign(void **out, size_t align, size_t size) {
     if (__atomic_load_n(&capturing, __ATOMIC_RELAXED) && size >= threshold) {
         pthread_mutex_lock(&region_lock);
-        size_t offset = heap_alloc(&region, size, align);
+        Region *r = target >= 0 ? &regions[target] : NULL;
+        size_t offset = r != NULL && r->base != NULL ? heap_alloc(&r->heap, size, align) : NONE;
         pthread_mutex_unlock(&region_lock);
         if (offset != NONE) {
-            *out = region_base + offset;
+            *out = r->base + offset;
             return 0;
         }
         __atomic_add_fetch(&misses, 1, __ATOMIC_RELAXED);
@@ -100,15 +126,45 @@ static int hooked_posix_memalign(void **out, size_t align, size_t size) {
     return posix_memalign(out, align, size);
 }
 
+/* The region `p` lies in (under the lock), or NULL. */
+static Region *region_of(const void *p) {
+    for (int i = 0; i < MAX_REGIONS; i++) {
+        Region *r = &regions[i];
+        if (r->base != NULL && (uintptr_t)p - (uintptr_t)r->base < r->size)
+            return r;
+    }
+    return NULL;
+}
+
 static void hooked_free(void *p) {
-    /* one unsigned compare: below the base wraps around to a huge number */
-    if ((uintptr_t)p - (uintptr_t)region_base < region_size) {
+    /* two compares for a pointer outside every region (below span_lo wraps around) */
+    uintptr_t lo = __atomic_load_n(&span_lo, __ATOMIC_ACQUIRE);
+    uintptr_t hi = __atomic_load_n(&span_hi, __ATOMIC_ACQUIRE);
+    if ((uintptr_t)p - lo < hi - lo) {
         pthread_mutex_lock(&region_lock);
-        heap_free(&region, (size_t)((char *)p - region_base));
+        Region *r = region_of(p);
+        if (r != NULL) {
+            heap_free(&r->heap, (size_t)((char *)p - r->base));
+            pthread_mutex_unlock(&region_lock);
+            return;
+        }
         pthread_mutex_unlock(&region_lock);
-        return;
     }
     free(p);
+}
+
+/* Under the lock: the span again, after a region left the table. */
+static void recompute_span(void) {
+    uintptr_t lo = UINTPTR_MAX, hi = 0;
+    for (int i = 0; i < MAX_REGIONS; i++) {
+        if (regions[i].base == NULL)
+            continue;
+        uintptr_t start = (uintptr_t)regions[i].base, end = start + regions[i].size;
+        lo = start < lo ? start : lo;
+        hi = end > hi ? end : hi;
+    }
+    __atomic_store_n(&span_lo, lo, __ATOMIC_RELEASE);
+    __atomic_store_n(&span_hi, hi, __ATOMIC_RELEASE);
 }
 
 /* ------------------------------------------------------------ rewriting libc10's GOT */
@@ -225,21 +281,22 @@ static int patch_libc10(struct dl_phdr_info *info, size_t info_size, void *data)
 
 /* ------------------------------------------------------------ module functions */
 
-static PyObject *install(PyObject *self, PyObject *args) {
-    PyObject *buffer;
-    Py_ssize_t min_size;
-    if (!PyArg_ParseTuple(args, "On", &buffer, &min_size))
-        return NULL;
-#ifndef R_JUMP_SLOT
-    PyErr_SetString(PyExc_OSError, "output capture is not supported on this architecture");
-    return NULL;
-#else
-    if (region_base != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "output capture is already installed in this process");
+/* The region at `index` (raising ValueError when there is none). */
+static Region *region_at(Py_ssize_t index) {
+    if (index < 0 || index >= MAX_REGIONS || regions[index].base == NULL) {
+        PyErr_Format(PyExc_ValueError, "no capture region %zd", index);
         return NULL;
     }
-    if (min_size < GRANULE) {
-        PyErr_SetString(PyExc_ValueError, "the threshold must be at least 64 bytes");
+    return &regions[index];
+}
+
+static PyObject *add_region(PyObject *self, PyObject *args) {
+    PyObject *buffer;
+    Py_ssize_t min_block;
+    if (!PyArg_ParseTuple(args, "On", &buffer, &min_block))
+        return NULL;
+    if (min_block < GRANULE) {
+        PyErr_SetString(PyExc_ValueError, "the smallest block must be at least 64 bytes");
         return NULL;
     }
     Py_buffer view;
@@ -247,25 +304,91 @@ static PyObject *install(PyObject *self, PyObject *args) {
         return NULL;
     if ((uintptr_t)view.buf % MAX_ALIGN != 0 || view.len < GRANULE) {
         PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "the region must be page aligned and at least 64 bytes");
+        PyErr_SetString(PyExc_ValueError, "a region must be page aligned and at least 64 bytes");
         return NULL;
     }
-    if (heap_init(&region, (size_t)view.len, (size_t)min_size) != 0) {
+    Heap heap;
+    if (heap_init(&heap, (size_t)view.len, (size_t)min_block) != 0) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
     }
+    pthread_mutex_lock(&region_lock);
+    int index = -1;
+    for (int i = 0; i < MAX_REGIONS && index < 0; i++)
+        if (regions[i].base == NULL)
+            index = i;
+    if (index >= 0) {
+        Region *r = &regions[index];
+        r->heap = heap;
+        r->size = heap.size;
+        r->view = view;
+        r->base = view.buf;
+        uintptr_t start = (uintptr_t)r->base, end = start + r->size;
+        if (start < span_lo)
+            __atomic_store_n(&span_lo, start, __ATOMIC_RELEASE);
+        if (end > span_hi)
+            __atomic_store_n(&span_hi, end, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&region_lock);
+    if (index < 0) {
+        heap_destroy(&heap);
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_RuntimeError, "the table of capture regions is full (%d)", MAX_REGIONS);
+        return NULL;
+    }
+    return PyLong_FromLong(index);
+}
+
+static PyObject *remove_region(PyObject *self, PyObject *arg) {
+    Py_ssize_t index = PyLong_AsSsize_t(arg);
+    if (index == -1 && PyErr_Occurred())
+        return NULL;
+    pthread_mutex_lock(&region_lock);
+    Region *r = index >= 0 && index < MAX_REGIONS && regions[index].base != NULL ? &regions[index] : NULL;
+    if (r == NULL || r->heap.nused != 0) {
+        pthread_mutex_unlock(&region_lock);
+        if (r == NULL) {
+            PyErr_Format(PyExc_ValueError, "no capture region %zd", index);
+            return NULL;
+        }
+        Py_RETURN_FALSE;
+    }
+    Py_buffer view = r->view;
+    heap_destroy(&r->heap);
+    r->base = NULL;
+    r->size = 0;
+    if (target == index) {
+        __atomic_store_n(&capturing, 0, __ATOMIC_RELAXED);
+        target = -1;
+    }
+    recompute_span();
+    pthread_mutex_unlock(&region_lock);
+    PyBuffer_Release(&view);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *install(PyObject *self, PyObject *arg) {
+    Py_ssize_t min_size = PyLong_AsSsize_t(arg);
+    if (min_size == -1 && PyErr_Occurred())
+        return NULL;
+#ifndef R_JUMP_SLOT
+    PyErr_SetString(PyExc_OSError, "output capture is not supported on this architecture");
+    return NULL;
+#else
+    if (installed) {
+        PyErr_SetString(PyExc_RuntimeError, "output capture is already installed in this process");
+        return NULL;
+    }
+    if (min_size < GRANULE) {
+        PyErr_SetString(PyExc_ValueError, "the threshold must be at least 64 bytes");
+        return NULL;
+    }
     threshold = (size_t)min_size;
-    region_size = region.size;
-    region_base = view.buf;     /* before the hooks: free() must know the region */
     PatchResult res = {0, 0, 0, 0};
     dl_iterate_phdr(patch_libc10, &res);
     if (!res.found || res.error || res.memalign_slots == 0 || res.free_slots == 0) {
-        /* Slots already rewritten stay so, harmlessly: with capturing off and
-         * no region, the hooks pass every call straight on. */
-        region_base = NULL;
-        region_size = 0;
-        heap_destroy(&region);
-        PyBuffer_Release(&view);
+        /* Slots already rewritten stay so, harmlessly: with capturing off,
+         * the hooks pass every call straight on. */
         if (res.error) {
             errno = res.error;
             return PyErr_SetFromErrno(PyExc_OSError);
@@ -274,33 +397,88 @@ static PyObject *install(PyObject *self, PyObject *args) {
                                                  : "libc10.so is not loaded (import torch first)");
         return NULL;
     }
-    region_view = view;         /* never released: the mapping outlives every tensor in it */
+    installed = 1;
     pthread_atfork(lock_for_fork, unlock_after_fork, stop_capturing_in_child);
     return PyLong_FromLong(res.memalign_slots + res.free_slots);
 #endif
 }
 
 static PyObject *capture(PyObject *self, PyObject *arg) {
-    int on = PyObject_IsTrue(arg);
-    if (on < 0)
+    Py_ssize_t index = PyLong_AsSsize_t(arg);
+    if (index == -1 && PyErr_Occurred())
         return NULL;
-    if (on && (region_view.buf == NULL || forked)) {
-        PyErr_SetString(PyExc_RuntimeError, forked ? "output capture belongs to the process that installed it"
-                                                   : "output capture is not installed");
-        return NULL;
+    if (index >= 0) {
+        if (!installed || forked) {
+            PyErr_SetString(PyExc_RuntimeError, forked ? "output capture belongs to the process that installed it"
+                                                       : "output capture is not installed");
+            return NULL;
+        }
+        pthread_mutex_lock(&region_lock);
+        int live = index < MAX_REGIONS && regions[index].base != NULL;
+        if (live)
+            target = (int)index;
+        pthread_mutex_unlock(&region_lock);
+        if (!live) {
+            PyErr_Format(PyExc_ValueError, "no capture region %zd", index);
+            return NULL;
+        }
     }
-    __atomic_store_n(&capturing, on, __ATOMIC_RELAXED);
+    __atomic_store_n(&capturing, index >= 0, __ATOMIC_RELAXED);
     Py_RETURN_NONE;
 }
 
-static PyObject *base(PyObject *self, PyObject *unused) {
-    return PyLong_FromVoidPtr(region_view.buf);
+static PyObject *alloc(PyObject *self, PyObject *args) {
+    Py_ssize_t index, n;
+    if (!PyArg_ParseTuple(args, "nn", &index, &n))
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+        return NULL;
+    }
+    pthread_mutex_lock(&region_lock);
+    Region *r = index >= 0 && index < MAX_REGIONS && regions[index].base != NULL ? &regions[index] : NULL;
+    size_t offset = r != NULL ? heap_alloc(&r->heap, (size_t)n, GRANULE) : NONE;
+    pthread_mutex_unlock(&region_lock);
+    if (r == NULL) {
+        PyErr_Format(PyExc_ValueError, "no capture region %zd", index);
+        return NULL;
+    }
+    if (offset == NONE)
+        Py_RETURN_NONE;
+    return PyLong_FromSize_t(offset);
 }
 
-static PyObject *stats(PyObject *self, PyObject *unused) {
+static PyObject *release(PyObject *self, PyObject *args) {
+    Py_ssize_t index, offset;
+    if (!PyArg_ParseTuple(args, "nn", &index, &offset))
+        return NULL;
     pthread_mutex_lock(&region_lock);
-    size_t used = region.used_bytes, blocks = region.nused;
+    Region *r = index >= 0 && index < MAX_REGIONS && regions[index].base != NULL ? &regions[index] : NULL;
+    int done = r != NULL && offset >= 0 && heap_free(&r->heap, (size_t)offset) == 0;
     pthread_mutex_unlock(&region_lock);
+    return PyBool_FromLong(done);
+}
+
+static PyObject *base(PyObject *self, PyObject *arg) {
+    Py_ssize_t index = PyLong_AsSsize_t(arg);
+    if (index == -1 && PyErr_Occurred())
+        return NULL;
+    Region *r = region_at(index);
+    return r == NULL ? NULL : PyLong_FromVoidPtr(r->base);
+}
+
+static PyObject *stats(PyObject *self, PyObject *arg) {
+    Py_ssize_t index = PyLong_AsSsize_t(arg);
+    if (index == -1 && PyErr_Occurred())
+        return NULL;
+    pthread_mutex_lock(&region_lock);
+    Region *r = index >= 0 && index < MAX_REGIONS && regions[index].base != NULL ? &regions[index] : NULL;
+    size_t used = r ? r->heap.used_bytes : 0, blocks = r ? r->heap.nused : 0;
+    pthread_mutex_unlock(&region_lock);
+    if (r == NULL) {
+        PyErr_Format(PyExc_ValueError, "no capture region %zd", index);
+        return NULL;
+    }
     return Py_BuildValue("nnk", (Py_ssize_t)used, (Py_ssize_t)blocks,
                          __atomic_load_n(&misses, __ATOMIC_RELAXED));
 }
@@ -396,12 +574,18 @@ static PyTypeObject HeapType = {
 };
 
 static PyMethodDef methods[] = {
-    {"install", install, METH_VARARGS,
-     "install(buffer, threshold) -> slots rewritten: serve libc10's allocations of at least "
-     "`threshold` bytes from `buffer` while capturing"},
-    {"capture", capture, METH_O, "capture(on): turn capturing on or off for the whole process"},
-    {"base", base, METH_NOARGS, "the region's address, 0 before install"},
-    {"stats", stats, METH_NOARGS, "(used_bytes, blocks, misses) of the region"},
+    {"add_region", add_region, METH_VARARGS,
+     "add_region(buffer, min_block) -> index: a writable, page-aligned mapping joins the regions"},
+    {"remove_region", remove_region, METH_O,
+     "remove_region(index) -> bool: it leaves the table when no block of it is in use"},
+    {"install", install, METH_O,
+     "install(threshold) -> slots rewritten: libc10's allocations of at least `threshold` bytes "
+     "are captured while capturing is on"},
+    {"capture", capture, METH_O, "capture(index): capture into region `index` (process-wide); -1: off"},
+    {"alloc", alloc, METH_VARARGS, "alloc(index, n) -> offset of a new block in the region, or None"},
+    {"release", release, METH_VARARGS, "release(index, offset) -> whether a block of the region started there"},
+    {"base", base, METH_O, "base(index): where the region is mapped"},
+    {"stats", stats, METH_O, "stats(index) -> (used_bytes, blocks, misses) of the region"},
     {NULL, NULL, 0, NULL},
 };
 

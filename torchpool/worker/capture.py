@@ -75,18 +75,75 @@ def _use_counts(value: torch.Tensor) -> tuple[int, int]:
     return value._use_count(), _storage_use_count(value.untyped_storage()._cdata)
 
 
-class OutputCapture:
-    """The worker's capture region and the output tensors lent from it."""
+class CaptureRegion:
+    """One region of the capture table (_outcapture.c): a sealed memfd that
+    torch's large allocations come from while it is the target, and that
+    Python allocates in for outputs it copies there. It keeps the tensors
+    lent from it (until the broker releases them) and the blocks written."""
 
-    def __init__(self, segment: Segment) -> None:
+    def __init__(self, segment: Segment, min_block: int = MIN_CAPTURED) -> None:
         self.segment = segment
         self.name = segment.name
-        self.base = _outcapture.base()
+        self.index = _outcapture.add_region(segment.buf, min_block)
+        self.base = _outcapture.base(self.index)
         self.size = segment.size
         self.held: dict[int, torch.Tensor] = {}   # offset -> tensor the broker still reads
+        self.written: set[int] = set()            # offsets of blocks Python wrote outputs into
         # what a tensor that nobody else holds looks like (measured, not assumed:
         # the counts include the references made to read them)
         self._alone = _use_counts(torch.empty(1))
+
+    def lend(self, value: torch.Tensor) -> Optional[tuple[str, int, int]]:
+        """(segment, offset, nbytes) of `value` in the region when it can be
+        answered in place (it is then held until `release`); None: copy it."""
+        nbytes = value.nbytes
+        offset = value.data_ptr() - self.base
+        if not (0 <= offset and offset + nbytes <= self.size) or nbytes == 0 or offset in self.held \
+                or not value.is_contiguous() or _use_counts(value) != self._alone:
+            return None
+        self.held[offset] = value
+        return self.name, offset, nbytes
+
+    def alloc(self, nbytes: int) -> Optional[int]:
+        """The offset of a new block for an output copied here (None: full)."""
+        offset = _outcapture.alloc(self.index, nbytes)
+        if offset is not None:
+            self.written.add(offset)
+        return offset
+
+    def release(self, offset: int) -> bool:
+        """The broker is done reading the output at `offset`: a lent tensor is
+        dropped (torch's free gives its block back), a written block freed.
+        False: nothing of ours started there."""
+        if self.held.pop(offset, None) is not None:
+            return True
+        if offset in self.written:
+            self.written.discard(offset)
+            return _outcapture.release(self.index, offset)
+        return False
+
+    def blocks(self) -> int:
+        """Blocks in use: lent, written, or still held by someone else (the model)."""
+        return _outcapture.stats(self.index)[1]
+
+    def close(self) -> bool:
+        """Leave the table and unmap, once no block is in use (False: not yet)."""
+        if self.held or self.written or not _outcapture.remove_region(self.index):
+            return False
+        self.segment.close()
+        return True
+
+
+class OutputCapture:
+    """The worker's own capture region and the hooks that fill it; the
+    regions of lending.py are captured into through it too."""
+
+    def __init__(self, region: CaptureRegion) -> None:
+        self.region = region
+        self.name = region.name
+        self.base = region.base
+        self.size = region.size
+        self.held = region.held
 
     @classmethod
     def create(cls, name: str, announce: Callable[[Segment], None],
@@ -102,46 +159,44 @@ class OutputCapture:
             return None
         segment = Segment.create(name, size, prefault=False)
         try:
-            _outcapture.install(segment.buf, MIN_CAPTURED)
+            region = CaptureRegion(segment)
+            try:
+                _outcapture.install(MIN_CAPTURED)
+            except (OSError, RuntimeError, ValueError):
+                region.close()
+                raise
         except (OSError, RuntimeError, ValueError) as exc:
             log.warning("output capture unavailable (%s); outputs are copied", exc)
             segment.close()
             return None
         announce(segment)          # the broker maps it before any answer names it
-        return cls(segment)
+        return cls(region)
 
-    def on(self) -> None:
-        """Large allocations come from the region (until `off`), on every thread."""
-        _outcapture.capture(True)
+    def on(self, region: Optional[CaptureRegion] = None) -> None:
+        """Large allocations come from `region` (this worker's own by
+        default) until `off`, on every thread."""
+        _outcapture.capture((region or self.region).index)
 
     def off(self) -> None:
-        _outcapture.capture(False)
+        _outcapture.capture(-1)
 
     def lend(self, value: torch.Tensor) -> Optional[tuple[str, int, int]]:
-        """(segment, offset, nbytes) of `value` in the region when it can be
-        answered in place (it is then held until `release`); None: copy it."""
-        nbytes = value.nbytes
-        offset = value.data_ptr() - self.base
-        if not (0 <= offset and offset + nbytes <= self.size) or nbytes == 0 or offset in self.held \
-                or not value.is_contiguous() or _use_counts(value) != self._alone:
-            return None
-        self.held[offset] = value
-        return self.name, offset, nbytes
+        return self.region.lend(value)
 
     def release(self, offset: int) -> None:
-        """The broker is done reading the output at `offset`."""
-        if self.held.pop(offset, None) is None:
+        """The broker is done reading the output at `offset` of the own region."""
+        if not self.region.release(offset):
             log.warning("the broker released a block of the capture region that is not lent "
                         "(offset %d); ignored", offset)
 
     def close(self) -> None:
         """The worker is done: its fd goes. The mapping stays until the
         process exits (the extension holds it: tensors may still be freed)."""
-        self.segment.close()
+        self.region.segment.close()
 
     def stats(self) -> tuple[int, int, int]:
-        """(bytes in use, blocks, large allocations that did not fit)."""
-        return _outcapture.stats()
+        """(bytes in use, blocks, large allocations that did not fit) of the own region."""
+        return _outcapture.stats(self.region.index)
 
 
 # Outputs that lie where they are sent already, without capture: views of an input.

@@ -41,16 +41,17 @@ from ..shm.fdpass import FdReceiver, close_all, send_with_fds
 from ..shm.segment import Segment
 from ..shm.reaper import Reaper
 from .binding import ExecutionError, ModelLoadError
-from .capture import OutputCapture, reuse_input
+from .capture import CaptureRegion, OutputCapture, reuse_input
 from .classify import Classified
 from .direct import DirectClients
+from .lending import LendingAreas
 from .loader import load_instance
 from .parent import tie_to_the_broker
 from .settings import after_execution, grad_context
 from .spec import WorkerSpec
 from .texts import client_text
-from ..protocol.internal import DIRECT_PREFIX
-from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_header
+from ..protocol.internal import DIRECT_PREFIX, LEND_PREFIX
+from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_header, worth_descriptor
 from ..shm.regions import RegionMaps
 
 log = logging.getLogger("torchpool.worker")
@@ -86,6 +87,9 @@ class Worker:
         self.label = f"model '{spec.model}' version {spec.version} instance '{spec.instance}'"
         self.capture: Optional[OutputCapture] = None   # outputs answered where the model made them
         self.capture_name: Optional[str] = None
+        # the only memory lent to local clients: one area per session (lending.py)
+        self.lending = LendingAreas(spec.segment_prefix, self.announce_area,
+                                    lambda name: self.send(internal.Forget([name])), self.label)
         self.on_cpu, self.clean_cache = True, False      # read on every request: looked up once
         self._arena_addresses: dict[str, int] = {}
         self.direct = DirectClients(self)
@@ -96,6 +100,10 @@ class Worker:
     def announce(self, seg: Segment) -> None:
         """A new output segment: the broker gets its fd before any DONE names it."""
         send_with_fds(self.sock, internal.encode(internal.Segments([[seg.name, seg.size]])), [seg.fd])
+
+    def announce_area(self, seg: Segment, lend_id: int) -> None:
+        """A new lending area: the broker learns whose it is with its fd."""
+        send_with_fds(self.sock, internal.encode(internal.Segments([[seg.name, seg.size, lend_id]])), [seg.fd])
 
     def serve(self) -> None:
         try:
@@ -123,6 +131,7 @@ class Worker:
         finally:
             if self.capture is not None:
                 self.capture.close()
+            self.lending.close()
             self.direct.close()
             self.outputs.close()
             self.inputs_shm.close()
@@ -219,6 +228,8 @@ class Worker:
             elif ref.startswith(DIRECT_PREFIX):
                 self.direct.forget(ref)
                 paths = True
+            elif ref.startswith(LEND_PREFIX):
+                self.lending.forget(int(ref[len(LEND_PREFIX):]))
             else:
                 self.inputs_shm.drop(lambda name, ref=ref: name == ref)
         if paths:     # what ran on them is answered: the broker may stop waiting for them
@@ -231,7 +242,7 @@ class Worker:
         for segment, offset, size in blocks:
             if segment == captured:
                 self.capture.release(offset)
-            else:
+            elif not self.lending.release(segment, offset):
                 self.outputs.free(Block(segment, offset, size))
 
     def run(self, msg: internal.Run) -> None:
@@ -252,10 +263,17 @@ class Worker:
             names = [r if r.__class__ is str else r.name for r in requested] if requested else None
             if requested and not all(r.__class__ is str for r in requested):
                 targets = {r.name: r for r in requested if r.__class__ is not str}
-            results = self.execute(inputs, names)
+            # one local session's batch: its outputs go into that session's area, the only
+            # memory lent to it (lending.py); anyone else's into this worker's own memory
+            lend_to = msg.lend_to
+            captured = self.lending.capture_region(lend_to) if lend_to else None
+            results = self.execute(inputs, names, region=captured)
             t2 = time.perf_counter_ns()
             if targets:   # rare: outputs into regions, outputs asked as classes
                 targets = self.classifier.apply(results, targets)
+            # (a session's outputs are answered in place only from its area: one made in
+            # this worker's own region is copied into the area, which that first copy makes)
+            lender = captured if lend_to else self.capture
             for name, value in results.items():
                 target = targets.get(name) if targets else None
                 if target is None and isinstance(value, torch.Tensor):
@@ -264,15 +282,21 @@ class Worker:
                     where = reuse_input(value, reusable) if reusable else None
                     if where is not None:
                         reused.append(name)
-                    elif self.capture is not None:
-                        where = self.capture.lend(value)
+                    elif lender is not None:
+                        where = lender.lend(value)
                     if where is not None:
                         out.append(internal.OutputDescriptor(name, _wire_name(value.dtype), list(value.shape),
                                                              *where))
                         continue
-                out.append(self.write_output(name, value, target))
+                out.append(self.write_output(name, value, target, lend_to))
             if regions or targets:
                 self.check_regions(msg)
+            if captured is not None:
+                results = value = None       # only what the model itself keeps is left in the area
+                if self.lending.kept_by_the_model(captured):
+                    out = self.copy_out_of(captured, out)
+            if self.lending.retiring:
+                self.lending.sweep()
         except Exception as exc:  # never let one batch take the worker down
             self.take_back(out, reused)
             self.send(self.failed(msg.batch_id, exc))
@@ -280,14 +304,15 @@ class Worker:
         t3 = time.perf_counter_ns()
         self.send(internal.Done(msg.batch_id, out, (t1 - t0, t2 - t1, t3 - t2), reused))
 
-    def execute(self, inputs: dict, names: Optional[list], capture: bool = True) -> dict:
-        """The model's outputs; large tensors it makes land in the capture
-        region (unless `capture` is False: answers that travel inline)."""
+    def execute(self, inputs: dict, names: Optional[list], capture: bool = True,
+                region: Optional[CaptureRegion] = None) -> dict:
+        """The model's outputs; large tensors it makes land in `region`, else
+        the capture region (unless `capture` is False: answers that travel inline)."""
         capture = self.capture if capture else None
         if capture is None:
             results = self.binding.run(self.module, inputs, names)
         else:
-            capture.on()
+            capture.on(region)
             try:
                 results = self.binding.run(self.module, inputs, names)
             finally:
@@ -295,6 +320,22 @@ class Worker:
         if self.clean_cache:
             after_execution(self.settings, self.device)
         return results
+
+    def copy_out_of(self, area: CaptureRegion, out: list) -> list:
+        """The batch's outputs in `area`, copied into this worker's arena (they
+        go back as bytes: the area is retired, kept_by_the_model) and their
+        blocks of the area given back."""
+        moved = []
+        for d in out:
+            if d.segment != area.name:
+                moved.append(d)
+                continue
+            block = self.outputs.alloc(d.nbytes)
+            copy_into(memoryview(self.outputs.segments[block.segment].buf)[block.offset:block.offset + d.nbytes],
+                      memoryview(area.segment.buf)[d.offset:d.offset + d.nbytes])
+            self.lending.release(d.segment, d.offset)
+            moved.append(d._replace(segment=block.segment, offset=block.offset))
+        return moved
 
     def take_back(self, out: list, reused: list) -> None:
         """A batch failed after some outputs were placed: nobody will read
@@ -391,10 +432,12 @@ class Worker:
             raise ExecutionError(f"{self._input_label(name)} holds an element that is not valid UTF-8 "
                                  f"({exc.reason}); TorchScript strings must be UTF-8", errors.INVALID_ARG) from None
 
-    def write_output(self, name: str, value: Any,
-                     target: Optional[internal.OutputTarget] = None) -> internal.OutputDescriptor:
+    def write_output(self, name: str, value: Any, target: Optional[internal.OutputTarget] = None,
+                     lend_to: int = 0) -> internal.OutputDescriptor:
         """Write one output once: into the caller's region when it named one,
-        else into this worker's arena. Returns its descriptor."""
+        else, when it is large enough to be lent, into the area of the session
+        the batch's outputs may be lent to (`lend_to`) while it has room, else
+        into this worker's arena. Returns its descriptor."""
         if isinstance(value, list):   # List[str], or class strings (classify.py)
             data: Any = datatypes.encode_bytes(value)
             shape = value.shape if value.__class__ is Classified else [len(value)]
@@ -411,14 +454,19 @@ class Worker:
             buf = self.regions.get(ref, offset + nbytes, f"output '{name}' for model '{self.spec.model}'")
             segment: Any = ref
         else:
-            block = self.outputs.alloc(nbytes)
-            segment, offset = block.segment, block.offset
+            area = self.lending.area(lend_to) if lend_to and worth_descriptor(nbytes) else None
+            offset = area.alloc(nbytes) if area is not None else None
+            if offset is not None:
+                segment, buf, address = area.name, area.segment.buf, area.base
+            else:
+                block = self.outputs.alloc(nbytes)
+                segment, offset = block.segment, block.offset
+                buf, address = self.outputs.segments[segment].buf, 0
             if nbytes and data is value and not streams(nbytes):
-                # the arena is this worker's own memory: one memcpy from the
-                # tensor, without numpy views or buffer objects on the way
-                ctypes.memmove(self._arena_address(segment) + offset, value.data_ptr(), nbytes)
+                # the arena and the areas are this worker's own memory: one memcpy from
+                # the tensor, without numpy views or buffer objects on the way
+                ctypes.memmove((address or self._arena_address(segment)) + offset, value.data_ptr(), nbytes)
                 return internal.OutputDescriptor(name, datatype, shape, segment, offset, nbytes)
-            buf = self.outputs.segments[segment].buf
         if nbytes:
             # one copy, streamed when large (torch's multi-threaded copy_ into a
             # shared mapping measured 6x slower here: 8 ms vs 1.3 ms for 16 MiB)

@@ -125,6 +125,9 @@ class Answers:
         self._sending: list[tuple[list[zmq.MessageTracker], WorkerHandle, list[_OutBlock]]] = []
         # the one map of output sub-ranges lent to local clients: (segment, offset) -> loan
         self._lent: dict[tuple[str, int], _Loan] = {}
+        # the workers' lending areas: segment -> the lending id of the one session
+        # whose outputs it holds, the only session it is lent to (worker/lending.py)
+        self.area_owner: dict[str, int] = {}
         self._generations = itertools.count(1)
         # zero-copy sends of outputs that are views of inputs in the broker's
         # arena: those input blocks are freed once the sends are done
@@ -139,18 +142,33 @@ class Answers:
         order = self._orders.get(h.mv)
         if order is not None:
             self._rescue_held(order, h)
-        self.worker_segments.drop(lambda name: name.startswith(h.spec.segment_prefix))
+        prefix = h.spec.segment_prefix
+        self.worker_segments.drop(lambda name: name.startswith(prefix))
+        for name in [n for n in self.area_owner if n.startswith(prefix)]:
+            del self.area_owner[name]
 
     def map_worker_segments(self, h: WorkerHandle, segments: list, fds: list[int]) -> None:
         """A worker's new output segments: mapped to read answers from, their
-        fds kept to lend outputs to local clients."""
+        fds kept (to lend a lending area's outputs to its session, and to
+        hand sequence state to the next worker)."""
         if len(segments) != len(fds) or not all(
-                isinstance(name, str) and name.startswith(h.spec.segment_prefix) for name, _ in segments):
+                isinstance(s, list) and len(s) in (2, 3) and isinstance(s[0], str)
+                and s[0].startswith(h.spec.segment_prefix) for s in segments):
             close_all(fds)
             log.error("%s handed over segments the broker cannot take: %r", h.label, segments)
             return
-        for (name, _size), fd in zip(segments, fds):
-            self.worker_segments.add(name, fd, writable=False, keep_fd=True)
+        for segment, fd in zip(segments, fds):
+            area = len(segment) == 3
+            self.worker_segments.add(segment[0], fd, writable=False, keep_fd=True)
+            if area:
+                self.area_owner[segment[0]] = segment[2]
+
+    def worker_areas_closed(self, h: WorkerHandle, names: list) -> None:
+        """A worker closed lending areas (their session went, their blocks are back)."""
+        for name in names:
+            if isinstance(name, str) and name.startswith(h.spec.segment_prefix) \
+                    and self.area_owner.pop(name, None) is not None:
+                self.worker_segments.drop(lambda n, name=name: n == name)
 
     def close(self) -> None:
         self.worker_segments.close()
@@ -376,6 +394,7 @@ class Answers:
         zero-copy frames of the worker's shared memory (`owner`: its block;
         None for bytes copied out of a worker that died)."""
         if lend_to is not None and owner is not None and tensors.worth_descriptor(nbytes) \
+                and self.area_owner.get(segment) == lend_to.lend_id \
                 and self.sessions.offer(lend_to, self.worker_segments.get(segment)):
             tensors.put_shm(entry, segment, offset, nbytes, self._lend(lend_to, owner, segment, offset))
             self.transfer["output_bytes_lent"] += nbytes
