@@ -92,6 +92,41 @@ def test_read_only_fd_can_neither_write_nor_resize(prefix) -> None:
         seg.close()
 
 
+def test_a_read_only_fd_reopened_through_proc_is_writable_unless_sealed(prefix) -> None:
+    """A memfd's inode has mode 0777: whoever holds a read-only fd reopens it
+    writable through /proc. Memory lent to clients is sealed with
+    F_SEAL_FUTURE_WRITE (only_we_write) after the owner mapped it: the
+    reopened fd is refused writable mappings and writes, and the owner's own
+    mapping still writes."""
+    plain = Segment.create(prefix + "plain", 4096)
+    lent = Segment.create(prefix + "lent", 4096, only_we_write=True)
+    fds = []
+    try:
+        for seg in (plain, lent):
+            fds.append(seg.readonly_fd())
+            fds.append(os.open(f"/proc/self/fd/{fds[-1]}", os.O_RDWR))      # allowed either way
+        os.pwrite(fds[1], b"x", 0)
+        assert plain.buf[0:1] == b"x"                      # unsealed: the read-only fd meant nothing
+        with pytest.raises(PermissionError):
+            mmap.mmap(fds[3], 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(PermissionError):
+            os.pwrite(fds[3], b"x", 0)
+        lent.buf[0:3] = b"abc"                             # the owner's mapping writes on
+        view = mmap.mmap(fds[3], 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        assert view[0:3] == b"abc"
+        view.close()
+        # mapped again by another process of the daemon (the broker): read-only, whatever it asks
+        again = Segment.from_fd("lent", os.dup(fds[2]), writable=True)
+        with pytest.raises(TypeError):
+            again.buf[0:1] = b"z"
+        again.close()
+    finally:
+        for fd in fds:
+            os.close(fd)
+        plain.close()
+        lent.close()
+
+
 def test_unsealed_memory_is_refused() -> None:
     fd = os.memfd_create("torchpool.unsealed", os.MFD_CLOEXEC)
     os.ftruncate(fd, 4096)
