@@ -84,3 +84,30 @@ def test_a_spin_never_outlasts_the_window_or_the_timeout(pair) -> None:
     took = time.monotonic() - start
     assert 0.030 <= took < 0.5, took             # spun ≤ 2 ms, then slept the 30 ms
     assert poll.sleeps == 2
+
+
+def test_a_paced_client_keeps_the_worker_asleep_but_not_the_client(pair) -> None:
+    """Requests every 70% of the window: an end with the whole window (the
+    client waiting for its answer) spins through them, a worker (half the
+    window: it waits for what may not come) sleeps."""
+    import threading
+
+    from torchpool.protocol.spin import WORKER_SPIN_SHARE
+
+    a, b = pair
+    window_us, gap_s, n = 20_000, 0.014, 25
+    for share, spins in ((1.0, True), (WORKER_SPIN_SHARE, False)):
+        poll, spin = CountingPoll(a), SpinWait(window_us, share=share)
+
+        def pace() -> None:
+            for _ in range(n):
+                time.sleep(gap_s)          # the client's pace (load, not synchronisation)
+                b.send(b"x")
+
+        sender = threading.Thread(target=pace)
+        sender.start()
+        for _ in range(n):
+            assert spin.wait(poll, 5000)
+            a.recv(16)
+        sender.join()
+        assert spin.spinning() is spins, (share, spin.typical_ns)

@@ -45,7 +45,7 @@ from ..config import ModelConfig
 from ..protocol import datatypes, errors, internal, lane, messages, tensors
 from ..protocol.errors import TorchpoolError
 from ..protocol.reports import ReportRing, open_ring
-from ..protocol.spin import SpinWait
+from ..protocol.spin import WORKER_SPIN_SHARE, SpinWait
 from ..protocol.validation import TensorLimits, validate_infer
 from ..shm.fdpass import DONTWAIT, close_all
 from .direct_batch import DirectBatcher, poll_timeout_ms
@@ -91,7 +91,9 @@ class DirectClients:
         self.poller.register(self.broker_fd, _POLLIN)
         self._buffer = bytearray(lane.MAX_DATAGRAM + 1)
         self.ring: Optional[ReportRing] = None     # where answered requests are reported
-        self.spin = SpinWait(worker.busy_poll_ns // 1000)     # the broker widens it with a path
+        # the broker widens the window with a path; the worker spins only while requests
+        # come well within it (spin.py: it waits for what may not come)
+        self.spin = SpinWait(worker.busy_poll_ns // 1000, share=WORKER_SPIN_SHARE)
         cfg = spec.config
         self.batcher = (DirectBatcher(worker, cfg, _output)
                         if cfg.max_batch_size > 0 and cfg.dynamic_batching is not None else None)
