@@ -569,16 +569,48 @@ def test_bf16_input_and_output(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("data_type, dtype", [
-    ("TYPE_BOOL", torch.bool), ("TYPE_UINT8", torch.uint8), ("TYPE_UINT16", torch.uint16),
-    ("TYPE_UINT32", torch.uint32), ("TYPE_UINT64", torch.uint64), ("TYPE_INT8", torch.int8),
+    ("TYPE_BOOL", torch.bool), ("TYPE_UINT8", torch.uint8), ("TYPE_INT8", torch.int8),
     ("TYPE_INT16", torch.int16), ("TYPE_INT64", torch.int64), ("TYPE_FP16", torch.float16),
     ("TYPE_FP64", torch.float64),
 ])
-def test_every_torch_datatype_round_trips(tmp_path: Path, data_type: str, dtype: torch.dtype) -> None:
+def test_every_bound_datatype_round_trips(tmp_path: Path, data_type: str, dtype: torch.dtype) -> None:
     model, binding = load(Identity(), config([spec("x", data_type)], [spec("y", data_type)]), tmp_path)
     x = torch.ones(4, dtype=dtype)
     y = run(model, binding, {"x": x})["y"]
     assert y.dtype == dtype and torch.equal(y, x)
+
+
+# Triton's qa/L0_libtorch_io_types: the PyTorch backend binds no UINT16/32/64
+# (torch has them, with few operators); the model fails to load with these texts.
+@pytest.mark.parametrize("inputs, outputs, message", [
+    ([spec("INPUT0", "TYPE_UINT32")], [spec("OUTPUT__0", "TYPE_UINT32")],
+     "unsupported datatype TYPE_UINT32 for input 'INPUT0' for model 'm'"),
+    ([spec("INPUT0", "TYPE_INT32")], [spec("OUTPUT__0", "TYPE_UINT64")],
+     "unsupported datatype TYPE_UINT64 for output 'OUTPUT__0' for model 'm'"),
+    ([spec("INPUT0", "TYPE_UINT16")], [spec("OUTPUT__0")],
+     "unsupported datatype TYPE_UINT16 for input 'INPUT0' for model 'm'"),
+])
+def test_unsigned_datatypes_beyond_uint8_fail_the_load(tmp_path: Path, inputs: list, outputs: list,
+                                                        message: str) -> None:
+    assert load_error(Identity(), config(inputs, outputs), tmp_path).message == message
+
+
+@pytest.mark.parametrize("data_type", ["TYPE_UINT32", "TYPE_UINT64", "TYPE_STRING"])
+def test_a_correlation_id_control_of_a_type_pytorch_cannot_take_fails_the_load(
+        tmp_path: Path, data_type: str) -> None:
+    class WithCorrid(torch.nn.Module):
+        def forward(self, x: torch.Tensor, corrid: torch.Tensor) -> torch.Tensor:
+            return x + corrid
+
+    sequence = {"control_input": [{"name": "CORRID__1", "control": [
+        {"kind": "CONTROL_SEQUENCE_CORRID", "data_type": data_type}]}]}
+    cfg = config([spec("INPUT__0", "TYPE_INT32", (1,))], [spec("OUTPUT__0", "TYPE_INT32", (1,))],
+                 sequence_batching=sequence)
+    assert load_error(WithCorrid(), cfg, tmp_path).message == \
+        f"input 'CORRID__1' type '{data_type}' is not supported by PyTorch."
+    sequence["control_input"][0]["control"][0]["data_type"] = "TYPE_INT64"
+    _model, binding = load(WithCorrid(), cfg, tmp_path)          # a signed id is taken
+    assert binding.input_index["CORRID__1"] == 1
 
 
 def test_inputs_are_passed_without_copies(tmp_path: Path) -> None:

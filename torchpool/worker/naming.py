@@ -207,9 +207,16 @@ def _check_positions(model_name: str, index: dict[str, int], arity: int) -> None
 
 # --- datatypes and shapes --------------------------------------------------------
 
+# Config datatypes torch has but Triton's PyTorch backend cannot bind
+# (ModelConfigDataTypeToTorchType): a model using one fails to load, as in
+# Triton. BF16 is torchpool's addition (SEMANTICS.md: users asked for it).
+NOT_BOUND_BY_TRITON = frozenset({"TYPE_UINT16", "TYPE_UINT32", "TYPE_UINT64"})
+
+
 def wire_datatype(model_name: str, data_type: str, what: str, name: str) -> str:
-    """The wire name of a config datatype that torch can carry, else a load error."""
-    wire = CONFIG_TO_WIRE.get(data_type)
+    """The wire name of a config datatype that the model may take or return,
+    else a load error (Triton's text)."""
+    wire = None if data_type in NOT_BOUND_BY_TRITON else CONFIG_TO_WIRE.get(data_type)
     if wire is not None and wire != "BYTES":
         try:
             datatypes.torch_dtype(wire)
@@ -253,7 +260,24 @@ def model_dims(spec: TensorSpec) -> tuple[int, ...]:
     return spec.reshape if spec.reshape is not None else spec.dims
 
 
+def check_control_types(config: ModelConfig) -> None:
+    """A typed sequence control (CONTROL_SEQUENCE_CORRID) must have a datatype
+    the model can take: ValidateTypedSequenceControl's check and text."""
+    batching = config.sequence_batching or {}
+    for entry in batching.get("control_input", ()):
+        for control in entry.get("control") or ():
+            if control.get("kind") != "CONTROL_SEQUENCE_CORRID":
+                continue
+            data_type = str(control.get("data_type", "TYPE_INVALID"))      # the proto default
+            if data_type in NOT_BOUND_BY_TRITON or CONFIG_TO_WIRE.get(data_type) in (None, "BYTES"):
+                raise ModelLoadError(
+                    f"input '{entry.get('name')}' type '{data_type}' is not supported by PyTorch.",
+                    INTERNAL,
+                )
+
+
 def check_input_tensors(config: ModelConfig) -> None:
+    check_control_types(config)
     for spec in config.inputs:
         wire_datatype(config.name, spec.data_type, "input", spec.name)
         _check_string_rank(config, spec.name, spec.data_type, model_dims(spec), "input")
