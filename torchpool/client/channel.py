@@ -181,9 +181,12 @@ class SharedSocket:
                 # earlier time errs towards draining once more)
                 self._polled = now
                 for item, _ in ready:
-                    if item is sock:
+                    # `==`, not `is`: a lane's and a direct path's socket, and the
+                    # wake-up, are int fds, and only ints up to 256 are one object
+                    # (past fd 256 every answer went unread: issue 26's hang)
+                    if item == sock:
                         self._read_one(me)
-                    elif item is wake:
+                    elif item == wake:
                         try:
                             os.eventfd_read(wake)
                         except BlockingIOError:
