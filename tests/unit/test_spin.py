@@ -49,10 +49,19 @@ def test_what_is_there_is_found_without_sleeping(pair) -> None:
     a, b = pair
     poll, spin = CountingPoll(a), SpinWait(300)
     b.send(b"x")
+    assert not spin.spinning(), "a new end spins only once its waits have shown to be short"
+    assert spin.wait(poll, 1000) == [(a.fileno(), select.POLLIN)]
+    assert (poll.spins, poll.sleeps) == (0, 1)
     for _ in range(5):
         assert spin.wait(poll, 1000) == [(a.fileno(), select.POLLIN)]
-    assert poll.sleeps == 0 and poll.spins == 5
+    assert poll.sleeps == 1 and poll.spins == 5
     assert spin.spinning()
+
+
+def test_a_wider_window_waits_for_short_waits_again() -> None:
+    spin = SpinWait(0)
+    spin.widen(500)
+    assert spin.window_ns == 500_000 and not spin.spinning()
 
 
 def test_long_waits_stop_the_spinning_and_short_ones_bring_it_back(pair) -> None:

@@ -56,7 +56,15 @@ class SpinWait:
     def __init__(self, window_us: int = 0, share: float = 1.0) -> None:
         self.window_ns = max(0, int(window_us)) * 1000
         self.share = share           # spin while recent waits average under share × window
-        self.typical_ns = 0          # recent waits, averaged
+        # recent waits, averaged; a new end starts as if they were long: it spins
+        # once they have shown to be short (a crowd of new clients does not spin at once)
+        self.typical_ns = self.window_ns
+
+    def widen(self, window_us: int) -> None:
+        """A longer window (a worker's first direct path): as for a new end,
+        the waits must show to be short before it spins."""
+        self.window_ns = max(0, int(window_us)) * 1000
+        self.typical_ns = max(self.typical_ns, self.window_ns)
 
     def spinning(self) -> bool:
         return self.typical_ns < self.window_ns * self.share

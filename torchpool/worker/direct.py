@@ -114,7 +114,7 @@ class DirectClients:
         sock.setblocking(False)
         self.limits = TensorLimits(msg.max_bytes_elements, msg.max_bytes_tensor_bytes)
         if msg.spin_us * 1000 > self.spin.window_ns:
-            self.spin.window_ns = msg.spin_us * 1000
+            self.spin.widen(msg.spin_us)
         self.clients[sock.fileno()] = _Client(msg.name, msg.session, sock)
         self.poller.register(sock.fileno(), _POLLIN)
 
