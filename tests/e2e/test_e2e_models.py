@@ -248,6 +248,15 @@ def test_reshape_with_batch(client: Client) -> None:
         assert_exact(result["OUTPUT__0"], np.array([[n, 3, 4]] * n, np.int64))
 
 
+def test_reshape_with_a_variable_dimension(client: Client) -> None:
+    """dims [-1, 6], reshape [-1, 2, 3]: the reshape's -1 is the request's
+    (it failed every request with 'negative dimensions are not allowed')."""
+    for n, k in ((1, 1), (2, 4), (3, 0)):
+        x = np.zeros((n, k, 6), np.float32)
+        result = client.infer("reshape_variable", {"INPUT__0": x})
+        assert_exact(result["OUTPUT__0"], np.array([[n, k, 2, 3]] * n, np.int64))
+
+
 def test_batch_probe_single_request(client: Client) -> None:
     x = np.array([[1.0], [2.0], [3.0]], np.float32)
     result = client.infer("batch_probe", {"INPUT__0": x})

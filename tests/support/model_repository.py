@@ -138,6 +138,10 @@ Shapes, batching and reshape
   reshape_batched  mbs 4. INPUT__0 FP32 dims [2, 6] reshape { shape: [3, 4] }.
                    OUTPUT__0 INT64 dims [3]: every row = the shape the model
                    saw = [n, 3, 4] for a request of n items.
+  reshape_variable mbs 4. INPUT__0 FP32 dims [-1, 6] reshape { shape: [-1, 2, 3] }
+                   (Triton resolves the reshape's -1 from the request).
+                   OUTPUT__0 INT64 dims [4]: every row = the shape the model
+                   saw = [n, k, 2, 3] for a request of shape [n, k, 6].
   batch_probe      mbs 8, dynamic_batching { max_queue_delay_microseconds:
                    100000 }. INPUT__0 FP32 [1] -> OUTPUT__0 INT64 [1] = the
                    batch size of the execution this row was part of (same for
@@ -684,6 +688,13 @@ def build_test_repository(root: Path) -> None:
                                  comment="every row: the shape forward saw")],
                  max_batch_size=4),
           serialize(ShapePerRow()))
+    write("reshape_variable",
+          config("reshape_variable",
+                 inputs=[tensor("INPUT__0", "FP32", [-1, 6], reshape=[-1, 2, 3])],
+                 outputs=[tensor("OUTPUT__0", "INT64", [4],
+                                 comment="every row: the shape forward saw")],
+                 max_batch_size=4),
+          serialize(ShapePerRow()))
     write("batch_probe",
           config("batch_probe", inputs=[tensor("INPUT__0", "FP32", [1])],
                  outputs=[tensor("OUTPUT__0", "INT64", [1], comment="executed batch size"),
@@ -888,7 +899,7 @@ EXPECTED_READY: dict[str, tuple[int, ...]] = {
         "naming_forward_argument", "naming_named_index", "naming_strict",
         "naming_bad_suffix", "dict_input", "all_dtypes", "string_io",
         "string_batched", "identity_fp32", "identity_batched", "input_views", "reshape_model",
-        "reshape_batched", "batch_probe", "params", "params_default",
+        "reshape_batched", "reshape_variable", "batch_probe", "params", "params_default",
         "raise_on_negative", "bad_output_index", "bad_output_dtype",
         "bad_scalar_output", "bad_list_tensor_output", "slow", "slow_x2",
         "sequence_accumulate", "ragged_sum"]},

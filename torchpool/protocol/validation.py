@@ -84,7 +84,14 @@ def _model_shape(spec: TensorSpec, shape: list[int], batching: bool) -> list[int
     if spec.reshape is None:
         return shape
     prefix = shape[:1] if batching else []
-    return prefix + list(spec.reshape)
+    target = list(spec.reshape)
+    if -1 in target:
+        # Triton's: the config check made the runs between variable (-1)
+        # dimensions hold as many elements in `dims` as in `reshape`, so
+        # the reshape's -1s take the request's variable sizes, in order
+        sizes = iter([n for n, d in zip(shape[len(prefix):], spec.dims) if d == -1])
+        target = [next(sizes, 0) if d == -1 else d for d in target]
+    return prefix + target
 
 
 def _payload(e: dict, frames: Sequence[Any], session: Any, sessions: Any, name: str, model: str,
