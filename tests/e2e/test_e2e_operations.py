@@ -259,8 +259,12 @@ def test_a_hung_worker_is_replaced_after_the_execution_timeout(small_repository:
 def test_explicit_load_and_unload(small_repository: Path, tmp_path: Path) -> None:
     d = Daemon(small_repository, tmp_path, "--model-control-mode", "explicit", "--load-model", "addsub").start()
     try:
+        # as Triton lists it: every model of the repository, the loaded ones with their state
         index = raw_call(d.url, "repository_index")["result"]
-        assert [m["name"] for m in index] == ["addsub"]
+        on_disk = sorted(p.name for p in small_repository.iterdir() if p.is_dir())
+        assert [m["name"] for m in index] == on_disk
+        assert {m["name"]: m.get("state") for m in index}["addsub"] == "READY"
+        assert all(set(m) == {"name"} for m in index if m["name"] != "addsub")
         with Client(d.url, local=False) as c:
             c.load("mlp")                                 # returns once it serves
             assert c.model_ready("mlp")
@@ -269,6 +273,10 @@ def test_explicit_load_and_unload(small_repository: Path, tmp_path: Path) -> Non
             with pytest.raises(InferenceError) as exc:
                 c.load("no_such_model")
             assert exc.value.code == "UNAVAILABLE"
+            # a name that is no model of the repository leaves nothing behind
+            rows = {m["name"]: m for m in c.repository_index()}
+            assert "no_such_model" not in rows and [m["name"] for m in c.repository_index()] == on_disk
+            assert rows["mlp"]["state"] == "UNAVAILABLE" and rows["mlp"]["reason"] == "unloaded"
             assert c.statistics("addsub")["model_stats"][0]["name"] == "addsub"
         assert raw_call(d.url, "load", model="mlp")["result"] is True
         assert raw_call(d.url, "model_ready", model="mlp")["result"] is True

@@ -230,7 +230,7 @@ class Intake:
             return reg.config(name, version)
         if op == messages.OP_REPOSITORY_INDEX:
             return [{**row, "reason": messages.hide_paths(row["reason"], str(self.control.root))}
-                    for row in reg.repository_index()]
+                    if "reason" in row else row for row in self.control.repository_index()]
         if op == messages.OP_STATISTICS:
             self.catch_up()
             return reg.statistics(name, version)

@@ -17,7 +17,8 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..config import load_model_entry
+from ..config import ConfigError, load_model_entry
+from ..config.repository import model_names
 from ..protocol import errors, internal
 from ..protocol.errors import TorchpoolError
 from .registry import READY, UNLOADING, Generation, Model, ModelVersion, Registry, new_versions
@@ -67,7 +68,9 @@ class ModelControl:
         entry = load_model_entry(self.root, name, config)
         model = self.registry.models.get(name)
         if entry.error is not None:
-            if model is None or not model.versions:
+            # a model of the repository that fails stays listed, with why; a name
+            # that is no model directory leaves nothing behind (Triton's index)
+            if (model is None or not model.versions) and entry.path.is_dir():
                 self.registry.models[name] = Model(name, entry, fingerprint=fingerprint(entry.path))
             raise TorchpoolError(errors.INVALID_ARG if config is not None else errors.UNAVAILABLE,
                                  f"failed to load '{name}': {entry.error}")
@@ -85,6 +88,21 @@ class ModelControl:
         log.info("loading model '%s' versions %s", name, sorted(gen.versions))
         for mv in gen.versions.values():
             self.start_version(mv)
+
+    def repository_index(self) -> list[dict]:
+        """The registry's models and versions, and in explicit mode, as
+        Triton lists them, every other model directory of the repository
+        (by name only: never loaded)."""
+        index = self.registry.repository_index()
+        if self.mode == EXPLICIT:
+            listed = {row["name"] for row in index}
+            try:
+                names = model_names(self.root)
+            except ConfigError:        # the repository went away: what is loaded is what there is
+                names = []
+            index += [{"name": name} for name in names if name not in listed]
+            index.sort(key=lambda row: row["name"])
+        return index
 
     def unload(self, name: Any, waiter: Waiter) -> None:
         model = self.registry.models.get(name) if isinstance(name, str) else None

@@ -60,14 +60,20 @@ def scan_repository(root: Path | str) -> list[ModelEntry]:
     Hidden entries (".name") and plain files are skipped. Raises `ConfigError`
     only when `root` itself is not a directory.
     """
+    return [load_model_entry(root, name) for name in model_names(root)]
+
+
+def model_names(root: Path | str) -> list[str]:
+    """The names of the model directories under `root`, sorted (hidden
+    entries and plain files skipped). Raises `ConfigError` when `root` is
+    not a directory or cannot be listed."""
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"model repository path '{root}' is not a directory")
     try:
-        names = sorted(p.name for p in root.iterdir() if not p.name.startswith(".") and p.is_dir())
+        return sorted(p.name for p in root.iterdir() if not p.name.startswith(".") and p.is_dir())
     except OSError as err:
         raise ConfigError(f"model repository path '{root}' cannot be listed: {err.strerror or err}") from None
-    return [load_model_entry(root, name) for name in names]
 
 
 def load_model_entry(root: Path | str, name: str, override: Any = None) -> ModelEntry:
