@@ -437,12 +437,15 @@ def test_string_rank_counts_the_batch_dimension_and_reshape(tmp_path: Path) -> N
     one_d = spec("words", "TYPE_STRING", (-1,))
     upper = spec("UPPER", "TYPE_STRING", (-1,))
     error = load_error(Strings(), strings_config(one_d, upper, 8), tmp_path)
-    assert error.message == "Triton only supports 1 dimensional List of String as input for 'words' for model 'm'"
+    assert error.message == ("Triton only supports 1 dimensional List of String as input for 'words' for model "
+                             "'m' (with max_batch_size > 0 the batch is the list's one dimension: give 'words' "
+                             "dims: [ 1 ] and reshape: { shape: [ ] }, or set max_batch_size: 0)")
     assert error.code == "INTERNAL"
 
     reshaped = spec("words", "TYPE_STRING", (1,), reshape=())
     error = load_error(Strings(), strings_config(reshaped, upper, 8), tmp_path)
-    assert error.message == "Triton only supports 1 dimensional List of String as output for 'UPPER' for model 'm'"
+    assert error.message.startswith("Triton only supports 1 dimensional List of String as output for 'UPPER' "
+                                    "for model 'm' (")
 
     load(Strings(), strings_config(reshaped, spec("UPPER", "TYPE_STRING", (1,), reshape=()), 8), tmp_path)
     two_d = spec("words", "TYPE_STRING", (2, 2), reshape=(4,))

@@ -247,9 +247,13 @@ def _check_string_rank(
         return
     rank = len(tuple(dims)) + (1 if config.max_batch_size > 0 else 0)
     if rank > 1:
+        # Triton's words, then how to write it: one string per batch item is
+        # dims [ 1 ] with reshape { shape: [ ] }; or no batching at all
         raise ModelLoadError(
             f"Triton only supports 1 dimensional List of String as {what} for '{name}' "
-            f"for model '{config.name}'",
+            f"for model '{config.name}' (with max_batch_size > 0 the batch is the list's "
+            f"one dimension: give '{name}' dims: [ 1 ] and reshape: {{ shape: [ ] }}, or set "
+            f"max_batch_size: 0)",
             INTERNAL,
         )
 
