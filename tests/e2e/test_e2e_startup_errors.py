@@ -59,6 +59,14 @@ def test_the_model_repository_must_be_a_readable_directory(tmp_path: Path) -> No
     assert not (tmp_path / "t.sock").exists()
 
 
+@pytest.mark.parametrize("url", ["s3://bucket/models", "gs://bucket/models", "as://account/container/m"])
+def test_a_cloud_repository_is_refused_with_what_to_do(url: str, tmp_path: Path) -> None:
+    line = refused(errors.REPOSITORY, "--model-repository", url, "--listen", f"ipc://{tmp_path}/t.sock")
+    scheme = url.split("://")[0]
+    assert line.startswith(f"--model-repository {url}: cloud and remote repositories ({scheme}://) "
+                           f"are not supported; copy the repository to a local directory"), line
+
+
 def test_a_listen_address_without_its_scheme_shows_the_url_meant(tmp_path: Path) -> None:
     path = f"{tmp_path}/x.sock"
     assert refused(errors.USAGE, "--model-repository", str(tmp_path), "--listen", path) == \

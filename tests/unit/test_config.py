@@ -718,6 +718,23 @@ def test_specific_version_without_directory_is_a_warning(tmp_path: Path) -> None
                               f"present in {tmp_path / 'm'}; serving versions 1, 4",)
 
 
+def test_fields_torchpool_does_not_act_on_are_one_warning_per_model(tmp_path: Path) -> None:
+    """They load, as in Triton, and the log says what is not there."""
+    extra = ("response_cache { enable: true }\n"
+             "optimization { priority: PRIORITY_DEFAULT input_pinned_memory { enable: true } }\n"
+             "model_transaction_policy { decoupled: false }\n"
+             "instance_group [ { kind: KIND_CPU rate_limiter { resources [ { name: \"R\" count: 1 } ] } } ]")
+    write_model(tmp_path, "m", io_pbtxt(extra), ("1",))
+    entry = load_model_entry(tmp_path, "m")
+    assert entry.error is None and entry.versions == (1,)
+    assert entry.warnings == ("model 'm': torchpool accepts and ignores these configuration fields: "
+                              "response_cache (Triton's response cache); optimization (Triton's optimization "
+                              "policy (graph level, priority, CUDA graphs, pinned memory, accelerators, eager "
+                              "batching)); instance_group[0].rate_limiter (Triton's rate limiter)",)
+    write_model(tmp_path, "plain", io_pbtxt("optimization { priority: PRIORITY_DEFAULT }"), ("1",))
+    assert load_model_entry(tmp_path, "plain").warnings == ()    # defaults only: nothing to say
+
+
 def test_specific_versions_none_present_is_an_error(tmp_path: Path) -> None:
     write_model(tmp_path, "m", io_pbtxt("version_policy { specific { versions: [2, 3] } }"), ("1",))
     entry = load_model_entry(tmp_path, "m")

@@ -45,6 +45,14 @@ def check_repository(path: str) -> None:
     """The repository is a directory this process can list."""
     root = Path(path)
     flag = f"--model-repository {path}"
+    scheme = path.split("://", 1)[0].lower() if "://" in path else ""
+    if scheme:
+        # Triton reads s3://, gs:// and as:// itself; torchpool serves a local
+        # directory only (its workers load and re-check files on disk)
+        raise CliError(REPOSITORY, f"{flag}: cloud and remote repositories ({scheme}://) are not "
+                                   f"supported; copy the repository to a local directory (e.g. "
+                                   f"'aws s3 sync', 'gsutil rsync', 'azcopy sync') or mount it "
+                                   f"(s3fs, gcsfuse, blobfuse) and give that path")
     if not root.exists():
         raise CliError(REPOSITORY, f"{flag}: no such directory")
     if not root.is_dir():

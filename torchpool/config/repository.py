@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from ..protocol.names import is_path_component
 from .errors import ConfigError
+from .unacted import unacted_warning
 from .model_config import ModelConfig
 from .paths import check_config_file, check_named_files, check_version_paths
 from .pbtxt import parse_pbtxt
@@ -97,7 +98,8 @@ def load_model_entry(root: Path | str, name: str, override: Any = None) -> Model
         check_version_paths(path, config, versions)
     except ConfigError as err:
         return ModelEntry(name, path, config, (), str(err))
-    return ModelEntry(name, path, config, versions, warnings=warnings)
+    unacted = unacted_warning(name, config.raw)
+    return ModelEntry(name, path, config, versions, warnings=warnings + ((unacted,) if unacted else ()))
 
 
 def _is_plain_name(name: str) -> bool:
