@@ -14,6 +14,7 @@ import pytest
 from torchpool.broker.answers.split import split_outputs
 from torchpool.broker.batch import Batch, batch_input_values
 from torchpool.broker.requests import InferRequest, batch_layout
+from torchpool.broker.schedulers.base import SchedulerHold
 from torchpool.broker.schedulers.dynamic import DynamicBatcher
 from torchpool.config import ModelConfig
 from torchpool.config.pbtxt import parse_pbtxt
@@ -84,6 +85,85 @@ def test_shapes_are_not_mixed_and_max_batch_size_holds(arena: Arena) -> None:
         assert batch.items <= 4
         assert batch.inputs[0][2] == [batch.rows, batch.requests[0].shapes["INPUT__0"][1]]
     assert sizes == [[0, 1], [2, 3]]
+
+
+TRITON_QA = "dynamic_batching { preferred_batch_size: [ 2, 6 ] max_queue_delay_microseconds: 10000000 }"
+
+
+def take_all(b: DynamicBatcher, now: float) -> list:
+    """The batches that go now, as the request sizes in each."""
+    out = []
+    while (batch := b.take(INSTANCE, now)) is not None:
+        out.append([r.batch_size for r in batch.requests])
+        for block in batch.blocks:
+            b.arena.free(block)
+    return out
+
+
+def test_a_batch_past_its_queue_delay_takes_everything_up_to_max_batch_size(arena: Arena) -> None:
+    # L0_batcher test_multi_batch_delayed_use_max_batch: 3 + 4 queued, a 1 after the delay
+    cfg = make_config(TRITON_QA)
+    b = DynamicBatcher(cfg, arena)
+    b.push(request(cfg, rows=3), 0.0)
+    b.push(request(cfg, rows=4), 0.0)
+    assert take_all(b, 0.0) == [[3]]          # within the delay: 3 + 4 is beyond every preferred size
+    b.push(request(cfg, rows=3), 1.0)
+    b.push(request(cfg, rows=1), 11.5)
+    assert take_all(b, 11.5) == [[4, 3, 1]]   # the 4 waited 11 s: all of it, 8 = max_batch_size
+    # and a preferred size reached no longer caps a batch whose oldest request waited too long
+    for _ in range(3):
+        b.push(request(cfg), 20.0)
+    assert take_all(b, 20.0) == [[1, 1]]
+    assert take_all(b, 31.0) == [[1]]
+    for _ in range(3):
+        b.push(request(cfg), 40.0)
+    assert take_all(b, 50.0) == [[1, 1, 1]]
+
+
+def test_the_test_switch_holds_the_batcher_until_so_many_requests_are_queued(arena: Arena) -> None:
+    # L0_batcher test_multi_batch_use_biggest_preferred (TRITONSERVER_DELAY_SCHEDULER=6):
+    # six singles sent together go as one batch of the biggest preferred size
+    cfg = make_config(TRITON_QA)
+    b = DynamicBatcher(cfg, arena, hold=SchedulerHold(6))
+    for i in range(5):
+        b.push(request(cfg), float(i))
+        assert take_all(b, float(i)) == [] and b.next_deadline() is None     # held, no timer
+    b.push(request(cfg), 5.0)
+    assert take_all(b, 5.0) == [[1] * 6]
+    b.push(request(cfg), 6.0)
+    b.push(request(cfg), 6.0)
+    assert take_all(b, 6.0) == [[1, 1]]       # released for good: as usual from then on
+
+
+def test_preferred_sizes_without_a_queue_delay_under_the_test_switch(arena: Arena) -> None:
+    # L0_batcher test_preferred_batch_only_*: preferred [4, 6], no max_queue_delay_microseconds
+    cfg = make_config("dynamic_batching { preferred_batch_size: [ 4, 6 ] }")
+    for count, batches in ((4, [[1] * 4]), (5, [[1] * 4, [1]]), (7, [[1] * 6, [1]]), (3, [[1] * 3])):
+        b = DynamicBatcher(cfg, arena, hold=SchedulerHold(count))
+        for _ in range(count):
+            b.push(request(cfg), 0.0)
+        assert take_all(b, 0.0) == batches, count
+
+
+def test_the_test_switches_are_read_as_triton_reads_them(arena: Arena) -> None:
+    read = SchedulerHold.from_environment
+    assert read({}) == SchedulerHold(0, 0)
+    assert read({"TRITONSERVER_DELAY_SCHEDULER": "12", "TRITONSERVER_BACKLOG_DELAY_SCHEDULER": "2"}) == \
+        SchedulerHold(12, 2)
+    assert read({"TRITONSERVER_DELAY_SCHEDULER": " 3x", "TRITONSERVER_BACKLOG_DELAY_SCHEDULER": "x"}) == \
+        SchedulerHold(3, 0)                   # atoi: the leading integer, else 0
+    hold = SchedulerHold(0, 5)
+    assert not hold.holding(queued=0, backlog=0)    # the backlog count only holds with a delay count
+    hold = SchedulerHold(2, 1)
+    assert hold.holding(queued=2, backlog=0) and hold.holding(queued=1, backlog=1)
+    assert not hold.holding(queued=2, backlog=1) and not hold.holding(queued=0, backlog=0)
+    # the dynamic batcher has no backlog: TRITONSERVER_BACKLOG_DELAY_SCHEDULER does not hold it
+    cfg = make_config(TRITON_QA)
+    b = DynamicBatcher(cfg, arena, hold=SchedulerHold(2, 1))
+    b.push(request(cfg), 0.0)
+    assert take_all(b, 0.0) == []
+    b.push(request(cfg), 0.0)
+    assert take_all(b, 0.0) == [[1, 1]]
 
 
 def test_priority_levels_and_queue_policies(arena: Arena) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
@@ -19,6 +19,8 @@ from torchpool.broker.answers.split import split_outputs
 from torchpool.broker.batch import Batch
 from torchpool.broker.requests import InferRequest, batch_layout
 from torchpool.broker.schedulers import make_scheduler
+from torchpool.broker.schedulers.base import SchedulerHold
+from torchpool.broker.stats import VersionStats
 from torchpool.broker.schedulers.sequence import SequenceBatcher
 from torchpool.config import ModelConfig, parse_pbtxt
 from torchpool.protocol import datatypes, errors
@@ -71,11 +73,12 @@ def arena(prefix):
 class Harness:
     """A scheduler, its requests, and a stand-in worker."""
 
-    def __init__(self, cfg: ModelConfig, arena: Arena, model_dir: Path = Path("/nonexistent")) -> None:
+    def __init__(self, cfg: ModelConfig, arena: Arena, model_dir: Path = Path("/nonexistent"),
+                 hold: Optional[SchedulerHold] = None) -> None:
         self.cfg = cfg
         self.arena = arena
         self.transfer: Counter = Counter()
-        self.s = make_scheduler(cfg, model_dir, arena, self.transfer)
+        self.s = make_scheduler(cfg, model_dir, arena, self.transfer, hold or SchedulerHold())
         self.now = 100.0
         self.s.clock = lambda: self.now
         self.ids = itertools.count()
@@ -411,6 +414,68 @@ def test_direct_waits_for_slot_utilization_at_most_the_queue_delay(arena) -> Non
     h.send(2, 2, start=True)                     # 2 of 4 slots ready: enough
     b = h.s.take("w0", h.now + 0.001)
     assert len(b.requests) == 2
+
+
+def corrids(batch: Batch) -> list:
+    return [r.sequence.corrid for r in batch.requests]
+
+
+def test_the_test_switch_holds_until_slots_and_backlog_hold_enough(arena) -> None:
+    # L0_sequence_batcher test_backlog_fill (TRITONSERVER_DELAY_SCHEDULER=10,
+    # TRITONSERVER_BACKLOG_DELAY_SCHEDULER=2): four sequences in the four slots, two
+    # more in the backlog fill the slots the short ones free: three batches of four
+    h = Harness(accumulator(mbs=4), arena, hold=SchedulerHold(10, 2))
+    assert h.s.take("w0", h.now) is None
+    sequences = {1: 3, 2: 2, 3: 2, 4: 3}
+    for corrid, length in sequences.items():
+        for i in range(length):
+            h.send(i + 1, corrid, start=i == 0, end=i == length - 1)
+            assert h.s.take("w0", h.now) is None          # fewer than 10 in the slots
+    h.send(7, 5, start=True, end=True)
+    assert h.s.take("w0", h.now) is None                  # 1 of 2 in the backlog
+    h.send(8, 6, start=True, end=True)
+    batches = []
+    while (b := h.s.take("w0", h.now)) is not None:
+        batches.append(corrids(b))
+        h.run(b, accumulate)
+    assert batches == [[1, 2, 3, 4], [1, 2, 3, 4], [1, 5, 6, 4]]
+    assert h.answers == {0: 1, 1: 3, 2: 6, 3: 1, 4: 3, 5: 1, 6: 3, 7: 1, 8: 3, 9: 6, 10: 7, 11: 8}
+
+
+def test_the_test_switch_counts_requests_in_the_slots_of_every_instance(arena) -> None:
+    # test_half_batch on models2 (two instances of two slots, TRITONSERVER_DELAY_SCHEDULER=8)
+    h = Harness(accumulator(mbs=2), arena, hold=SchedulerHold(8))
+    for w in ("w0", "w1"):
+        assert h.s.take(w, h.now) is None
+    for corrid in (987, 988):
+        for i in range(4):
+            h.send(i, corrid, start=i == 0, end=i == 3)
+            if corrid == 988 and i == 3:
+                break
+            assert h.s.take("w0", h.now) is None and h.s.take("w1", h.now) is None
+    b0, b1 = h.s.take("w0", h.now), h.s.take("w1", h.now)
+    assert (corrids(b0), corrids(b1)) == ([987], [988])   # one sequence on each instance
+
+
+def test_empty_slots_are_padding_in_the_batch_statistics(arena) -> None:
+    # L0_sequence_batcher test_queue_delay_*: the second batch is "null, sequence 2",
+    # a batch of size 2 in Triton's batch statistics, one inference
+    h = Harness(accumulator(mbs=4), arena)
+    h.send(1, 1001, start=True)
+    h.send(11, 1002, start=True)
+    first = h.s.take("w0", h.now)
+    assert corrids(first) == [1001, 1002] and first.padding == 0
+    h.run(first, accumulate)
+    h.send(12, 1002)
+    second = h.s.take("w0", h.now)
+    assert corrids(second) == [1002] and second.rows == 2 and second.padding == 1
+    stats = VersionStats()
+    for b in (first, second):
+        stats.record_execution(b.items, len(b.requests), 1, 1, 1, padding=b.padding)
+    reported = stats.to_triton("m", 1)
+    assert [s["batch_size"] for s in reported["batch_stats"]] == [2]
+    assert reported["batch_stats"][0]["compute_infer"]["count"] == 2
+    assert (reported["inference_count"], reported["execution_count"]) == (3, 2)
 
 
 # ------------------------------------------------------------------ oldest

@@ -38,6 +38,9 @@ class Batch:
     # belong to no request (a direct sequence batch's empty slots); None: the
     # requests' rows follow one another from row 0, in order.
     row_starts: Optional[list[int]] = None
+    # Those rows (one per empty slot): Triton's batch statistics count them in
+    # the batch size, its inference count does not.
+    padding: int = 0
 
     def starts(self) -> list[int]:
         """The first row of each request."""

@@ -56,6 +56,8 @@ def refusal(mv: ModelVersion, execution_timeout: float) -> Optional[str]:
             return "the daemon orders its queue (priority levels, queue timeouts or sizes)"
         if any(spec.allow_ragged_batch for spec in cfg.inputs):
             return "the daemon batches its ragged inputs"
+        if mv.scheduler.hold.queued:
+            return "the daemon holds its batcher (TRITONSERVER_DELAY_SCHEDULER, a switch for testing)"
     elif kind is not DirectScheduler:
         return "its requests are sequenced by the daemon"
     if cfg.batch_inputs or cfg.batch_outputs:

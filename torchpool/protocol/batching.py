@@ -1,16 +1,25 @@
 """Triton's batch-forming rules, with one owner: the broker's dynamic
-batcher (broker/schedulers/dynamic.py) and a worker batching its direct
-requests (worker/direct_batch.py) form their batches by them.
+batcher (broker/schedulers/dynamic.py), the sequence batcher's `oldest`
+strategy and a worker batching its direct requests (worker/direct_batch.py)
+form their batches by them. They are GetDynamicBatch's
+(core/src/dynamic_batch_scheduler.cc):
 
 Requests may share a batch when they have the same inputs with the same
-shapes beyond the batch dimension (ragged inputs excepted: any shape). A
-batch takes requests in order while it stays within the largest preferred
-size (or max_batch_size) and is sent when
-  - it reached the largest preferred size, or the next request cannot join
-    (too big, another shape, or it must run alone), or
-  - it reached a preferred size (the largest one reached is sent), or
-  - its oldest request has waited max_queue_delay_microseconds;
-otherwise it waits until that delay is over or more requests arrive.
+shapes beyond the batch dimension (ragged inputs excepted: any shape). The
+queue is scanned in order while the batch stays within max_batch_size and
+the requests can join (same shapes, none that must run alone). On the way
+it remembers the last preferred size it reached, or, where it grows beyond
+the largest preferred size before reaching any, what it held just before.
+Then
+  - while the oldest request has waited less than max_queue_delay_microseconds,
+    a remembered batch is sent at once; without one the whole batch is sent
+    when it cannot grow (a request could not join) or reached the largest
+    preferred size, and otherwise it waits until that delay is over or more
+    requests arrive;
+  - once the oldest request has waited max_queue_delay_microseconds, the
+    whole batch is sent, up to max_batch_size (so requests that piled up
+    while the scheduler was held go together);
+  - without a max_queue_delay_microseconds nothing waits.
 """
 from __future__ import annotations
 
@@ -18,18 +27,25 @@ from typing import Any, Iterable, NamedTuple, Optional
 
 
 class BatchLimits(NamedTuple):
+    max_batch: int              # max_batch_size (at least 1)
     max_preferred: int          # the largest preferred size (max_batch_size when none)
     preferred: frozenset        # the preferred sizes within max_batch_size
     delay: float                # max_queue_delay_microseconds, in seconds
 
 
+def limits(max_batch_size: int, preferred_sizes: Iterable[int], delay_us: float) -> BatchLimits:
+    """The limits of a batcher with these settings (sizes beyond max_batch_size ignored)."""
+    max_batch = max(1, max_batch_size)
+    preferred = [int(p) for p in preferred_sizes if 0 < int(p) <= max_batch]
+    return BatchLimits(max_batch, max(preferred) if preferred else max_batch, frozenset(preferred),
+                       delay_us / 1e6)
+
+
 def batch_limits(cfg: Any) -> BatchLimits:
     """The sizes and the delay of a model's `dynamic_batching`."""
     db = cfg.dynamic_batching or {}
-    max_batch = max(1, cfg.max_batch_size)
-    preferred = [p for p in db.get("preferred_batch_size", []) if 0 < p <= max_batch]
-    return BatchLimits(max(preferred) if preferred else max_batch, frozenset(preferred),
-                       db.get("max_queue_delay_microseconds", 0) / 1e6)
+    return limits(cfg.max_batch_size, db.get("preferred_batch_size", []),
+                  db.get("max_queue_delay_microseconds", 0))
 
 
 def batch_rows(staged: list, batching: bool) -> int:
@@ -44,34 +60,38 @@ def batch_key(staged: Iterable[tuple]) -> tuple:
                         for spec, shape, *_ in staged))
 
 
-def select_batch(ordered: Iterable[Any], max_preferred: int, preferred: frozenset, delay: float,
+def select_batch(ordered: Iterable[Any], lim: BatchLimits,
                  now: float) -> tuple[list, bool, Optional[float]]:
     """The requests of the next batch (in `ordered`, each with `batch_size`,
     `key`, `exclusive` and `enqueued`), whether it should go now, and else
-    when it should go at the latest (`enqueued`, `delay` and `now` in one clock's seconds)."""
+    when it should go at the latest (`enqueued`, the delay and `now` in one
+    clock's seconds)."""
     reqs: list = []
-    items, best, send_now, key, oldest = 0, 0, False, None, None
+    items, best, full, key, oldest = 0, 0, False, None, 0.0
     for req in ordered:
         n = req.batch_size
-        if reqs and (req.exclusive or req.key != key or items + n > max_preferred):
-            send_now = True          # the batch cannot grow any more
-            break
-        if not reqs:
-            key = req.key
+        if reqs:
+            if items + n > lim.max_preferred and not best:
+                best = len(reqs)         # beyond every preferred size: what it holds is the one
+            if req.exclusive or req.key != key or items + n > lim.max_batch:
+                full = True              # the batch cannot grow any more
+                break
+        else:
+            key, oldest = req.key, req.enqueued
         reqs.append(req)
         items += n
-        if oldest is None or req.enqueued < oldest:
-            oldest = req.enqueued
-        if req.exclusive or items >= max_preferred:
-            send_now = True
+        oldest = min(oldest, req.enqueued)
+        if req.exclusive:
+            full = True                  # it runs alone
             break
-        if items in preferred:
+        if items in lim.preferred:
             best = len(reqs)
     if not reqs:
         return reqs, False, None
-    if send_now:
-        return reqs, True, None
-    if best:
+    due = oldest + lim.delay
+    waited = lim.delay > 0 and now >= due
+    if best and not waited:
         return reqs[:best], True, None
-    wake = oldest + delay
-    return reqs, now >= wake, wake
+    if full or items >= lim.max_preferred or waited or lim.delay <= 0:
+        return reqs, True, None
+    return reqs, False, due

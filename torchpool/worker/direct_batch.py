@@ -56,7 +56,8 @@ class DirectBatcher:
         self.worker = worker
         self.cfg = cfg
         self.output = output             # (name, value, frames) -> the output's entry
-        self.max_preferred, self.preferred, self.delay = batch_limits(cfg)
+        self.limits = batch_limits(cfg)
+        self.max_preferred = self.limits.max_preferred
         self.waiting: list[Waiting] = []
         self.wake_at: Optional[float] = None      # the waiting batch is due then
 
@@ -76,8 +77,7 @@ class DirectBatcher:
         """Run every batch the rules send now (`force`: every waiting request)."""
         self.wake_at = None
         while self.waiting:
-            reqs, go, wake = select_batch(self.waiting, self.max_preferred, self.preferred, self.delay,
-                                          time.monotonic())
+            reqs, go, wake = select_batch(self.waiting, self.limits, time.monotonic())
             if not (go or force):
                 self.wake_at = wake
                 return

@@ -16,11 +16,18 @@ batcher) and `SequenceBatcher` (Triton's sequence batcher, `direct` and
     timers:   scheduler.next_deadline() / expire(now)    timeouts, idle sequences,
                                                   and requests it refuses later
     stop:     scheduler.drain()                  every request not yet started
+
+For testing, a batching scheduler honours Triton's test switches
+(`SchedulerHold`): TRITONSERVER_DELAY_SCHEDULER and
+TRITONSERVER_BACKLOG_DELAY_SCHEDULER in the daemon's environment.
 """
 from __future__ import annotations
 
+import os
+import re
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from ...protocol.errors import TorchpoolError
 
@@ -36,6 +43,44 @@ Refusals = list[tuple["InferRequest", TorchpoolError]]
 
 # what a request whose timeout passed before it started is answered (Triton's words)
 TIMEOUT = "Request timeout expired"
+
+DELAY_SCHEDULER = "TRITONSERVER_DELAY_SCHEDULER"
+BACKLOG_DELAY_SCHEDULER = "TRITONSERVER_BACKLOG_DELAY_SCHEDULER"
+
+
+def _atoi(text: Optional[str]) -> int:
+    """C's atoi, as Triton reads the switches: the leading integer, else 0."""
+    m = re.match(r"\s*([+-]?\d+)", text or "")
+    return int(m.group(1)) if m else 0
+
+
+@dataclass
+class SchedulerHold:
+    """Triton's switches for testing its schedulers, which its QA's test.sh sets
+    so that requests collect before the first batch whatever the timing of
+    their arrival: with TRITONSERVER_DELAY_SCHEDULER=N a batching scheduler
+    forms no batch until N requests are queued for its instances (the sequence
+    batcher: in its slots; TRITONSERVER_BACKLOG_DELAY_SCHEDULER=M adds "and M
+    requests wait in its backlog"); from then on it schedules as usual, for
+    good. For testing only, as in Triton: a held scheduler answers nothing."""
+    queued: int = 0
+    backlog: int = 0
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "SchedulerHold":
+        return cls(_atoi(environ.get(DELAY_SCHEDULER)), _atoi(environ.get(BACKLOG_DELAY_SCHEDULER)))
+
+    def holding(self, queued: int, backlog: Optional[int] = None) -> bool:
+        """Whether the scheduler still waits, with `queued` requests for its
+        instances and `backlog` in its backlog (a scheduler without one, the
+        dynamic batcher, passes None; the backlog counts only while
+        TRITONSERVER_DELAY_SCHEDULER holds, as in Triton)."""
+        if self.queued <= 0:
+            return False
+        if queued < self.queued or (backlog is not None and backlog < self.backlog):
+            return True
+        self.queued = 0
+        return False
 
 
 class Scheduler(ABC):

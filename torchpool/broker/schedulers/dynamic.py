@@ -5,10 +5,14 @@ A version whose config has `dynamic_batching { }` is scheduled by a
 
     scan the queues in priority order (level 1 first; within a level, the
     requests that timed out with DELAY come after the others) and form the
-    batch from them by the rules of protocol/batching.py (the same inputs
-    with the same shapes beyond the batch dimension, sent at the largest
-    preferred size, at a preferred size, or when the oldest request has
-    waited max_queue_delay_microseconds).
+    batch from them by the rules of protocol/batching.py (Triton's
+    GetDynamicBatch: the same inputs with the same shapes beyond the batch
+    dimension, sent at the largest preferred size reached, or when the batch
+    cannot grow; once the oldest request has waited
+    max_queue_delay_microseconds, everything that fits in max_batch_size).
+
+For testing, as in Triton, TRITONSERVER_DELAY_SCHEDULER=N in the daemon's
+environment holds the batcher until N requests are queued (base.py).
 
 Queue policies per priority level: `max_queue_size` (a request beyond it is
 rejected at once), `default_timeout_microseconds` (a request's own shorter
@@ -44,19 +48,21 @@ from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch, stage_batch_inputs
 from ..requests import InferRequest
-from .base import TIMEOUT, Refusals, Scheduler
+from .base import TIMEOUT, Refusals, Scheduler, SchedulerHold
 from .forming import FormingBatch
 
 
 class DynamicBatcher(Scheduler):
     """Priority queues, queue policies and batch forming for one model version."""
 
-    def __init__(self, cfg: ModelConfig, arena: Arena, transfer: Optional[Counter] = None) -> None:
+    def __init__(self, cfg: ModelConfig, arena: Arena, transfer: Optional[Counter] = None,
+                 hold: Optional[SchedulerHold] = None) -> None:
         db = cfg.dynamic_batching or {}
         self.cfg = self.config = cfg
         self.arena = arena
         self.transfer = transfer if transfer is not None else {}
-        self.max_preferred, self.preferred, self.delay = batch_limits(cfg)
+        self.limits = batch_limits(cfg)
+        self.hold = hold or SchedulerHold()
         self.levels = max(1, db.get("priority_levels", 0))
         self.default_level = max(1, db.get("default_priority_level", 0) or 1)
         default_policy = db.get("default_queue_policy") or {}
@@ -137,7 +143,7 @@ class DynamicBatcher(Scheduler):
         f = self.forming
         if (not self._changed and f is not None and f.requests and len(f.requests) == self.count - 1
                 and self.levels == 1 and not self.delayed[0] and req.key == f.key
-                and f.items + req.batch_size <= self.max_preferred):
+                and f.items + req.batch_size <= self.limits.max_preferred):
             # the common case: the forming batch holds the whole queue and the
             # newcomer fits behind it; write it now (no rescan)
             before = f.copied
@@ -196,7 +202,7 @@ class DynamicBatcher(Scheduler):
     def _select(self, now: float) -> tuple[list[InferRequest], bool, Optional[float]]:
         """The requests of the next batch, whether it should go now, and else
         when it should go at the latest."""
-        return select_batch(self._ordered(), self.max_preferred, self.preferred, self.delay, now)
+        return select_batch(self._ordered(), self.limits, now)
 
     def _sync(self, reqs: list[InferRequest]) -> None:
         """Make the forming batch hold exactly `reqs`, keeping what is right."""
@@ -208,7 +214,7 @@ class DynamicBatcher(Scheduler):
         if f is None or f.key != reqs[0].key:
             if f is not None:
                 f.free()
-            f = self.forming = FormingBatch(self.arena, reqs[0].key, self.max_preferred)
+            f = self.forming = FormingBatch(self.arena, reqs[0].key, self.limits.max_preferred)
         same = 0
         for a, b in zip(f.requests, reqs):
             if a is not b:
@@ -240,7 +246,9 @@ class DynamicBatcher(Scheduler):
 
     def take(self, instance: Any, now: float) -> Optional[Batch]:
         """The batch to run now; None while it waits for more requests (until
-        `next_deadline`)."""
+        `next_deadline`, or while the test switch holds it)."""
+        if self.hold.holding(queued=self.count):
+            return None
         reqs, ready, wake = self._select(now)
         if not ready:
             self.wake_at = wake

@@ -32,6 +32,10 @@ READY false (CORRID 0) and `Batch.row_starts` says where each request's row
 is (not with `batch_output`s, nor for a request that runs alone: there
 the rows are the requests', in slot order).
 
+For testing, as in Triton, TRITONSERVER_DELAY_SCHEDULER=N holds the batcher
+until N requests are queued in the slots (and, with
+TRITONSERVER_BACKLOG_DELAY_SCHEDULER=M, M in the backlog): base.py.
+
 A worker that dies takes its sequences with it: their waiting requests fail
 with an error naming the model, the sequence and the instance, their slots
 are gone, and a later request of such a sequence without START is told so.
@@ -48,11 +52,12 @@ from typing import Any, Callable, Optional
 
 from ...config import ModelConfig
 from ...protocol import errors
+from ...protocol.batching import limits, select_batch
 from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch
 from ..requests import InferRequest
-from .base import ReadOutput, Refusals, Scheduler
+from .base import ReadOutput, Refusals, Scheduler, SchedulerHold
 from .sequence_tensors import (SequenceFlags, check_corrid, layout_rows, parse_control, parse_flags,
                                parse_state, split_state, stage_rows)
 
@@ -80,6 +85,22 @@ class _Instance:
 
 
 @dataclass(eq=False)
+class _Front:
+    """A candidate sequence's front request, as the batching rules see it."""
+    seq: Sequence
+    key: tuple
+    batch_size: int = 1
+
+    @property
+    def exclusive(self) -> bool:
+        return self.seq.queue[0].exclusive
+
+    @property
+    def enqueued(self) -> float:
+        return self.seq.queue[0].enqueued
+
+
+@dataclass(eq=False)
 class SequenceBatchContext:
     """A sequence batch's own bookkeeping (Batch.context)."""
     members: list[tuple[Sequence, InferRequest]]          # in batch.requests order
@@ -92,7 +113,7 @@ class SequenceBatcher(Scheduler):
     """Triton's sequence batcher (`direct` and `oldest`) for one model version."""
 
     def __init__(self, config: ModelConfig, model_dir: Path, arena: Arena,
-                 transfer: Optional[Counter] = None) -> None:
+                 transfer: Optional[Counter] = None, hold: Optional[SchedulerHold] = None) -> None:
         sb = config.sequence_batching or {}
         self.config = config
         self.model = config.name
@@ -105,12 +126,10 @@ class SequenceBatcher(Scheduler):
         self.slot_count = self.max_batch
         if self.oldest and int(strategy.get("max_candidate_sequences", 0) or 0) > 0:
             self.slot_count = int(strategy["max_candidate_sequences"])
-        self.delay = int(strategy.get("max_queue_delay_microseconds", 0) or 0) / 1e6
+        self.limits = limits(self.max_batch, strategy.get("preferred_batch_size", ()) if self.oldest else (),
+                             int(strategy.get("max_queue_delay_microseconds", 0) or 0))
+        self.delay = self.limits.delay
         self.min_utilization = float(strategy.get("minimum_slot_utilization", 0) or 0)
-        preferred = [int(p) for p in strategy.get("preferred_batch_size", ()) or ()
-                     if 0 < int(p) <= self.max_batch] if self.oldest else []
-        self.preferred = frozenset(preferred)
-        self.max_preferred = max(preferred) if preferred else self.max_batch
         self.idle_s = int(sb.get("max_sequence_idle_microseconds") or 1_000_000) / 1e6
         self.controls = [parse_control(config.name, entry) for entry in sb.get("control_input", ())]
         self.states = [parse_state(config.name, s, model_dir, self.batching) for s in config.sequence_states()]
@@ -124,6 +143,7 @@ class SequenceBatcher(Scheduler):
         self._order = 0
         self._arrivals = itertools.count()
         self.clock: Callable[[], float] = time.monotonic   # `finished` is told no time
+        self.hold = hold or SchedulerHold()
 
     # --- admission --------------------------------------------------------------
 
@@ -227,12 +247,18 @@ class SequenceBatcher(Scheduler):
             return {s.spec.input_name: (s.shape, s.initial) for s in self.states}
         return seq.state
 
+    def _queued_in_slots(self) -> int:
+        return sum(len(seq.queue) for inst in self.instances.values() for seq in inst.slots if seq is not None)
+
     def _ready(self, inst: _Instance) -> list[Sequence]:
         return [s for s in inst.slots if s is not None and s.queue and s.running is None]
 
     def take(self, instance: Any, now: float) -> Optional[Batch]:
         inst = self._instance(instance)
         self._fill(inst)
+        if self.hold.holding(queued=self._queued_in_slots(),
+                             backlog=sum(len(seq.queue) for seq in self.backlog)):
+            return None
         ready = self._ready(inst)
         if not ready:
             return None
@@ -254,30 +280,14 @@ class SequenceBatcher(Scheduler):
         return [s for s in ready if not s.queue[0].exclusive and self._key(s, s.queue[0]) == key]
 
     def _select_oldest(self, ready: list[Sequence], now: float) -> list[Sequence]:
+        """The dynamic batcher's rules (protocol/batching.py) over the front
+        requests of the candidate sequences, oldest first, as Triton's oldest
+        strategy runs a dynamic batcher over its candidates."""
         ready = sorted(ready, key=lambda s: (s.queue[0].enqueued, s.queue[0].arrival))
-        chosen: list[Sequence] = []
-        items, best, send, key = 0, 0, False, None
-        for seq in ready:
-            req = seq.queue[0]
-            if chosen and (req.exclusive or self._key(seq, req) != key or items + 1 > self.max_preferred):
-                send = True
-                break
-            if not chosen:
-                key = self._key(seq, req)
-            chosen.append(seq)
-            items += 1
-            if req.exclusive or items >= self.max_preferred:
-                send = True
-                break
-            if items in self.preferred:
-                best = len(chosen)
-        if send or self.delay <= 0:
-            return chosen
-        if best:
-            return chosen[:best]
-        due = chosen[0].queue[0].enqueued + self.delay
-        if now >= due:
-            return chosen
+        fronts = [_Front(seq, self._key(seq, seq.queue[0])) for seq in ready]
+        chosen, go, due = select_batch(fronts, self.limits, now)
+        if go:
+            return [front.seq for front in chosen]
         self._wake(due)
         return []
 
@@ -307,7 +317,7 @@ class SequenceBatcher(Scheduler):
         rows_of, starts = layout_rows(requests, [seq.slot for seq in seqs], empty_slots)
         batch = Batch(requests, sum(r.batch_size for r in requests), sum(r.rows for r in rows_of), [],
                       self._outputs(requests), context=SequenceBatchContext(members, inst.handle),
-                      row_starts=starts)
+                      row_starts=starts, padding=len(rows_of) - len(requests))
         by_req = {id(req): seq for seq, req in members}
         try:
             batch.inputs, batch.blocks, copied, passed = stage_rows(
