@@ -309,7 +309,8 @@ class Instances:
                 outcome = TorchpoolError(errors.INTERNAL, f"{h.label} answered batch {msg.batch_id} "
                                                           f"while running batch {batch_id}")
             elif type(msg) is internal.Done:
-                mv.stats.record_execution(batch.items, len(batch.requests), *msg.timings[:3])
+                mv.stats.record_execution(batch.items, len(batch.requests), *msg.timings[:3],
+                                          padding=batch.padding)
                 mv.consecutive_crashes = 0
                 outcome = Executed(msg.outputs, h, frozenset(msg.reused))
             else:

@@ -142,10 +142,13 @@ class VersionStats:
         self.failures[reason] += 1
 
     def record_execution(self, batch_size: int, requests: int, input_ns: int, infer_ns: int,
-                         output_ns: int) -> None:
-        """One model execution serving `requests` requests of `batch_size` items in all."""
+                         output_ns: int, padding: int = 0) -> None:
+        """One model execution serving `requests` requests of `batch_size` items
+        in all, plus `padding` rows of no request (a sequence batch's empty slots,
+        which count in the batch statistics' size as in Triton)."""
         self.execution_count += 1
         self.inference_count += batch_size
+        batch_size += padding
         self.last_inference_ms = int(time.time() * 1000)
         # Triton counts compute durations per request; each request of the batch shares them
         self.compute_input.add(input_ns * requests, requests)
