@@ -175,7 +175,7 @@ class Server:
             entries = [e for e in entries if e.name in o.load_models]
         self.registry = Registry(entries)
         self.supervisor = Supervisor(self.prefix, o.worker_shm_chunk, o.worker_shm_limit, o.log_level,
-                                     o.worker_busy_poll_us, o.log_format)
+                                     o.worker_busy_poll_us, o.log_format, self._cpu_instances)
         self.instances = Instances(self.loop, self.supervisor, self.answers, self.sessions, o, InstanceEvents(
             idle=self._dispatch, settled=self._settled, drained=lambda: self.control.progress(),
             stopping=lambda: self.should_exit))
@@ -393,6 +393,13 @@ class Server:
                    for mv in self.registry.all_versions() if mv.scheduler is not None)
 
     # ------------------------------------------------------- model control
+
+    def _cpu_instances(self) -> int:
+        """CPU instances of what the daemon serves or loads; a reload's new
+        generation replaces its model's current one, so each model counts once."""
+        count = self.supervisor.cpu_instances_of
+        return sum(max(count(m.versions.values()), count(m.pending.versions.values()) if m.pending else 0)
+                   for m in self.registry.models.values())
 
     def start_version(self, mv: ModelVersion) -> None:
         if mv.scheduler is None:

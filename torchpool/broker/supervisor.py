@@ -18,10 +18,10 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from ..config import InstanceGroup
-from ..config.devices import visible_gpus
+from ..config.devices import cpu_budget, threads_per_worker, visible_gpus
 from ..config.parameters import model_parameters
 from ..protocol import internal
 from ..shm.fdpass import DONTWAIT, FdReceiver, send_with_fds
@@ -148,8 +148,14 @@ def instance_devices(group: InstanceGroup, gpus: list[int]) -> list[str]:
 
 class Supervisor:
     def __init__(self, segment_prefix: str, arena_chunk: int, arena_limit: int, log_level: int,
-                 busy_poll_us: int = 0, log_format: str = "text") -> None:
+                 busy_poll_us: int = 0, log_format: str = "text",
+                 cpu_instances: Callable[[], int] = lambda: 1) -> None:
         self.segment_prefix = segment_prefix
+        # the CPUs the daemon may use, shared among the CPU instances of every
+        # version it serves or loads (cpu_instances: their number, now)
+        self.cpu_budget = cpu_budget()
+        self.cpu_instances = cpu_instances
+        self.threads = 0              # each CPU worker's threads, as last decided
         self.log_format = log_format
         self.busy_poll_us = busy_poll_us
         self.arena_chunk = arena_chunk
@@ -184,12 +190,14 @@ class Supervisor:
 
     def spawn(self, mv: ModelVersion, instance: str, device: str) -> WorkerHandle:
         serial = next(self._serial)
+        threads = self.cpu_threads() if device == "cpu" else 0
         spec = WorkerSpec(model=mv.name, version=mv.version, instance=instance, config=mv.config,
                           model_path=mv.model_file, device=device,
                           segment_prefix=self.worker_prefix(serial), arena_chunk=self.arena_chunk,
                           arena_limit=self.arena_limit, log_level=self.log_level,
                           busy_poll_us=self.busy_poll_us, log_format=self.log_format,
-                          shared_weights=self.weights_segment(mv) if shares_weights(mv) else "")
+                          shared_weights=self.weights_segment(mv) if shares_weights(mv) else "",
+                          threads=threads)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = _fork_context().Process(target=run_worker, args=(spec, theirs), daemon=False,
@@ -202,6 +210,23 @@ class Supervisor:
         self.workers[handle.sentinel] = handle
         log.debug("spawned worker %d (pid %s) for %s on %s", serial, proc.pid, handle.label, device)
         return handle
+
+    def cpu_instances_of(self, versions: Iterable[ModelVersion]) -> int:
+        """How many of these versions' instances run on the CPU."""
+        return sum(instance_devices(group, self.gpus).count("cpu")
+                   for mv in versions for group in mv.config.instance_groups)
+
+    def cpu_threads(self) -> int:
+        """A new CPU worker's threads (when its model sets none): its share
+        of the daemon's CPUs; logged when the share changes."""
+        instances = max(1, self.cpu_instances())
+        threads = threads_per_worker(self.cpu_budget, instances)
+        if threads != self.threads:
+            self.threads = threads
+            log.info("%d CPUs (affinity and cgroup quota) for %d CPU instances: %d intra-op and inter-op "
+                     "thread%s each, unless a model sets INTRA_OP_THREAD_COUNT / INTER_OP_THREAD_COUNT",
+                     self.cpu_budget, instances, threads, "" if threads == 1 else "s")
+        return threads
 
     def reap(self, handle: WorkerHandle) -> str:
         """Forget a dead worker; release what it owned. Returns how it died."""

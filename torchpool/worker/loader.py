@@ -48,7 +48,7 @@ class LoadedInstance:
 
 def load_instance(spec: WorkerSpec) -> LoadedInstance:
     settings = model_settings(spec.config)
-    apply_process_settings(settings)
+    apply_process_settings(settings, spec.threads)
     if spec.device.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError(f"instance '{spec.instance}' of model '{spec.model}' needs "
                              f"{spec.device} (KIND_GPU) but no GPU is available",

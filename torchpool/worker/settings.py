@@ -96,12 +96,14 @@ def compile_settings(config: Any) -> CompileSettings:
     return CompileSettings(enabled, mode)
 
 
-def apply_process_settings(settings: ExecutionSettings) -> None:
+def apply_process_settings(settings: ExecutionSettings, default_threads: int = 0) -> None:
     """Set torch's process-wide switches for this worker's model.
 
     Called once per worker process, before the model is loaded: the thread
     pools in particular can only be sized before parallel work starts. A JIT
-    switch left at `None` is not touched, as in Triton.
+    switch left at `None` is not touched, as in Triton. A thread count the
+    model does not set is `default_threads` (the daemon's share of its CPUs
+    for this worker), or torch's when that is 0.
     """
     import torch
 
@@ -110,10 +112,12 @@ def apply_process_settings(settings: ExecutionSettings) -> None:
     _set_jit_switch("_jit_set_profiling_mode", settings.jit_profiling)
     _set_jit_switch("_jit_set_profiling_executor", settings.jit_executor)
     _set_jit_switch("_jit_set_texpr_fuser_enabled", settings.tensor_fuser)
-    if settings.intra_op_threads:
-        torch.set_num_threads(settings.intra_op_threads)
-    if settings.inter_op_threads:
-        _set_interop_threads(settings.inter_op_threads)
+    intra = settings.intra_op_threads or default_threads
+    inter = settings.inter_op_threads or default_threads
+    if intra:
+        torch.set_num_threads(intra)
+    if inter:
+        _set_interop_threads(inter)
 
 
 def _set_jit_switch(setter_name: str, value: Optional[bool]) -> None:

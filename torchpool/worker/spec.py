@@ -29,3 +29,4 @@ class WorkerSpec:
     busy_poll_us: int = 0         # poll this long after a batch before sleeping
     shared_weights: str = ""      # ENABLE_WEIGHT_SHARING: the weights segment name
     log_format: str = "text"
+    threads: int = 0              # intra- and inter-op threads when the model sets none (0: torch's)
