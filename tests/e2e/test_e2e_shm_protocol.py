@@ -593,6 +593,20 @@ def test_registration_rejections_never_echo_the_key(session: Session) -> None:
     assert not (Path("/dev/shm") / key).exists()     # the test unlinked it, not the daemon
 
 
+def test_status_shows_the_key_as_registered(session: Session) -> None:
+    """Triton's status shows a region's key as the client gave it: "/k" stays "/k"."""
+    key, mm = _make_segment()
+    try:
+        for name, given in (("slash", "/" + key), ("bare", key)):
+            assert register(session, name, given, mm, 4096)["ok"]
+            status = session.call("get_system_shared_memory_status", name=name)["result"]
+            assert [(s["name"], s["key"]) for s in status] == [(name, given)]
+            assert session.call("unregister_system_shared_memory", name=name)["ok"]
+    finally:
+        mm.close()
+        posix_ipc.unlink_shared_memory("/" + key)
+
+
 def test_regions_per_session_are_limited(session: Session) -> None:
     """Pending challenges count: a client cannot pile them up either."""
     key, mm = _make_segment()

@@ -98,6 +98,7 @@ class Region:
     ino: int
     buf: mmap.mmap
     guarded: Any = None           # guard.GuardedRange over buf: a shrink is a flag, not a SIGBUS
+    given_key: str = ""           # the key as registered (status shows it so, as Triton does)
     in_use: int = 0
     unregistering: bool = False
 
@@ -145,6 +146,7 @@ class Challenge:
     fd: int
     ino: int
     expires: float
+    given_key: str = ""
 
 
 def region_key(name: str, key: Any) -> str:
@@ -156,8 +158,10 @@ def region_key(name: str, key: Any) -> str:
     return key
 
 
-def open_challenge(peer: Peer, name: str, key: str, offset: Any, byte_size: Any) -> Challenge:
-    """Open the segment for `peer` and pick the nonce it must write."""
+def open_challenge(peer: Peer, name: str, key: str, offset: Any, byte_size: Any,
+                   given_key: str = "") -> Challenge:
+    """Open the segment for `peer` and pick the nonce it must write
+    (`key` checked by region_key; `given_key` as the client wrote it)."""
     if not guard.AVAILABLE:
         raise TorchpoolError(errors.UNSUPPORTED, "registered regions need torchpool's compiled "
                                                  "SIGBUS guard, which this installation lacks")
@@ -178,7 +182,7 @@ def open_challenge(peer: Peer, name: str, key: str, offset: Any, byte_size: Any)
         os.close(fd)
         raise
     return Challenge(key, offset, byte_size, secrets.token_bytes(REGION_TOKEN_BYTES), fd, st.st_ino,
-                     time.monotonic() + CHALLENGE_TTL_S)
+                     time.monotonic() + CHALLENGE_TTL_S, given_key or key)
 
 
 def answer_challenge(c: Challenge, name: str, answer: Any) -> Region:
@@ -200,4 +204,4 @@ def answer_challenge(c: Challenge, name: str, answer: Any) -> Region:
     except BaseException:
         os.close(c.fd)
         raise
-    return Region(name, c.key, c.offset, c.byte_size, c.fd, c.ino, buf, guarded)
+    return Region(name, c.key, c.offset, c.byte_size, c.fd, c.ino, buf, guarded, c.given_key)

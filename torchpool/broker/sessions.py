@@ -350,7 +350,8 @@ class SessionManager:
         if len(session.regions) + len(session.challenges) >= limit:
             raise _exhausted(f"region '{name}': this session already has {limit} regions, the "
                              f"limit (--max-regions-per-session)")
-        challenge = open_challenge(session.peer, name, key, header.get("offset", 0), header.get("byte_size"))
+        challenge = open_challenge(session.peer, name, key, header.get("offset", 0), header.get("byte_size"),
+                                   header["key"])
         old = session.challenges.pop(name, None)
         if old is not None:
             os.close(old.fd)
@@ -407,5 +408,5 @@ class SessionManager:
             [r for r in session.regions.values() if r.name == name]
         if name is not None and not regions:
             raise _no_region("system shared memory region", name)
-        return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size,
+        return [{"name": r.name, "key": r.given_key or r.key, "offset": r.offset, "byte_size": r.byte_size,
                  "in_use": r.in_use, "unregistering": r.unregistering} for r in regions]
