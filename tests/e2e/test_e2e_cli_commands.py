@@ -9,6 +9,7 @@ server one line with its text and exit status 1.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from importlib import metadata
@@ -172,6 +173,31 @@ def test_stats_counts_and_averages(daemon: Daemon) -> None:
     assert cells[7] == "us" or cells[7] == "ms"      # e.g. "85 us"
     all_models = torchpool_command("stats", "--url", daemon.url)
     assert all_models.returncode == 0 and model in all_models.stdout
+
+
+def test_infer_json_is_kserves_inference_response(daemon: Daemon) -> None:
+    a = [list(range(16))]
+    args = ("infer", ADDSUB, "--url", daemon.url, "--input", f"INPUT__0={json.dumps(a)}",
+            "--input", f"INPUT__1={json.dumps(a)}", "--output", "OUTPUT__0")
+    done = torchpool_command(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"model_name": ADDSUB, "outputs": [
+        {"name": "OUTPUT__0", "datatype": "FP32", "shape": [1, 16], "data": [2.0 * i for i in range(16)]}]}
+    versioned = json.loads(torchpool_command(*args, "--json", "--version", "1").stdout)
+    assert versioned["model_version"] == "1"
+    assert json_lines(torchpool_command(*args)) == json.loads(done.stdout)["outputs"]   # lines: the same rows
+
+
+def test_stats_into_a_reader_that_went_away(daemon: Daemon) -> None:
+    """`torchpool stats | head`: no BrokenPipeError traceback, the shell's SIGPIPE status."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "torchpool", "stats", "--url", daemon.url], stdout=write,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=60)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
 
 
 # --- process titles --------------------------------------------------------------------------

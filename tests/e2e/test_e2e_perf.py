@@ -58,7 +58,8 @@ def table_rows(stdout: str, level_header: str) -> list[dict]:
 def test_concurrency_sweep_table_csv_json_plot(perf_daemon: Daemon, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     files = {k: tmp_path / f"out.{k}" for k in ("csv", "json", "png")}
-    r = perf("-m", "addsub", "-u", perf_daemon.url, "--concurrency-range", "1:2", *SHORT,
+    # a comma list of levels, a range among them (issue 26: `--concurrency-range 1,4,8` was refused)
+    r = perf("-m", "addsub", "-u", perf_daemon.url, "--concurrency-range", "1:1,2", *SHORT,
              "--csv", str(files["csv"]), "--json", str(files["json"]), "--plot", str(files["png"]))
     assert r.returncode == 0, r.stderr
     assert "*** Measurement Settings ***" in r.stdout and "Batch size: 1" in r.stdout

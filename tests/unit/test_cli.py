@@ -36,7 +36,7 @@ def test_serve_defaults_are_the_server_options_defaults() -> None:
     for f in dataclasses.fields(ServerOptions):
         if f.name in NOT_ON_THE_COMMAND_LINE:
             continue
-        if f.name in ("local_allow_users", "local_allow_groups", "metrics_config"):
+        if f.name in ("local_allow_users", "local_allow_groups", "metrics_config", "allow_client_shm_prefixes"):
             assert args[f.name] is None and f.default_factory() == []   # repeatable flags
         elif f.name == "log_level":
             assert getattr(logging, args["log_level"].upper()) == f.default
@@ -242,3 +242,36 @@ def test_perf_is_a_subcommand_when_its_package_is_there() -> None:
         pytest.skip("torchpool.perf.cli is not there")
     assert "perf" in build_parser()._subparsers._group_actions[0].choices
 
+
+
+# --- issue 26, item 6 -----------------------------------------------------------------
+
+CLIENT_COMMANDS = ("infer", "models", "metadata", "stats", "ps")
+
+
+def test_every_client_command_takes_json() -> None:
+    """The README says each client command takes --json; `infer --json` was refused."""
+    for command in CLIENT_COMMANDS:
+        positional = ["addsub"] if command in ("infer", "metadata") else []
+        args = build_parser().parse_args([command, *positional, "--json"])
+        assert args.json is True, command
+
+
+def run_into_a_closed_pipe(*args: str, cwd: Path) -> "subprocess.CompletedProcess":
+    """`torchpool ARGS | head` when head has already gone: stdout's reader is closed."""
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-m", "torchpool", *args], stdout=write, stderr=subprocess.PIPE,
+                              text=True, cwd=cwd, timeout=60)
+    finally:
+        os.close(write)
+
+
+def test_a_reader_that_goes_away_is_no_traceback(tmp_path: Path) -> None:
+    done = run_into_a_closed_pipe("keygen", str(tmp_path / "keys"), cwd=Path(__file__).resolve().parents[2])
+    assert done.stderr == ""                            # no BrokenPipeError traceback
+    assert done.returncode == errors.READER_GONE == 141   # what the shell shows for SIGPIPE

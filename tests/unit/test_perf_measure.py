@@ -14,7 +14,7 @@ from torchpool.perf.cli import DEFAULT_URL, UsageError, parse_range
 from torchpool.perf.load import Schedule
 from torchpool.perf.measure import (LevelResult, ServerSplit, Window, is_stable, late_threshold_ns,
                                     make_window, merge, percentile, server_split)
-from torchpool.perf.report import CSV_COLUMNS, table, write_csv
+from torchpool.perf.report import CSV_COLUMNS, plot_figure, table, write_csv
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -102,7 +102,11 @@ def test_ranges_as_perf_analyzer_reads_them() -> None:
     assert parse_range("1:8:3", "--concurrency-range", True) == [1, 4, 7]
     assert parse_range("100:300:100", "--request-rate-range", False) == [100.0, 200.0, 300.0]
     assert parse_range("0.5:1.5:0.5", "--request-rate-range", False) == [0.5, 1.0, 1.5]
-    for bad in ("0", "4:2", "1:2:0", "a", "1:2:3:4", "1.5", "", "-1:2"):
+    # a comma list of levels, each may be a range (issue 26: `--concurrency-range 1,4,8` was refused)
+    assert parse_range("1,4,8", "--concurrency-range", True) == [1, 4, 8]
+    assert parse_range("1, 2,4:12:4", "--concurrency-range", True) == [1, 2, 4, 8, 12]
+    assert parse_range("100,250.5", "--request-rate-range", False) == [100.0, 250.5]
+    for bad in ("0", "4:2", "1:2:0", "a", "1:2:3:4", "1.5", "", "-1:2", "1,,4", "1,0", "4,"):
         with pytest.raises(UsageError):
             parse_range(bad, "--concurrency-range", True)
     with pytest.raises(UsageError):
@@ -159,6 +163,23 @@ def test_behind_only_in_open_loop() -> None:
     c = level("concurrency", 1)
     c.window.late = 3
     assert not c.behind and c.status == "stable"
+
+
+def test_plot_rings_unstable_and_behind_levels() -> None:
+    pytest.importorskip("matplotlib")
+    stable, unstable = level("concurrency", 1), level("concurrency", 2, stable=False)
+    axes = plot_figure("addsub", [stable, unstable]).axes[0]
+    lines = {line.get_label(): line for line in axes.get_lines()}
+    assert set(lines) == {"p50", "p99", "unstable"}
+    ring = lines["unstable"]          # around the unstable level's p50 and p99 (ms), not the stable one's
+    assert list(ring.get_xdata()) == [3.0, 3.0] and list(ring.get_ydata()) == [0.5, 0.9]
+    assert [t.get_text() for t in axes.texts] == ["1", "2 (unstable)"]
+
+    behind = level("request_rate", 100.0)
+    behind.window.late = 3
+    axes = plot_figure("addsub", [behind]).axes[0]
+    assert {line.get_label() for line in axes.get_lines()} == {"p50", "p99", "behind"}
+    assert [t.get_text() for t in axes.texts] == ["100 (behind)"]
 
 
 def test_default_url_is_the_daemons() -> None:

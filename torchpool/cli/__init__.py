@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..broker.options import ServerOptions
 from ..logs import FORMATS
-from .errors import EXIT_STATUS_HELP, CliError, report
+from .errors import EXIT_STATUS_HELP, CliError, report, until_the_reader_goes
 from .urls import DEFAULT_LISTEN
 
 _OPTION_FIELDS = {f.name: f for f in dataclasses.fields(ServerOptions)}
@@ -158,7 +158,7 @@ def _add_client_commands(sub: Any) -> None:
                "  NAME=@FILE.npy:DATATYPE ... converted, e.g. INPUT0=@x.npy:FP16\n"
                "JSON strings make BYTES: TEXT='[\"a\",\"b\"]'\n"
                "exit statuses: 0 done, 1 the server answered with an error or could not be reached, "
-               "2 bad arguments")
+               "2 bad arguments, 141 stdout's reader went away (| head)")
     infer.add_argument("model")
     infer.add_argument("--input", action="append", default=[], metavar="NAME=VALUE",
                        help="an input tensor (forms below); repeat for each")
@@ -168,6 +168,9 @@ def _add_client_commands(sub: Any) -> None:
     _add_client_flags(infer)
     infer.set_defaults(func=_run("client_commands", "run_infer"))
 
+    infer.add_argument("--json", action="store_true",
+                       help="one JSON document instead of lines: KServe v2's inference response, "
+                            '{"model_name", "outputs": [...]} ("model_version" with --version)')
     models = sub.add_parser("models", help="the repository index: every model version, its state "
                                            "and why it is not ready")
     models.add_argument("--json", action="store_true", help="the index as JSON")
@@ -313,3 +316,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["DEFAULT_LISTEN", "build_parser", "main", "version_text"]
+    return until_the_reader_goes(lambda: _command(argv))
+
+
+def _command(argv: Optional[Sequence[str]]) -> int:

@@ -86,6 +86,11 @@ def run_infer(args: argparse.Namespace) -> int:
         print(json.dumps(row))
     return 0
 
+    if args.json:       # KServe v2's inference response (model_version only when asked for one)
+        response = {"model_name": args.model, **({"model_version": args.version} if args.version else {}),
+                    "outputs": rows}
+        print(json.dumps(response, indent=2))
+        return 0
 
 def run_models(args: argparse.Namespace) -> int:
     with connected(args) as client:

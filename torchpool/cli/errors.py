@@ -11,7 +11,10 @@ for what the user cannot fix: a bug (exit status 1).
 from __future__ import annotations
 
 import logging
+import os
+import select
 import sys
+from typing import Callable
 
 OK = 0
 FAILURE = 1          # serve: an unexpected error (a bug: the traceback says where);
@@ -21,6 +24,8 @@ REPOSITORY = 3       # --model-repository is missing, not a directory, or unread
 ADDRESS = 4          # an address or port cannot be bound (--listen, --metrics-port, --http-port, --grpc-port)
 MODEL_LOAD = 5       # a model failed to load at startup, with --exit-on-error
 GATEWAY = 6          # the HTTP/gRPC gateway process could not start for another reason
+READER_GONE = 128 + 13   # client commands: stdout's reader went away (`torchpool stats | head`),
+                         # the status a shell shows for a program SIGPIPE ended
 
 EXIT_STATUSES: tuple[tuple[int, str], ...] = (
     (OK, "stopped cleanly (SIGTERM, SIGINT)"),
@@ -45,6 +50,32 @@ class CliError(Exception):
         self.message = message
 
 
+def until_the_reader_goes(command: Callable[[], int]) -> int:
+    """`command()`'s exit status, or READER_GONE with no traceback when stdout's
+    reader went away (`torchpool stats | head`: it has what it wanted). stdout
+    is flushed here, not at exit, so that this is seen wherever it happens."""
+    try:
+        status = command()
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise                      # another pipe (a bug): its traceback says where
+        devnull = os.open(os.devnull, os.O_WRONLY)   # what is still buffered is dropped at exit
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return READER_GONE
+
+
+def _stdout_reader_gone() -> bool:
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), 0)       # POLLERR comes whatever is asked for
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError):                    # no stdout at all
+        return False
+
+
 def report(message: str, log_format: str = "text") -> None:
     """The one line of a failure. With --log-format json it is a JSON log
     record (the ERROR level, the same text), so a log shipper reads it too."""
@@ -56,4 +87,4 @@ def report(message: str, log_format: str = "text") -> None:
 
 
 __all__ = ["ADDRESS", "EXIT_STATUSES", "EXIT_STATUS_HELP", "FAILURE", "GATEWAY", "MODEL_LOAD", "OK",
-           "REPOSITORY", "USAGE", "CliError", "report"]
+           "READER_GONE", "REPOSITORY", "USAGE", "CliError", "report", "until_the_reader_goes"]

@@ -2,6 +2,7 @@
 import argparse
 import sys
 
+from ..cli.errors import until_the_reader_goes
 from .cli import add_arguments, run
 
 
@@ -9,7 +10,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="torchpool perf",
                                      description="measure a model's throughput and latency under load")
     add_arguments(parser)
-    return run(parser.parse_args())
+    return until_the_reader_goes(lambda: run(parser.parse_args()))
 
 
 if __name__ == "__main__":

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import csv
 import json
-from typing import IO, Optional, Sequence
+from typing import IO, TYPE_CHECKING, Optional, Sequence
 
 from .measure import PERCENTILES, STABLE_WINDOWS, LevelResult, Window
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 LEVEL_HEADERS = {"concurrency": "Concurrency", "request_rate": "Request Rate"}
+PLOT_PERCENTILES = (50, 99)      # the latencies --plot draws
 
 # perf_analyzer's CSV columns (after the level's); torchpool's client does not
 # time its own send and receive apart, so those two are 0 and their time is
@@ -98,7 +102,15 @@ def plot_available() -> bool:
 
 
 def write_plot(path: str, title: str, results: Sequence[LevelResult]) -> None:
-    """p50 and p99 latency against throughput, each point labelled with its level."""
+    """The latency-throughput plot as a PNG file (plot_figure)."""
+    plot_figure(title, results).savefig(path, format="png", dpi=100)
+
+
+def plot_figure(title: str, results: Sequence[LevelResult]) -> "Figure":
+    """p50 and p99 latency against throughput, each point labelled with its
+    level; a level that did not settle (unstable) or whose load was not
+    delivered (behind) is ringed and its label says so, as the table's
+    Status column does."""
     try:
         from matplotlib.figure import Figure   # imported here: an optional dependency
     except ImportError:
@@ -106,17 +118,24 @@ def write_plot(path: str, title: str, results: Sequence[LevelResult]) -> None:
     figure = Figure(figsize=(7, 4.5), layout="tight")
     axes = figure.add_subplot()
     x = [r.window.throughput for r in results]
-    for p, style in ((50, "o-"), (99, "s--")):
+    for p, style in zip(PLOT_PERCENTILES, ("o-", "s--")):
         axes.plot(x, [r.window.latency_us(p) / 1000 for r in results], style, label=f"p{p}")
+    for status, color in (("unstable", "tab:red"), ("behind", "tab:purple")):
+        flagged = [r for r in results if r.status == status]
+        if flagged:
+            axes.plot([r.window.throughput for r in flagged for _ in PLOT_PERCENTILES],
+                      [r.window.latency_us(p) / 1000 for r in flagged for p in PLOT_PERCENTILES],
+                      "o", markersize=13, markerfacecolor="none", markeredgecolor=color, label=status)
     for r, throughput in zip(results, x):
-        axes.annotate(_level_text(r), (throughput, r.window.latency_us(99) / 1000),
+        flag = "" if r.status == "stable" else f" ({r.status})"
+        axes.annotate(_level_text(r) + flag, (throughput, r.window.latency_us(99) / 1000),
                       textcoords="offset points", xytext=(4, 4), fontsize=8)
     axes.set_xlabel("throughput (inferences/s)")
     axes.set_ylabel("latency (ms)")
     axes.set_title(title)
     axes.grid(True, alpha=0.3)
     axes.legend()
-    figure.savefig(path, format="png", dpi=100)
+    return figure
 
 
 class ProgressLine:
