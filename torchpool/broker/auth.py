@@ -6,9 +6,10 @@
     ZAP handler (this module's thread, on inproc://zeromq.zap.01)
       allows a public key listed in --curve-authorized-keys (DIR/*.key),
       refuses any other (logged with the peer's address and key)
-    monitor of each CURVE socket (the same thread): handshakes that fail
-      before ZAP is asked (a client with no key, or with the wrong server
-      key) are logged too
+    handshakes that fail before ZAP is asked (a client with no key, or with
+      the wrong server key) are logged too: `handshake_failed`, told by the
+      frontend's monitor of the socket (libzmq allows one monitor a socket,
+      and connections.py counts connections with it)
 
 ipc:// sockets stay plain: the socket file's mode guards them. A tcp://
 address without CURVE is allowed on loopback only, unless --insecure-tcp.
@@ -39,7 +40,6 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.auth
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("torchpool.broker")
 
@@ -49,7 +49,7 @@ PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 _LOG_EVERY = 60.0          # seconds: one line per refused peer (or failure kind) in this time
 _inproc_ids = itertools.count()     # inproc names are never reused within the process
-_HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 class SecurityError(Exception):
@@ -206,7 +206,7 @@ class _Throttle:
 
 class CurveAuth:
     """This daemon's CURVE key pair and its allow-list, the ZAP handler thread
-    that enforces it, and the monitors of the sockets it secures."""
+    that enforces it, and what it logs of the handshakes that fail."""
 
     def __init__(self, public: bytes, secret: bytes, allowed: dict[bytes, str], key_file: Path,
                  directory: Path) -> None:
@@ -216,26 +216,20 @@ class CurveAuth:
         self._zap: Optional[zmq.Socket] = None
         self._wake: Optional[zmq.Socket] = None       # ours: tells the thread to stop
         self._wake_peer: Optional[zmq.Socket] = None  # the thread's end
-        self._monitors: list[tuple[zmq.Socket, str]] = []
         self._thread: Optional[threading.Thread] = None
         self._refused = _Throttle()
         self._failed = _Throttle()
 
     def secure(self, ctx: zmq.Context, sock: zmq.Socket, url: str) -> None:
-        """Make `sock` (not bound yet) a CURVE server under our ZAP domain, and
-        watch its handshakes. Call for every socket before start()."""
+        """Make `sock` (not bound yet) a CURVE server under our ZAP domain.
+        Call for every socket before start(); its monitor's HANDSHAKE_EVENTS
+        go to `handshake_failed`."""
         if self._thread is not None:
             raise RuntimeError("CurveAuth.secure() after start()")
         sock.curve_server = True
         sock.curve_secretkey = self.secret
         sock.curve_publickey = self.public
         sock.zap_domain = ZAP_DOMAIN
-        endpoint = f"inproc://torchpool.monitor.{next(_inproc_ids)}"
-        sock.monitor(endpoint, _HANDSHAKE_EVENTS)
-        monitor = ctx.socket(zmq.PAIR)
-        monitor.linger = 0
-        monitor.connect(endpoint)
-        self._monitors.append((monitor, url))
 
     def start(self, ctx: zmq.Context) -> None:
         """Bind the ZAP handler (before any CURVE socket binds) and run it."""
@@ -270,11 +264,10 @@ class CurveAuth:
                 pass
             self._thread.join(10)
             self._thread = None
-        for sock in (self._zap, self._wake, self._wake_peer, *(m for m, _url in self._monitors)):
+        for sock in (self._zap, self._wake, self._wake_peer):
             if sock is not None:
                 sock.close(0)
         self._zap = self._wake = self._wake_peer = None
-        self._monitors.clear()
 
     # -- the thread
 
@@ -282,10 +275,6 @@ class CurveAuth:
         poller = zmq.Poller()
         poller.register(self._wake_peer, zmq.POLLIN)
         poller.register(self._zap, zmq.POLLIN)
-        monitors = {}
-        for monitor, url in self._monitors:
-            poller.register(monitor, zmq.POLLIN)
-            monitors[monitor] = url
         while True:
             try:
                 ready = dict(poller.poll())
@@ -293,9 +282,6 @@ class CurveAuth:
                     return
                 if self._zap in ready:
                     self._answer_zap()
-                for monitor, url in monitors.items():
-                    if monitor in ready:
-                        self._handshake_failed(monitor, url)
             except zmq.ContextTerminated:
                 return
             except Exception:
@@ -331,12 +317,8 @@ class CurveAuth:
                         f" ({quiet} more refusals not logged)" if quiet else "")
         return b"400", b"Client key not authorized", b""
 
-    def _handshake_failed(self, monitor: zmq.Socket, url: str) -> None:
-        try:
-            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
-        except zmq.ZMQError:
-            return
-        kind, value = event.get("event"), event.get("value")
+    def handshake_failed(self, url: str, kind: int, value: int) -> None:
+        """A monitor event of HANDSHAKE_EVENTS on the socket of `url`: logged (throttled)."""
         level = logging.WARNING
         if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:   # the connection broke (value: errno)
             level = logging.DEBUG

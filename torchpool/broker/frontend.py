@@ -16,7 +16,8 @@ requests in flight per client process or tcp connection (`InFlight`,
 connection whose queue is full, or that is gone, is dropped (it could not
 be delivered anyway), the connection is marked as not reading and reported
 once through `on_stalled`; its requests are refused until a reply gets
-through again.
+through again. Connections in all are bounded below the open-files limit
+(connections.py, --max-connections): one past it is shut down as it comes.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ import zmq
 
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
-from .auth import CurveAuth, SecurityError, check_options, is_loopback, is_tcp
+from .auth import HANDSHAKE_EVENTS, CurveAuth, SecurityError, check_options, is_loopback, is_tcp
+from .connections import Connections, ZmqConnectionWatch, default_max_connections
 from .lane import Lane
 
 log = logging.getLogger("torchpool.broker")
@@ -148,16 +150,20 @@ class Frontend:
 
     `max_in_flight`: unanswered requests per client (0: no limit; InFlight).
     `max_unread_replies`: replies queued for one connection before it counts
-    as not reading (0: no limit). `on_stalled(identity)`: told once when a
+    as not reading (0: no limit). `max_connections`: client connections in
+    all (0: from the open-files limit; `connections`, which the local side
+    channel counts against too). `on_stalled(identity)`: told once when a
     connection stops reading, or is found gone (its sessions can go);
     `on_gone(sock, identity)` once more when it is gone."""
 
     def __init__(self, ctx: zmq.Context, urls: Sequence[str], *, curve_secret_key: Optional[str] = None,
                  curve_authorized_keys: Optional[str] = None, insecure_tcp: bool = False,
-                 max_in_flight: int = 0, max_unread_replies: int = 0,
+                 max_in_flight: int = 0, max_unread_replies: int = 0, max_connections: int = 0,
                  on_stalled: Optional[Callable[[bytes], None]] = None) -> None:
         self.urls = list(urls)
         self.sockets: list[zmq.Socket] = []
+        self.connections = Connections(max_connections or default_max_connections())
+        self._watches: list[ZmqConnectionWatch] = []
         self.notifies_disconnect = False        # ROUTER_NOTIFY took (libzmq with drafts)
         self.in_flight = InFlight(max_in_flight)
         self.max_unread_replies = max_unread_replies
@@ -178,6 +184,10 @@ class Frontend:
             if self._auth is not None:
                 self._auth.start(ctx)           # ZAP answers before any CURVE socket listens
             for sock, url in made:
+                secured = self._auth is not None and sock in self._remote
+                self._watches.append(ZmqConnectionWatch(
+                    sock, url, self.connections, HANDSHAKE_EVENTS if secured else 0,
+                    self._auth.handshake_failed if secured else None))
                 self._bind(sock, url)
                 self._say_how_secure(url, insecure_tcp)
         except BaseException:
@@ -190,7 +200,13 @@ class Frontend:
         return cls(ctx, options.listen, curve_secret_key=options.curve_secret_key,
                    curve_authorized_keys=options.curve_authorized_keys, insecure_tcp=options.insecure_tcp,
                    max_in_flight=options.max_in_flight_per_client,
-                   max_unread_replies=options.max_unread_replies)
+                   max_unread_replies=options.max_unread_replies,
+                   max_connections=options.max_connections)
+
+    def watch_connections(self, loop: Any) -> None:
+        """Count connections (and refuse those over the limit) as they come, on `loop`."""
+        for watch in self._watches:
+            loop.watch(watch.monitor, watch.on_events)
 
     def _socket(self, ctx: zmq.Context, url: str) -> tuple[zmq.Socket, str]:
         sock = ctx.socket(zmq.ROUTER)
@@ -336,6 +352,9 @@ class Frontend:
                 log.exception("releasing the sessions of connection %s failed", identity.hex())
 
     def close(self) -> None:
+        for watch in self._watches:
+            watch.close()
+        self._watches.clear()
         for sock in self.sockets:
             sock.close(linger=1000)
         self.sockets.clear()

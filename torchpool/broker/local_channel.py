@@ -15,9 +15,16 @@ A client that attaches with `"lane": true` then also sends its inference
 requests here, and gets their answers here (lane.py, protocol/lane.py):
 two process hops fewer than through ZeroMQ's I/O threads. It is told
 (`"direct": true`) when it may ask for direct paths to workers (direct.py).
+
+Each connection counts against the daemon's connection limit (connections.py,
+shared with the frontend): past it, one is answered RESOURCE_EXHAUSTED and
+closed. Should accept() find no fd free anyway, the connection is taken off
+the backlog with the one fd kept spare for that, and closed: a listener left
+readable would have the loop spin on it.
 """
 from __future__ import annotations
 
+import errno
 import grp
 import logging
 import os
@@ -29,6 +36,7 @@ from ..protocol import errors, messages
 from ..protocol import lane as lane_protocol
 from ..protocol.errors import TorchpoolError
 from ..shm.fdpass import close_all, recv_with_fds, send_with_fds
+from .connections import Connections
 from .frontend import claim_socket_path
 from .lane import Lane
 from .loop import Loop
@@ -59,7 +67,7 @@ def _gids(groups: list[str]) -> set[int]:
 class LocalChannel:
     def __init__(self, path: str, loop: Loop, sessions: SessionManager, allow_users: list[str],
                  allow_groups: list[str], max_pending: int, max_pending_per_user: int,
-                 max_unread_replies: int = 0) -> None:
+                 connections: Connections, max_unread_replies: int = 0) -> None:
         self.path = path
         self.loop = loop
         self.sessions = sessions
@@ -71,6 +79,8 @@ class LocalChannel:
         self._attached: dict[int, tuple[socket.socket, Session]] = {}
         self._lanes: dict[int, Lane] = {}
         self.max_unread_replies = max_unread_replies
+        self.connections = connections     # the daemon's connection count and limit
+        self._counted: set[int] = set()    # fds of connections counted in `connections`
         # set by the server once its intake exists: (lane, [datagram]) -> None;
         # lane -> None when a lane goes (its queued requests are cancelled)
         self.on_requests: Optional[Callable[[Lane, list[bytes]], None]] = None
@@ -83,6 +93,7 @@ class LocalChannel:
             os.chmod(path, 0o660)          # the owner and the group, as the ipc:// socket
             self.listener.listen(128)
             self.listener.setblocking(False)
+            self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)   # for _shed
         except BaseException:
             self.listener.close()
             raise
@@ -96,9 +107,16 @@ class LocalChannel:
     def _accept(self) -> None:
         try:
             conn, _ = self.listener.accept()
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self._shed()
             return
         conn.setblocking(False)
+        if not self.connections.admit(self.path):
+            self._refuse(conn, TorchpoolError(errors.RESOURCE_EXHAUSTED, "the daemon holds as many "
+                                              "client connections as it accepts (--max-connections)"))
+            return
+        self._counted.add(conn.fileno())
         # connections that never attach hold a slot for ATTACH_TIMEOUT_S: one user
         # cannot take them all and lock everyone else out of the local path
         uid = Peer.of(conn).uid
@@ -112,6 +130,17 @@ class LocalChannel:
         self.loop.watch(conn.fileno(), lambda c=conn: self._on_readable(c))
         self.loop.call_later(ATTACH_TIMEOUT_S, lambda c=conn: self._attach_deadline(c))
 
+    def _shed(self) -> None:
+        """No fd is free: the spare one takes the connection off the backlog to close it."""
+        os.close(self._spare)
+        try:
+            self.listener.accept()[0].close()
+        except OSError:
+            pass
+        finally:
+            self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self.connections.refuse(self.path, "no file descriptor is free")
+
     def _attach_deadline(self, conn: socket.socket) -> None:
         entry = self._pending.get(conn.fileno())
         if entry is not None and entry[0] is conn:
@@ -122,7 +151,14 @@ class LocalChannel:
             conn.send(messages.pack({"ok": False, "error": err.to_wire()}), socket.MSG_DONTWAIT)
         except OSError:
             pass
+        self._uncount(conn)
         conn.close()
+
+    def _uncount(self, conn: socket.socket) -> None:
+        fd = conn.fileno()
+        if fd in self._counted:
+            self._counted.discard(fd)
+            self.connections.gone()
 
     def _on_readable(self, conn: socket.socket) -> None:
         fd = conn.fileno()
@@ -221,6 +257,7 @@ class LocalChannel:
         self.loop.unwatch(fd)
         if ln is not None:
             ln.close()
+        self._uncount(conn)
         conn.close()
 
     def close(self) -> None:
@@ -228,6 +265,7 @@ class LocalChannel:
             self._drop(conn)
         self.loop.unwatch(self.listener.fileno())
         self.listener.close()
+        os.close(self._spare)
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -71,5 +71,6 @@ class ServerOptions:
     max_regions_per_session: int = 128  # registered regions of one session
     max_in_flight_per_client: int = 1024   # unanswered requests of one ipc process / tcp connection
     max_unread_replies: int = 1024      # replies queued for a connection that does not read
+    max_connections: int = 0            # client connections in all; 0: the open-files limit less a quarter
     max_bytes_elements: int = TensorLimits.max_bytes_elements          # elements of one BYTES tensor
     max_bytes_tensor_bytes: int = TensorLimits.max_bytes_tensor_bytes  # bytes of one BYTES tensor

@@ -156,7 +156,7 @@ class Server:
         if local_path is not None:
             self.local_channel = LocalChannel(local_path, self.loop, self.sessions, o.local_allow_users,
                                               o.local_allow_groups, o.max_sessions, o.max_sessions_per_peer,
-                                              o.max_unread_replies)
+                                              self.frontend.connections, o.max_unread_replies)
         self.answers.sessions = self.sessions
         self.frontend.on_stalled = self.sessions.disconnected   # a connection that stopped reading
         # a gone connection's queued requests are failed, not run: once the reply
@@ -190,6 +190,7 @@ class Server:
                              direct=direct, catch_up=self.instances.catch_up)
         for sock in self.frontend.sockets:
             self.loop.watch(sock, lambda sock=sock: self.intake.on_readable(sock))
+        self.frontend.watch_connections(self.loop)
         if self.local_channel is not None:
             self.local_channel.on_requests = self.intake.on_lane
             self.local_channel.offers_direct = direct is not None

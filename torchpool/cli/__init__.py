@@ -128,6 +128,9 @@ def _add_security_flags(serve: argparse.ArgumentParser) -> None:
             ("--max-unread-replies", "max_unread_replies", int,
              "replies queued for a connection that does not read them; then its requests "
              "fail and its memory is freed"),
+            ("--max-connections", "max_connections", int,
+             "client connections in all (ipc://, tcp://, local side channel); more are closed "
+             "as they come; 0: the open-files limit less a quarter"),
             ("--max-bytes-elements", "max_bytes_elements", int, "elements of one BYTES tensor"),
             ("--max-bytes-tensor-bytes", "max_bytes_tensor_bytes", _size, "bytes of one BYTES tensor")):
         sec.add_argument(flag, dest=name, type=kind, default=_default(name),

@@ -64,11 +64,13 @@ def run_serve(args: argparse.Namespace) -> int:
         # workers inherit it through the fork server (worker/compile.py reads it)
         os.environ["TORCHPOOL_CACHE_DIR"] = os.path.abspath(options.cache_dir)
     from ..broker.auth import SecurityError
+    from ..broker.connections import raise_open_files_limit
     from ..broker.frontend import AddressInUse
     from ..broker.gateways import GatewayError
     from ..broker.server import ModelLoadFailed, Server
     from ..config import ConfigError
 
+    raise_open_files_limit()            # every client connection costs the broker an fd
     try:
         return Server(options).run()
     except AddressInUse as exc:         # taken since the preflight: the message names the address
