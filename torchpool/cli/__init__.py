@@ -168,12 +168,12 @@ def _add_client_commands(sub: Any) -> None:
     infer.add_argument("--output", action="append", metavar="NAME",
                        help="only these outputs (default all); repeatable")
     infer.add_argument("--version", help="the model version (default the highest ready one)")
-    _add_client_flags(infer)
-    infer.set_defaults(func=_run("client_commands", "run_infer"))
-
     infer.add_argument("--json", action="store_true",
                        help="one JSON document instead of lines: KServe v2's inference response, "
                             '{"model_name", "outputs": [...]} ("model_version" with --version)')
+    _add_client_flags(infer)
+    infer.set_defaults(func=_run("client_commands", "run_infer"))
+
     models = sub.add_parser("models", help="the repository index: every model version, its state "
                                            "and why it is not ready")
     models.add_argument("--json", action="store_true", help="the index as JSON")
@@ -307,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The `torchpool` command; returns its exit status."""
+    return until_the_reader_goes(lambda: _command(argv))
+
+
+def _command(argv: Optional[Sequence[str]]) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
@@ -319,7 +323,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["DEFAULT_LISTEN", "build_parser", "main", "version_text"]
-    return until_the_reader_goes(lambda: _command(argv))
-
-
-def _command(argv: Optional[Sequence[str]]) -> int:

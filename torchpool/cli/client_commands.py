@@ -82,15 +82,15 @@ def run_infer(args: argparse.Namespace) -> int:
         result = client.infer(args.model, inputs, outputs=args.output or None, version=args.version,
                               copy=True)
         rows = [output_row(name, value) for name, value in result.items()]
-    for row in rows:
-        print(json.dumps(row))
-    return 0
-
     if args.json:       # KServe v2's inference response (model_version only when asked for one)
         response = {"model_name": args.model, **({"model_version": args.version} if args.version else {}),
                     "outputs": rows}
         print(json.dumps(response, indent=2))
         return 0
+    for row in rows:
+        print(json.dumps(row))
+    return 0
+
 
 def run_models(args: argparse.Namespace) -> int:
     with connected(args) as client:
