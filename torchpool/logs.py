@@ -7,6 +7,12 @@ worker with the daemon's level and format (they travel in `WorkerSpec`), so
 `--log-format json` gives one JSON object per line for the workers too, and
 every record carries the pid of the process that wrote it.
 
+With `--log-format json` a record about a model carries `model`, `version`
+and, for one instance, `instance` as fields of its own: every record of a
+worker (`set_process_fields`), and the broker's records about a version's or
+an instance's life (`extra=log_fields(...)`), so a log shipper can select them
+without parsing the message.
+
 `set_process_title` is how each process names itself in `ps` and top
 (`torchpool broker ipc://...`, `torchpool worker addsub v1 #0`): the same
 names the log lines use, so an operator can match a pid in one to the other.
@@ -20,17 +26,52 @@ import json
 import logging
 import os
 import sys
+from typing import Any, Optional
 
 FORMATS = ("text", "json")
+FIELDS = ("model", "version", "instance")      # what a JSON record may say it is about
+
+_process_fields: dict[str, str] = {}           # what every record of this process is about
+
+
+def _seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+# While a model version loads, the broker says "still loading ..." this often,
+# so that a long warm-up or compile is not taken for a hang
+LOADING_NOTICE_S = _seconds("TORCHPOOL_LOADING_NOTICE_S", 20.0)
+
+
+def set_process_fields(model: str, version: Any, instance: str) -> None:
+    """Every JSON record of this process is about this instance (a worker's)."""
+    _process_fields.update(log_fields(model, version, instance))
+
+
+def log_fields(model: str, version: Any, instance: Optional[str] = None) -> dict[str, str]:
+    """`extra=` of a record about a model version (and one of its instances)."""
+    fields = {"model": model, "version": str(version)}
+    if instance is not None:
+        fields["instance"] = instance
+    return fields
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line, for log shippers (`--log-format json`).
-    A record logged with an exception carries its traceback in `exception`."""
+    A record logged with an exception carries its traceback in `exception`;
+    one about a model, its `model`, `version` (and `instance`)."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {"ts": round(record.created, 6), "level": record.levelname, "logger": record.name,
-                 "pid": record.process, "message": record.getMessage()}
+                 "pid": record.process, "message": record.getMessage(), **_process_fields}
+        for key in FIELDS:
+            value = getattr(record, key, None)
+            if value is not None:
+                entry[key] = value
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
@@ -70,4 +111,5 @@ def set_process_title(title: str) -> bool:
     return True
 
 
-__all__ = ["FORMATS", "JsonFormatter", "set_process_title", "setup_logging"]
+__all__ = ["FIELDS", "FORMATS", "LOADING_NOTICE_S", "JsonFormatter", "log_fields", "set_process_fields",
+           "set_process_title", "setup_logging"]

@@ -1,4 +1,4 @@
-"""The client commands against the session daemon: `torchpool infer | models | metadata | stats`,
+"""The client commands against the session daemon: `torchpool infer | models | metadata | stats | ps`,
 `torchpool --version`, and the process titles of a running daemon.
 
 Each command runs as a user runs it (`python -m torchpool ...`); its output
@@ -198,6 +198,22 @@ def test_stats_into_a_reader_that_went_away(daemon: Daemon) -> None:
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_ps_lists_each_instance_of_a_model(daemon: Daemon) -> None:
+    done = torchpool_command("ps", "multi_instance", "--json", "--url", daemon.url)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert [(r["model"], r["version"], r["name"], r["state"]) for r in rows] == \
+        [("multi_instance", "1", "multi_instance_0_0", "READY"), ("multi_instance", "1", "multi_instance_0_1", "READY")]
+    assert {r["pid"] for r in rows} <= set(descendants(daemon.pid())) and rows[0]["pid"] != rows[1]["pid"]
+    assert all(r["pss_bytes"] > 0 and r["rss_bytes"] >= r["pss_bytes"] for r in rows)
+    every = json.loads(torchpool_command("ps", "--json", "--url", daemon.url).stdout)
+    assert {r["pid"] for r in every} <= set(descendants(daemon.pid())) and len(every) > len(rows)
+    table = torchpool_command("ps", "--url", daemon.url).stdout.splitlines()
+    assert table[0].split()[:3] == ["MODEL", "VERSION", "INSTANCE"] and len(table) == len(every) + 1
+    assert failed(1, "ps", "no_such_model", "--url", daemon.url) == \
+        "[NOT_FOUND] Request for unknown model: 'no_such_model' is not found"
 
 
 # --- process titles --------------------------------------------------------------------------

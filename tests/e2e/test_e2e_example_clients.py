@@ -121,7 +121,7 @@ def test_documented_vectors_are_what_the_daemon_answers(examples_daemon):
     [entry] = stats["result"]["model_stats"]
     # the shape docs/protocol.md gives under "statistics"
     assert set(entry) == {"name", "version", "last_inference", "inference_count", "execution_count",
-                          "inference_stats", "batch_stats", "worker_restarts"}
+                          "inference_stats", "batch_stats", "worker_restarts", "instances"}
     assert (entry["name"], entry["version"]) == ("addsub", "1")
     assert entry["inference_count"] >= 1 and entry["execution_count"] >= 1 and entry["last_inference"] > 0
     assert set(entry["inference_stats"]) == {"success", "fail", "queue", "compute_input", "compute_infer",

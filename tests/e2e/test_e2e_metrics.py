@@ -117,7 +117,7 @@ def test_counts_failure_reasons_and_pending(metrics_repository: Path, tmp_path: 
         assert value(text, "nv_inference_count", "addsub") == 3
         assert value(text, "nv_inference_exec_count", "addsub") == 3
         assert value(text, "nv_inference_request_duration_us", "addsub") > 0
-        assert value(text, "torchpool_worker_restarts", "addsub") == 0
+        assert value(text, "torchpool_worker_restarts", "addsub", model_instance="addsub_0") == 0
         # the statistics call keeps Triton's JSON: failures counted, no reasons
         with RawConnection(d.url) as rc:
             stats = rc.call(rc.pack({"v": 1, "op": "statistics", "id": 1, "model": "slow"}))[0]

@@ -275,3 +275,13 @@ def test_a_reader_that_goes_away_is_no_traceback(tmp_path: Path) -> None:
     done = run_into_a_closed_pipe("keygen", str(tmp_path / "keys"), cwd=Path(__file__).resolve().parents[2])
     assert done.stderr == ""                            # no BrokenPipeError traceback
     assert done.returncode == errors.READER_GONE == 141   # what the shell shows for SIGPIPE
+
+
+def test_ps_formats() -> None:
+    from torchpool.cli.client_commands import duration, instance_rows, size
+
+    assert [duration(s) for s in (0.4, 42, 725, 11_220, 190_000)] == ["0s", "42s", "12m05s", "3h07m", "2d04h"]
+    assert [size(n) for n in (None, 35 << 20, 3 << 30)] == ["-", "35.0 MiB", "3.00 GiB"]
+    stats = {"model_stats": [{"name": "a", "version": "1", "instances": [{"name": "a_0", "pid": 7}]},
+                             {"name": "b", "version": "2"}]}
+    assert instance_rows(stats) == [{"model": "a", "version": "1", "name": "a_0", "pid": 7}]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ..config.parameters import model_parameters
+from ..logs import LOADING_NOTICE_S, log_fields
 from ..protocol import errors, internal
 from ..protocol.errors import TorchpoolError
 from ..shm.fdpass import close_all
@@ -73,12 +74,25 @@ class Instances:
         self.events = events
         self._batch_ids = iter(range(1, 1 << 62))
         self._reading_reports = False      # a timer reads the report rings
+        self._restarted: dict[WorkerHandle, float] = {}   # a respawned worker -> when its predecessor died
 
     # ------------------------------------------------------------- start
 
     def start_version(self, mv: ModelVersion) -> None:
+        log.info("%s loading", mv.label, extra=log_fields(mv.name, mv.version))
+        mv.stats.loading_since = since = time.monotonic()
         for handle in self.supervisor.spawn_instances(mv):
             self._watch(handle)
+        self.loop.call_later(LOADING_NOTICE_S, lambda: self._still_loading(mv, since))
+
+    def _still_loading(self, mv: ModelVersion, since: float) -> None:
+        if mv.state != LOADING or mv.stats.loading_since != since:
+            return
+        ready = sum(w.state != STARTING for w in mv.workers)
+        total = len(mv.workers) + len(mv.deferred)
+        log.info("still loading %s (%.0f s; %d of %d instances ready)", mv.label, time.monotonic() - since,
+                 ready, total, extra=log_fields(mv.name, mv.version))
+        self.loop.call_later(LOADING_NOTICE_S, lambda: self._still_loading(mv, since))
 
     def _watch(self, h: WorkerHandle) -> None:
         self.loop.watch(h.sock.fileno(), lambda: self._on_message(h))
@@ -89,7 +103,7 @@ class Instances:
 
     def _kill_if_still_loading(self, h: WorkerHandle, limit: float) -> None:
         if h.state == STARTING and h.process.exitcode is None:
-            log.error("%s did not finish loading within %g s; killing it", h.label, limit)
+            log.error("%s did not finish loading within %g s; killing it", h.label, limit, extra=_fields(h))
             h.load_timed_out = limit
             h.process.kill()           # the sentinel fails its version
 
@@ -97,7 +111,7 @@ class Instances:
         """A retired version's workers are all gone: drop what it shared."""
         unlink_segment(self.supervisor.weights_segment(mv))
         self.answers.flush_held(mv)
-        log.info("%s unloaded", mv.label)
+        log.info("%s unloaded", mv.label, extra=log_fields(mv.name, mv.version))
 
     # ------------------------------------------------------------- run
 
@@ -180,7 +194,8 @@ class Instances:
 
     def _kill_if_hung(self, worker: WorkerHandle, batch_id: int, limit: float) -> None:
         if worker.state == BUSY and worker.batch_id == batch_id and worker.batch is not None:
-            log.error("%s exceeded the execution timeout of %g s; killing it", worker.label, limit)
+            log.error("%s exceeded the execution timeout of %g s; killing it", worker.label, limit,
+                      extra=_fields(worker))
             worker.timed_out = limit
             worker.process.kill()      # the sentinel answers its requests and respawns it
 
@@ -285,11 +300,18 @@ class Instances:
         h.state = IDLE
         mv.idle.append(h)
         log.debug("%s ready (pid %s, %s)", h.label, msg.pid, msg.device)
+        died = self._restarted.pop(h, None)
+        if died is not None:
+            log.info("%s restarted, READY in %.2f s", h.label, time.monotonic() - died, extra=_fields(h))
         for later in self.supervisor.spawn_deferred(mv):
             self._watch(later)
         if mv.state == LOADING and not mv.deferred and all(w.state != STARTING for w in mv.workers):
             mv.state = READY
-            log.info("%s READY (%d instance%s)", mv.label, len(mv.workers), "" if len(mv.workers) == 1 else "s")
+            stats = mv.stats
+            stats.load_seconds = time.monotonic() - stats.loading_since
+            count = len(mv.workers)
+            log.info("%s READY (%d instance%s) in %.2f s", mv.label, count, "" if count == 1 else "s",
+                     stats.load_seconds, extra=log_fields(mv.name, mv.version))
             self.events.settled(mv)
         self.events.idle(mv)
 
@@ -336,7 +358,7 @@ class Instances:
         first = mv.state != UNAVAILABLE
         mv.fail(reason)
         if first:
-            log.error("%s is UNAVAILABLE: %s", mv.label, reason)
+            log.error("%s is UNAVAILABLE: %s", mv.label, reason, extra=log_fields(mv.name, mv.version))
         self.fail_queued(mv, TorchpoolError(errors.UNAVAILABLE, f"{mv.label} is not available: {reason}"))
         for w in list(mv.workers):
             if w.process.exitcode is None:
@@ -351,6 +373,7 @@ class Instances:
         self.loop.unwatch(h.sentinel)
         self.loop.unwatch(h.sock.fileno())
         was = h.state
+        self._restarted.pop(h, None)
         how = self.supervisor.reap(h)
         self.answers.worker_gone(h)
         mv = h.mv
@@ -393,8 +416,8 @@ class Instances:
             else:
                 self.version_failed(mv, f"instance '{h.spec.instance}' {how} while loading")
             return
-        log.error("%s %s; restarting it", h.label, how)
-        mv.stats.worker_restarts += 1
+        log.error("%s %s; restarting it", h.label, how, extra=_fields(h))
+        mv.stats.count_restart(h.spec.instance)
         # A crash loop is crashes with no successful execution in between: a
         # model that serves between crashes (a bad input now and then, an OOM
         # kill) is restarted for ever, with backoff; one that never gets a
@@ -405,12 +428,15 @@ class Instances:
                                     f"times without a successful execution in between (last: {how})")
             return
         delay = min(0.1 * 2 ** (mv.consecutive_crashes - 1), 10.0)
-        self.loop.call_later(delay, lambda: self._respawn(mv, h.spec.instance, h.spec.device))
+        died = time.monotonic()
+        self.loop.call_later(delay, lambda: self._respawn(mv, h.spec.instance, h.spec.device, died))
 
-    def _respawn(self, mv: ModelVersion, instance: str, device: str) -> None:
+    def _respawn(self, mv: ModelVersion, instance: str, device: str, died: float) -> None:
         if self.events.stopping() or mv.state in (UNAVAILABLE, UNLOADING):
             return
-        self._watch(self.supervisor.spawn(mv, instance, device))
+        handle = self.supervisor.spawn(mv, instance, device)
+        self._restarted[handle] = died
+        self._watch(handle)
 
     # ------------------------------------------------------------- stop
 
@@ -442,3 +468,8 @@ class Instances:
         """Batches of `mv` its workers have (running, or sent ahead), and
         direct paths being closed (a direct request may run on them)."""
         return sum((h.batch is not None) + (h.ahead is not None) + h.closing_paths for h in mv.workers)
+
+
+def _fields(h: WorkerHandle) -> dict:
+    """A log record's fields for one instance (logs.log_fields)."""
+    return log_fields(h.spec.model, h.spec.version, h.spec.instance)

@@ -1,7 +1,9 @@
 """Prometheus metrics, in Triton's names and labels, and health probes on one HTTP port.
 
-    GET /metrics           Prometheus text format: Triton's nv_inference_* metrics
-                           (docs/metrics.md) plus torchpool_* extras
+    GET /metrics           Prometheus text format: Triton's nv_inference_* and
+                           nv_model_* metrics (docs/metrics.md) plus torchpool_*
+                           extras: model states, each worker's restarts, CPU
+                           and memory
     GET /v2/health/live    200 when the daemon runs
     GET /v2/health/ready   200 when every model is ready (Triton's strict readiness)
 
@@ -20,13 +22,19 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 from .frontend import AddressInUse
 from .options import ServerOptions
-from .stats import FAILURE_REASONS, Duration, LatencyWindow, VersionStats, keep_latency_windows
+from .registry import LOADING, READY, UNAVAILABLE, UNLOADING
+from .stats import (FAILURE_REASONS, Duration, LatencyHistogram, LatencyWindow, VersionStats,
+                    keep_latency_histograms, keep_latency_windows)
+from .usage import instance_rows
+
+if TYPE_CHECKING:
+    from .registry import Registry
 
 log = logging.getLogger("torchpool.broker")
 
@@ -37,6 +45,12 @@ DEFAULT_QUANTILES: tuple[tuple[float, float], ...] = (
     (0.5, 0.05), (0.9, 0.01), (0.95, 0.001), (0.99, 0.001), (0.999, 0.001))
 # prometheus-cpp's Summary default, which Triton keeps: quantiles of the last 60 s
 SUMMARY_MAX_AGE_S = 60.0
+# histogram_latencies=true: upper bounds of the buckets, in ms (Triton's unit
+# for histograms). Triton's own (100, 500, 2000, 5000 ms) are for generative
+# models; these reach down to a small TorchScript model's tens of us.
+HISTOGRAM_BUCKETS_MS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500,
+                        5000, 10000)
+MODEL_STATES = (LOADING, READY, UNAVAILABLE, UNLOADING)     # torchpool_model_state's `state` values
 
 
 # ------------------------------------------------------------ --metrics-config
@@ -50,10 +64,7 @@ class MetricsConfig:
     counter_latencies: bool = True       # the nv_inference_*_duration_us counters
     summary_latencies: bool = False      # the nv_inference_*_summary_us summaries
     summary_quantiles: tuple[tuple[float, float], ...] = DEFAULT_QUANTILES
-    # Accepted for Triton's command lines; changes nothing: Triton's only latency
-    # histogram (nv_inference_first_response_histogram_ms) is for decoupled
-    # models, and torchpool serves none.
-    histogram_latencies: bool = False
+    histogram_latencies: bool = False    # the *_histogram_ms histograms (_HISTOGRAMS)
 
 
 KNOWN_SETTINGS = ("counter_latencies", "histogram_latencies", "summary_latencies", "summary_quantiles")
@@ -102,6 +113,8 @@ def configure_metrics(items: Iterable[str]) -> MetricsConfig:
     model version exists."""
     config = parse_metrics_config(items)
     keep_latency_windows(SUMMARY_MAX_AGE_S if config.summary_latencies else None)
+    keep_latency_histograms(tuple(round(ms * 1000) for ms in HISTOGRAM_BUCKETS_MS)
+                            if config.histogram_latencies else None)
     return config
 
 
@@ -167,17 +180,66 @@ _LATENCIES: tuple[tuple[str, str, str], ...] = (
                        "requests)", "compute_output"),
 )
 
-# Rows: (model, version, VersionStats, pending requests); shm: {state: bytes}
-Snapshot = tuple[list[tuple[str, int, VersionStats, int]], dict]
+# Triton's one histogram is a request's time to its first response: for the
+# models torchpool serves, which answer each request once, its duration.
+# Triton has no histogram of the other latencies; these are torchpool's.
+_HISTOGRAMS = {
+    "request": ("nv_inference_first_response_histogram_ms",
+                "Histogram of end-to-end inference request to the first response time in milliseconds"),
+    **{kind: (f"torchpool_inference_{kind}_histogram_ms",
+              "Histogram of " + doc.replace("microseconds", "milliseconds"))
+       for kind, doc, _ in _LATENCIES[1:]},
+}
+
+VersionRow = tuple[str, int, VersionStats, int]   # model, version, its statistics, pending requests
 
 
-def render_metrics(rows: list[tuple[str, int, VersionStats, int]], shm: dict, config: MetricsConfig,
-                   now: Optional[float] = None) -> bytes:
+@dataclass
+class MetricsSnapshot:
+    """What a scrape reads from the broker, taken on the scrape's thread."""
+    versions: list[VersionRow]
+    shm: dict                                      # {state: bytes}
+    states: list[tuple[str, str, str]] = field(default_factory=list)   # model, version ("" if none), state
+    # model, version, usage.instance_row, and the version's restarts per instance
+    instances: list[tuple[str, int, dict]] = field(default_factory=list)
+    restarts: list[tuple[str, int, dict]] = field(default_factory=list)
+
+
+def take_snapshot(registry: Optional["Registry"], pending: Callable[[Any], int], shm: dict) -> MetricsSnapshot:
+    """The broker's state for a scrape. The loop runs meanwhile: every list is
+    copied before it is walked. A version loading or retiring beside the
+    serving one of the same number is left out (its series would repeat the
+    serving one's labels)."""
+    snap = MetricsSnapshot([], shm)
+    if registry is None:
+        return snap
+    seen = set()
+    for mv in list(registry.all_versions()):      # the serving generation first
+        key = (mv.name, mv.version)
+        if key in seen:
+            continue
+        seen.add(key)
+        workers = list(mv.workers)
+        snap.versions.append((mv.name, mv.version, mv.stats, pending(mv)))
+        snap.instances += [(mv.name, mv.version, row) for row in instance_rows(workers, mv.stats.restarts)]
+        names = {h.spec.instance for h in workers} | set(mv.stats.restarts)
+        snap.restarts.append((mv.name, mv.version, {n: mv.stats.restarts.get(n, 0) for n in sorted(names)}))
+    for model in list(registry.models.values()):
+        if model.unloaded:
+            continue          # unloaded on purpose: nothing to alert on
+        versions = list(model.versions.items())
+        if model.error or not versions:
+            snap.states.append((model.name, "", UNAVAILABLE))
+        snap.states += [(model.name, str(v), mv.state) for v, mv in sorted(versions)]
+    return snap
+
+
+def render_metrics(snap: MetricsSnapshot, config: MetricsConfig, now: Optional[float] = None) -> bytes:
     """The /metrics page: Triton's per-model families, then torchpool's."""
     now = time.monotonic() if now is None else now
     out = Exposition()
     keyed = [((("model", model), ("version", str(version))), stats, pending)
-             for model, version, stats, pending in rows]
+             for model, version, stats, pending in snap.versions]
 
     def per_version(name: str, kind: str, doc: str, value: Callable[[VersionStats, int], float]) -> None:
         out.family(name, kind, doc)
@@ -208,12 +270,71 @@ def render_metrics(rows: list[tuple[str, int, VersionStats, int]], shm: dict, co
         for kind, doc, counter in _LATENCIES:
             _summary(out, f"nv_inference_{kind}_summary_us", f"Summary of {doc}", keyed, kind, counter,
                      config.summary_quantiles, now)
-    per_version("torchpool_worker_restarts", "counter", "Worker processes restarted after a crash",
-                lambda s, _: s.worker_restarts)
-    out.family("torchpool_shm_bytes", "gauge", "Broker shared memory")
-    for state, value in shm.items():
-        out.sample("torchpool_shm_bytes", (("state", state),), value)
+    if config.histogram_latencies:
+        for kind, (name, doc) in _HISTOGRAMS.items():
+            _histogram(out, name, doc, keyed, kind)
+    out.family("nv_model_load_duration_secs", "gauge", "Model load time in seconds")
+    for labels, stats, _ in keyed:
+        if stats.load_seconds is not None:
+            out.sample("nv_model_load_duration_secs", labels, round(stats.load_seconds, 6))
+    _torchpool_families(out, snap)
     return out.render()
+
+
+def _torchpool_families(out: Exposition, snap: MetricsSnapshot) -> None:
+    out.family("torchpool_model_state", "gauge",
+               "1 for the state each model version is in (LOADING, READY, UNAVAILABLE, UNLOADING), 0 for the "
+               "others; version \"\" for a model with none (its configuration did not load)")
+    for model, version, state in snap.states:
+        for each in MODEL_STATES:
+            out.sample("torchpool_model_state", (("model", model), ("state", each), ("version", version)),
+                       int(each == state))
+    out.family("torchpool_worker_restarts", "counter",
+               "Worker processes of a model instance restarted after a crash or an execution timeout")
+    for model, version, counts in snap.restarts:
+        for instance, count in counts.items():
+            out.sample("torchpool_worker_restarts", _instance_labels(model, version, instance), count)
+    rows = [(_instance_labels(model, version, row["name"]), row) for model, version, row in snap.instances]
+    for name, kind, doc, key in (
+            ("torchpool_worker_cpu_seconds", "counter", "CPU time (user and system) of the worker process",
+             "cpu_s"),
+            ("torchpool_worker_rss_bytes", "gauge", "Resident memory of the worker process (pages it shares "
+                                                     "with other workers counted whole)", "rss_bytes"),
+            ("torchpool_worker_pss_bytes", "gauge", "Proportional set size of the worker process (its share "
+                                                     "of each page it maps): what adds up across workers",
+             "pss_bytes")):
+        out.family(name, kind, doc)
+        for labels, row in rows:
+            if row[key] is not None:
+                out.sample(name, labels, row[key])
+    out.family("torchpool_shm_bytes", "gauge", "Broker shared memory")
+    for state, value in snap.shm.items():
+        out.sample("torchpool_shm_bytes", (("state", state),), value)
+
+
+def _instance_labels(model: str, version: int, instance: str) -> Labels:
+    # not `instance`: Prometheus gives every sample the `instance` of its scrape
+    # target, and would rename ours `exported_instance`
+    return (("model", model), ("model_instance", instance), ("version", str(version)))
+
+
+def _histogram(out: Exposition, name: str, doc: str, keyed: list, kind: str) -> None:
+    """One histogram family: cumulative buckets (`le` in ms), _sum (ms) and
+    _count, from one copy of each version's counts."""
+    out.family(name, "histogram", doc)
+    for labels, stats, _ in keyed:
+        windows = stats.windows
+        h: Optional[LatencyHistogram] = getattr(windows, kind).histogram if windows is not None else None
+        if h is None:
+            continue
+        counts, total_us = list(h.counts), h.total_us
+        cumulative = 0
+        for bound_us, count in zip(h.bounds + (None,), counts):
+            cumulative += count
+            le = "+Inf" if bound_us is None else f"{bound_us / 1000:g}"
+            out.sample(f"{name}_bucket", labels + (("le", le),), cumulative)
+        out.sample(f"{name}_sum", labels, total_us / 1000)
+        out.sample(f"{name}_count", labels, cumulative)
 
 
 def _summary(out: Exposition, name: str, doc: str, keyed: list, window: str, counter: str,
@@ -223,7 +344,7 @@ def _summary(out: Exposition, name: str, doc: str, keyed: list, window: str, cou
     out.family(name, "summary", doc)
     for labels, stats, _ in keyed:
         windows = stats.windows
-        lw: Optional[LatencyWindow] = getattr(windows, window) if windows is not None else None
+        lw: Optional[LatencyWindow] = getattr(windows, window).window if windows is not None else None
         ordered = sorted(lw.samples(now)) if lw is not None else []
         for q, _error in quantiles:
             out.sample(name, labels + (("quantile", _number(q)),), quantile(ordered, q))
@@ -235,12 +356,11 @@ def _summary(out: Exposition, name: str, doc: str, keyed: list, window: str, cou
 # ------------------------------------------------------------------ server
 
 class MetricsServer:
-    def __init__(self, host: str, port: int, snapshot: Callable[[], Snapshot],
+    def __init__(self, host: str, port: int, snapshot: Callable[[], MetricsSnapshot],
                  live: Callable[[], bool], ready: Callable[[], bool],
                  config: MetricsConfig = MetricsConfig()) -> None:
         def metrics() -> bytes:
-            rows, shm = snapshot()
-            return render_metrics(rows, shm, config)
+            return render_metrics(snapshot(), config)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
@@ -277,7 +397,7 @@ class MetricsServer:
         self.httpd.server_close()
 
 
-def serve_metrics(options: ServerOptions, snapshot: Callable[[], Snapshot], live: Callable[[], bool],
+def serve_metrics(options: ServerOptions, snapshot: Callable[[], MetricsSnapshot], live: Callable[[], bool],
                   ready: Callable[[], bool], config: MetricsConfig) -> Optional[MetricsServer]:
     """The daemon's metrics and health server, started (None without --metrics-port)."""
     o = options

@@ -197,7 +197,7 @@ class Registry:
             model = self.model(name)
             wanted = self.version_of(model, version)
             versions = [mv for v, mv in sorted(model.versions.items()) if wanted is None or v == wanted]
-        return {"model_stats": [mv.stats.to_triton(mv.name, mv.version) for mv in versions]}
+        return {"model_stats": [mv.stats.to_triton(mv.name, mv.version, mv.workers) for mv in versions]}
 
     def repository_index(self) -> list[dict]:
         index = []

@@ -71,7 +71,7 @@ from .local_channel import LocalChannel, resolve_path
 from ..protocol.validation import TensorLimits
 from .loop import Loop
 from .gateways import GatewayProcess
-from .metrics import MetricsServer, configure_metrics, serve_metrics
+from .metrics import MetricsServer, MetricsSnapshot, configure_metrics, serve_metrics, take_snapshot
 from .model_control import EXPLICIT, POLL, ModelControl, fingerprint
 from .options import ServerOptions
 from .deadlines import SchedulerDeadlines
@@ -187,7 +187,8 @@ class Server:
         self.intake = Intake(self.frontend, self.registry, self.sessions, self.control, self.answers,
                              self.transfer, self._dispatch, lambda: self.should_exit,
                              remote_model_control=o.remote_model_control, limits=limits,
-                             direct=direct, catch_up=self.instances.catch_up)
+                             direct=direct, catch_up=self.instances.catch_up,
+                             max_header_bytes=o.max_header_bytes)
         for sock in self.frontend.sockets:
             self.loop.watch(sock, lambda sock=sock: self.intake.on_readable(sock))
         self.frontend.watch_connections(self.loop)
@@ -438,13 +439,11 @@ class Server:
         if self.intake is not None and self.intake.direct is not None:
             self.intake.direct.close_all(self.sessions.sessions.values())
 
-    def _metrics_snapshot(self) -> tuple[list, dict]:
+    def _metrics_snapshot(self) -> MetricsSnapshot:
         # pending: accepted, not started (Triton's nv_inference_pending_request_count)
-        versions = list(self.registry.all_versions()) if self.registry is not None else []
-        rows = [(mv.name, mv.version, mv.stats, self.instances.pending(mv)) for mv in versions]
         shm = {"input_mapped": self.arena.mapped_bytes, "input_used": self.arena.used_bytes,
                "client_arenas": sum(s.arena_bytes for s in list(self.sessions.sessions.values()))}
-        return rows, shm
+        return take_snapshot(self.registry, lambda mv: self.instances.pending(mv), shm)
 
     def _announce_if_ready(self) -> None:
         if not self.service.starting or self.registry.loading():

@@ -6,16 +6,20 @@ Triton reports them.
 
 With Triton's latency summaries switched on (--metrics-config
 summary_latencies=true) each version also keeps the latencies of its recent
-requests in bounded windows, read at scrape time for quantiles. Off (the
+requests in bounded windows, read at scrape time for quantiles; with
+histogram_latencies=true it counts them into histogram buckets. Both off (the
 default), that costs the hot path one `is None` test.
 """
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Optional
+from typing import Iterable, Optional
+
+from .usage import instance_rows
 
 # Triton's failure reasons, the `reason` label of nv_inference_request_failure:
 # refused after it was queued (its timeout passed), cancelled, failed by the
@@ -56,6 +60,7 @@ class LatencyWindow:
     calls (list(), extend), which the GIL does not interleave with appends."""
 
     __slots__ = ("step", "cap", "buckets", "current", "rotate_at")
+    histogram = None                   # (a WindowAndHistogram has one too)
 
     def __init__(self, max_age: float, now: float, buckets: int = 5, cap: int = 1024) -> None:
         self.step = max_age / buckets
@@ -72,6 +77,10 @@ class LatencyWindow:
             self.current.append(us)
         else:
             self.current.extend(repeat(us, min(times, self.cap)))
+
+    @property
+    def window(self) -> "LatencyWindow":
+        return self
 
     def _rotate(self, now: float) -> None:
         steps = int((now - self.rotate_at) / self.step) + 1
@@ -92,19 +101,61 @@ class LatencyWindow:
         return out
 
 
+class LatencyHistogram:
+    """Latencies (us) counted into buckets of fixed upper bounds (a Prometheus
+    histogram): unlike a summary's quantiles, buckets add up across versions,
+    daemons and hosts. Only the broker thread writes; a scrape copies."""
+
+    __slots__ = ("bounds", "counts", "total_us")
+    window = None                      # (a WindowAndHistogram has one too)
+
+    def __init__(self, bounds_us: tuple[int, ...]) -> None:
+        self.bounds = bounds_us                  # ascending; the last bucket is +Inf
+        self.counts = [0] * (len(bounds_us) + 1)
+        self.total_us = 0
+
+    @property
+    def histogram(self) -> "LatencyHistogram":
+        return self
+
+    def observe(self, us: int, now: float, times: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, us)] += times      # the first bound >= us
+        self.total_us += us * times
+
+
+class WindowAndHistogram:
+    """A window and a histogram of the same latency."""
+
+    __slots__ = ("window", "histogram")
+
+    def __init__(self, window: LatencyWindow, histogram: LatencyHistogram) -> None:
+        self.window, self.histogram = window, histogram
+
+    def observe(self, us: int, now: float, times: int = 1) -> None:
+        self.window.observe(us, now, times)
+        self.histogram.observe(us, now, times)
+
+
 class LatencyWindows:
-    """One version's windows, one per latency Triton summarises."""
+    """What one version records of each latency Triton summarises beyond its
+    counter: a window (summaries), a histogram, or both; each has
+    `observe(us, now, times)`, `.window` and `.histogram` (None if not kept)."""
 
     __slots__ = ("request", "queue", "compute_input", "compute_infer", "compute_output")
 
-    def __init__(self, max_age: float, now: float) -> None:
+    def __init__(self, max_age: Optional[float], now: float,
+                 histogram_bounds: Optional[tuple[int, ...]] = None) -> None:
         for name in self.__slots__:
-            setattr(self, name, LatencyWindow(max_age, now))
+            window = LatencyWindow(max_age, now) if max_age is not None else None
+            histogram = LatencyHistogram(histogram_bounds) if histogram_bounds is not None else None
+            setattr(self, name, WindowAndHistogram(window, histogram) if window and histogram
+                    else window or histogram)
 
 
-# Summaries are a process-wide setting, as in Triton: chosen at startup
-# (metrics.configure_metrics), before any model version exists
+# Summaries and histograms are process-wide settings, as in Triton: chosen at
+# startup (metrics.configure_metrics), before any model version exists
 _window_age: Optional[float] = None
+_histogram_bounds: Optional[tuple[int, ...]] = None
 
 
 def keep_latency_windows(max_age: Optional[float]) -> None:
@@ -114,8 +165,17 @@ def keep_latency_windows(max_age: Optional[float]) -> None:
     _window_age = max_age
 
 
+def keep_latency_histograms(bounds_us: Optional[tuple[int, ...]]) -> None:
+    """From now on, new VersionStats count latencies into buckets of these
+    upper bounds in us (None: no histograms)."""
+    global _histogram_bounds
+    _histogram_bounds = bounds_us
+
+
 def _new_windows() -> Optional[LatencyWindows]:
-    return None if _window_age is None else LatencyWindows(_window_age, time.monotonic())
+    if _window_age is None and _histogram_bounds is None:
+        return None
+    return LatencyWindows(_window_age, time.monotonic(), _histogram_bounds)
 
 
 @dataclass
@@ -129,12 +189,20 @@ class VersionStats:
     inference_count: int = 0          # requests' batch items served
     execution_count: int = 0          # model executions (batches)
     last_inference_ms: int = 0
-    worker_restarts: int = 0
+    worker_restarts: int = 0          # of all its instances
+    restarts: Counter = field(default_factory=Counter)        # instance name -> its restarts
+    loading_since: float = 0.0        # monotonic: when its instances started loading
+    load_seconds: Optional[float] = None    # from then until the version was READY
     batches: dict[int, BatchStats] = field(default_factory=dict)
     batch_sizes: Counter = field(default_factory=Counter)
     # failed requests per Triton reason (fail.count is their sum)
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
     windows: Optional[LatencyWindows] = field(default_factory=_new_windows, repr=False, compare=False)
+
+    def count_restart(self, instance: str) -> None:
+        """Instance `instance`'s worker died and is being restarted."""
+        self.worker_restarts += 1
+        self.restarts[instance] += 1
 
     def record_failure(self, ns: int, reason: str) -> None:
         """A request failed after `ns`, for `reason` (one of FAILURE_REASONS)."""
@@ -168,7 +236,10 @@ class VersionStats:
             windows.compute_infer.observe(infer_ns // 1000, now, requests)
             windows.compute_output.observe(output_ns // 1000, now, requests)
 
-    def to_triton(self, name: str, version: int) -> dict:
+    def to_triton(self, name: str, version: int, workers: Iterable = ()) -> dict:
+        """Triton's model_stats entry, and torchpool's extensions: the restarts
+        and the version's live `workers` (supervisor.WorkerHandles) as
+        `instances` (usage.instance_row)."""
         return {
             "name": name,
             "version": str(version),
@@ -189,4 +260,5 @@ class VersionStats:
                 for size, b in sorted(self.batches.items())
             ],
             "worker_restarts": self.worker_restarts,
+            "instances": instance_rows(workers, self.restarts),
         }

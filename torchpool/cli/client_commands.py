@@ -1,4 +1,4 @@
-"""The client commands: `torchpool infer | models | metadata | stats`.
+"""The client commands: `torchpool infer | models | metadata | stats | ps`.
 
 Each is a client of a running daemon (`--url`). Before the first call the
 address is tried with a plain connect, so a daemon that is not running is
@@ -14,8 +14,9 @@ import errno
 import json
 import os
 import socket
+import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from .errors import FAILURE, CliError
 from .inputs import input_value, output_row, parse_specs
@@ -23,6 +24,9 @@ from .preflight import reason
 from .urls import check_url, tcp_host_port
 
 CONNECT_TIMEOUT = 5.0
+# `ps` asks again this long for the PSS of workers the daemon had not read yet
+# (it reads PSS on a thread of its own, at once for a worker asked about first)
+PSS_WAIT_S = 3.0
 
 
 def check_reachable(url: str) -> None:
@@ -137,6 +141,49 @@ def run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_ps(args: argparse.Namespace) -> int:
+    with connected(args) as client:
+        rows = instance_rows(client.statistics(args.model, args.version))
+        deadline = time.monotonic() + PSS_WAIT_S
+        while any(row["pss_bytes"] is None for row in rows) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            rows = instance_rows(client.statistics(args.model, args.version))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(table(("MODEL", "VERSION", "INSTANCE", "PID", "DEVICE", "STATE", "RESTARTS", "UPTIME", "CPU", "PSS"),
+                [(r["model"], r["version"], r["name"], r["pid"], r["device"], r["state"], r["restarts"],
+                  duration(r["uptime_s"]), "-" if r["cpu_s"] is None else f"{r['cpu_s']:.2f} s",
+                  size(r["pss_bytes"])) for r in rows]))
+    return 0
+
+
+def instance_rows(stats: dict) -> list[dict]:
+    """Every worker of a statistics answer (its `instances` extension), with
+    its model and version, in the answer's order."""
+    return [{"model": s["name"], "version": s["version"], **row}
+            for s in stats.get("model_stats", []) for row in s.get("instances", [])]
+
+
+def duration(seconds: float) -> str:
+    """An uptime for people: 42s, 12m05s, 3h07m, 2d04h."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def size(n: Optional[int]) -> str:
+    """Bytes for people, in MiB or GiB; '-' when unknown."""
+    if n is None:
+        return "-"
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
 def average_us(total_ns: int, count: int) -> str:
     """An average duration for people: '-' when nothing was counted."""
     if not count:
@@ -152,4 +199,5 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
-__all__ = ["average_us", "check_reachable", "run_infer", "run_metadata", "run_models", "run_stats", "table"]
+__all__ = ["average_us", "check_reachable", "duration", "instance_rows", "run_infer", "run_metadata", "run_models",
+           "run_ps", "run_stats", "size", "table"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import socket
 from typing import TYPE_CHECKING
 
-from ..logs import set_process_title
+from ..logs import set_process_fields, set_process_title
 
 if TYPE_CHECKING:
     from .spec import WorkerSpec
@@ -32,6 +32,7 @@ def worker_title(spec: "WorkerSpec") -> str:
 def run_worker(spec: "WorkerSpec", sock: socket.socket) -> None:
     """The multiprocessing target: runs in the forked child."""
     set_process_title(worker_title(spec))
+    set_process_fields(spec.model, spec.version, spec.instance)    # in its JSON log records
     from .process import worker_main
 
     worker_main(spec, sock)

@@ -1,0 +1,69 @@
+"""What a worker process uses, read from /proc (broker/usage.py): CPU and RSS at
+once, PSS on the sampler's thread, never waited for."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+from torchpool.broker.usage import PssSampler, instance_row, instance_rows, read_pss, read_stat
+
+from ..support.daemon import cpu_ticks, wait_for
+
+
+def test_stat_and_pss_of_a_process() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import sys; b = bytearray(64 << 20); sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        def touched() -> bool:
+            usage = read_stat(child.pid)
+            return usage is not None and usage.rss_bytes > 64 << 20
+        wait_for(touched, 30, "the child to touch its 64 MiB")
+        usage = read_stat(child.pid)
+        assert abs(usage.cpu_seconds - cpu_ticks(child.pid) / os.sysconf("SC_CLK_TCK")) < 0.1
+        pss = read_pss(child.pid)
+        # its 64 MiB are its own (counted whole); the interpreter's shared pages only in part
+        assert 64 << 20 < pss <= usage.rss_bytes
+    finally:
+        child.kill()
+        child.wait()
+    assert read_stat(child.pid) is None and read_pss(child.pid) is None      # gone: None, no error
+
+
+def test_sampler_answers_at_once_and_reads_on_its_thread() -> None:
+    sampler = PssSampler(every=0.05, forget_after=0.5)
+    me = os.getpid()
+    assert sampler.pss(me) is None                        # never read yet: not waited for
+    first = wait_for(lambda: sampler.pss(me), 10, "the sampler's first reading")
+    assert abs(first - read_pss(me)) < 32 << 20
+    # nobody asks for longer than forget_after: the reading is dropped
+    wait_for(lambda: me not in sampler._asked, 10, "the sampler to forget an unasked pid")
+    assert sampler.pss(me) is None
+
+
+def test_rows_of_workers() -> None:
+    now = time.monotonic()
+    me = os.getpid()
+    sampler = PssSampler(every=0.05)
+
+    def handle(name: str, state: str, stopping: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(process=SimpleNamespace(pid=me), spec=SimpleNamespace(instance=name, device="cpu"),
+                               state=state, stopping=stopping, started=now - 12.5)
+
+    row = instance_row(handle("m_0", "IDLE"), 2, now, sampler)
+    assert row["name"] == "m_0" and row["pid"] == me and row["device"] == "cpu"
+    assert row["state"] == "READY" and row["restarts"] == 2
+    assert row["uptime_s"] == 12.5 and abs(row["started"] - (time.time() - 12.5)) < 1
+    assert row["cpu_s"] > 0 and row["rss_bytes"] > 0 and row["pss_bytes"] is None
+    rows = instance_rows([handle("m_1", "STARTING"), handle("m_0", "BUSY", stopping=True)], {"m_1": 3}, sampler)
+    assert [(r["name"], r["state"], r["restarts"]) for r in rows] == [("m_0", "STOPPING", 0), ("m_1", "LOADING", 3)]
+
+    class Closed:                     # multiprocessing.Process once closed (reaped)
+        @property
+        def pid(self) -> int:
+            raise ValueError("process object is closed")
+    gone = handle("m_2", "IDLE")
+    gone.process = Closed()
+    assert instance_rows([gone], {}, sampler) == []

@@ -1,0 +1,149 @@
+"""What each worker process is and uses: the rows of `torchpool ps`, of the
+statistics' `instances` extension and of the per-worker metrics.
+
+    /proc/PID/stat          CPU time and resident memory: tens of us to read,
+                            read whenever asked
+    /proc/PID/smaps_rollup  PSS, the process's share of the memory it maps
+                            (torch's pages and shared weights split among the
+                            processes that map them): the kernel walks every
+                            page table for it, milliseconds for a worker that
+                            maps torch, so it is read on PssSampler's thread,
+                            never on the broker's loop
+
+PSS is what to add up across workers: RSS counts the torch pages every worker
+shares with the fork server once per worker.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+# PSS is read again this often while anyone asks for it (Triton polls its
+# CPU and GPU metrics every --metrics-interval-ms, 2000 by default) ...
+PSS_EVERY_S = 2.0
+# ... and a pid nobody asked about for this long is no longer read
+PSS_FORGET_S = 60.0
+
+# WorkerHandle states (supervisor.py) as an operator reads them
+STATES = {"STARTING": "LOADING", "IDLE": "READY", "BUSY": "BUSY", "DEAD": "DEAD"}
+
+
+@dataclass(frozen=True)
+class CpuMemory:
+    cpu_seconds: float      # user + system time of the process so far
+    rss_bytes: int          # resident memory, shared pages counted whole
+
+
+def read_stat(pid: int) -> Optional[CpuMemory]:
+    """CPU time and RSS of `pid` from /proc/PID/stat; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text.rsplit(b")", 1)[1].split()     # after the command name, which may hold spaces
+    # fields[0] is field 3 of proc(5): utime is 14, stime 15, rss (pages) 24
+    return CpuMemory((int(fields[11]) + int(fields[12])) / CLOCK_TICKS, int(fields[21]) * PAGE_BYTES)
+
+
+def read_pss(pid: int) -> Optional[int]:
+    """PSS of `pid` in bytes from /proc/PID/smaps_rollup; None once it is gone
+    (or where it cannot be read: before Linux 4.14, another user's process)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024        # "Pss:  163394 kB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class PssSampler:
+    """The PSS of the pids asked about, read on its own thread: at once for a
+    pid asked about the first time, then every `every` seconds while it is
+    asked about again within `forget_after`. With nobody asking it sleeps.
+    `pss(pid)` never waits: it answers the latest reading (None before the
+    first)."""
+
+    def __init__(self, every: float = PSS_EVERY_S, forget_after: float = PSS_FORGET_S) -> None:
+        self.every, self.forget_after = every, forget_after
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._asked: dict[int, float] = {}          # pid -> when it was last asked about
+        self._pss: dict[int, Optional[int]] = {}    # pid -> its latest reading
+        self._thread: Optional[threading.Thread] = None
+
+    def pss(self, pid: int) -> Optional[int]:
+        with self._lock:
+            self._asked[pid] = time.monotonic()
+            first = pid not in self._pss
+            value = self._pss.get(pid)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="torchpool-pss", daemon=True)
+                self._thread.start()
+        if first:
+            self._wake.set()
+        return value
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                pids = list(self._asked)
+            self._wake.wait(self.every if pids else None)
+            self._wake.clear()
+            with self._lock:
+                now = time.monotonic()
+                for pid, asked in list(self._asked.items()):
+                    if now - asked > self.forget_after:
+                        del self._asked[pid]
+                        self._pss.pop(pid, None)
+                pids = list(self._asked)
+            for pid in pids:
+                value = read_pss(pid)        # the slow part, outside the lock
+                with self._lock:
+                    if pid in self._asked:
+                        self._pss[pid] = value
+
+
+# One per process, as the workers it reads are the daemon's: the statistics
+# call (the loop's thread) and the metrics scrape (its own) ask the same one.
+PSS = PssSampler()
+
+
+def instance_row(h: Any, restarts: int, now: float, sampler: PssSampler = PSS) -> Optional[dict]:
+    """One worker (a supervisor.WorkerHandle: not imported, the registry
+    imports this module) as `torchpool ps` shows it; None when its process has
+    just been reaped (the metrics thread reads handles while the loop runs)."""
+    try:
+        pid = h.process.pid
+    except ValueError:                # closed: reaped since the caller listed it
+        return None
+    usage = read_stat(pid)
+    uptime = now - h.started
+    return {
+        "name": h.spec.instance, "pid": pid, "device": h.spec.device,
+        "state": "STOPPING" if h.stopping else STATES.get(h.state, h.state),
+        "restarts": restarts,
+        "started": round(time.time() - uptime, 3), "uptime_s": round(uptime, 3),
+        "cpu_s": None if usage is None else round(usage.cpu_seconds, 2),
+        "rss_bytes": None if usage is None else usage.rss_bytes,
+        "pss_bytes": sampler.pss(pid),
+    }
+
+
+def instance_rows(workers: Iterable[Any], restarts: dict, sampler: PssSampler = PSS) -> list[dict]:
+    """The rows of a version's live workers, by instance name; `restarts` is
+    its restarts per instance (VersionStats.restarts)."""
+    now = time.monotonic()
+    rows = [instance_row(h, restarts.get(h.spec.instance, 0), now, sampler) for h in list(workers)]
+    return sorted((row for row in rows if row is not None), key=lambda row: row["name"])
+
+
+__all__ = ["CpuMemory", "PSS", "PssSampler", "STATES", "instance_row", "instance_rows", "read_pss",
+           "read_stat"]
