@@ -131,9 +131,6 @@ def _add_security_flags(serve: argparse.ArgumentParser) -> None:
             ("--max-connections", "max_connections", int,
              "client connections in all (ipc://, tcp://, local side channel); more are closed "
              "as they come; 0: the open-files limit less a quarter"),
-            ("--max-header-bytes", "max_header_bytes", _size,
-             "bytes of one request's header frame (small fields and tensors inline up to 64 KiB "
-             "each); a larger one is refused before it is decoded"),
             ("--max-bytes-elements", "max_bytes_elements", int, "elements of one BYTES tensor"),
             ("--max-bytes-tensor-bytes", "max_bytes_tensor_bytes", _size, "bytes of one BYTES tensor")):
         sec.add_argument(flag, dest=name, type=kind, default=_default(name),
@@ -197,6 +194,14 @@ def _add_client_commands(sub: Any) -> None:
     stats.add_argument("--json", action="store_true", help="Triton's statistics JSON")
     _add_client_flags(stats)
     stats.set_defaults(func=_run("client_commands", "run_stats"))
+
+    ps = sub.add_parser("ps", help="the worker processes: which model, version and instance each serves, "
+                                   "its state, restarts, uptime, CPU time and memory (PSS)")
+    ps.add_argument("model", nargs="?", help="only this model's workers (default all)")
+    ps.add_argument("--version", help="only this version's")
+    ps.add_argument("--json", action="store_true", help="the rows as JSON, with RSS and the start time too")
+    _add_client_flags(ps)
+    ps.set_defaults(func=_run("client_commands", "run_ps"))
 
 
 def _add_perf(sub: Any) -> None:
