@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-host", default=_default("metrics_host"))
     serve.add_argument("--metrics-config", action="append", metavar="KEY=VALUE",
                        help="Triton's metrics options, e.g. summary_latencies=true, "
-                            "summary_quantiles=0.5:0.05,0.99:0.001; repeatable")
+                            "histogram_latencies=true, summary_quantiles=0.5:0.05,0.99:0.001 "
+                            "(docs/metrics.md); repeatable")
     serve.add_argument("--http-port", type=int, default=_default("http_port"),
                        help="serve KServe v2 / Triton HTTP/REST on this port (Triton's 8000); "
                             "a gateway process that is a local client of this daemon")
