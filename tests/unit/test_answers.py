@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from collections import Counter
 
@@ -170,7 +171,21 @@ def test_a_client_cannot_release_what_was_lent_to_another_session(rig: Rig) -> N
     req.session, req.output_shm = victim, True
     victim.in_flight = 1
     rows = np.arange(8192, dtype=np.float32).reshape(1, 8192)      # 32 KiB: lent, not inline
+    # memory that is not the victim's own lending area is never lent: it goes as bytes
     outputs = rig.outputs(rows)
+    rig.answers.complete(mv, Batch([req], 1, 1, [], ["OUTPUT__0"]), Executed(outputs, rig.worker))
+    assert "shm" not in rig.receive()["outputs"][0] and victim.loans == 0
+    deadline = time.monotonic() + 5              # its block goes back once the send is done
+    while not rig.worker.releases and time.monotonic() < deadline:
+        rig.answers.collect_finished_sends()
+    assert rig.worker.releases == [list(outputs[0][3:6])]
+    rig.worker.releases.clear()
+    # the worker announced this segment as the victim's area (worker/lending.py)
+    req = rig.request(mv, 2)
+    req.session, req.output_shm = victim, True
+    victim.in_flight = 1
+    outputs = rig.outputs(rows)
+    rig.answers.area_owner[outputs[0][3]] = victim.lend_id
     rig.answers.complete(mv, Batch([req], 1, 1, [], ["OUTPUT__0"]), Executed(outputs, rig.worker))
     segment, offset, nbytes, generation = rig.receive()["outputs"][0]["shm"]
     assert (segment, offset, nbytes) == tuple(outputs[0][3:6]) and victim.loans == 1
