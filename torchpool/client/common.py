@@ -18,6 +18,17 @@ from .watch import ConnectionWatch, timeout_error
 DEFAULT_TIMEOUT = 60.0   # seconds a call waits for the server before giving up
 GOODBYE_WAIT = 1.0       # seconds close() waits for the daemon to acknowledge goodbye
 RECONNECT_MAX_MS = 1000  # the longest wait between two attempts to reach a daemon that is gone
+# tcp:// only. A daemon cut off by the network (its host down, a partition)
+# closes nothing: without a heartbeat a call waits for its whole timeout and
+# cannot tell a dead connection from a slow daemon. ZeroMQ pings every
+# HEARTBEAT_IVL_MS and drops a connection from which nothing came within
+# HEARTBEAT_TIMEOUT_MS of a ping (the daemon's ZeroMQ I/O thread answers
+# however busy the daemon is); its calls then fail UNAVAILABLE, as when a
+# daemon stops. A connect attempt that the network swallows is given up after
+# CONNECT_TIMEOUT_MS and tried again, instead of waiting out TCP's backoff.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
+CONNECT_TIMEOUT_MS = 2000
 
 
 # --- inline requests, with no session (kept for callers that build frames) ---------
@@ -166,6 +177,10 @@ class ClientBase:
             # retry a missing daemon at 0.1, 0.2, 0.4, 0.8 s, then every second:
             # each attempt is a monitor event that waits here until a call reads it
             self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+            if url.startswith("tcp://"):
+                self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+                self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+                self._sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
             if url.startswith("tcp://") and keys is not None:
                 self._sock.curve_serverkey, self._sock.curve_publickey, self._sock.curve_secretkey = keys
             self._watch = ConnectionWatch(ctx, self._sock, url, keys is not None)   # before connect
