@@ -69,13 +69,23 @@ def throughput(make_call, threads: int, seconds: float) -> float:
 
 def load_test(make_call, threads: int, seconds: float) -> dict:
     """Closed-loop callers: requests per second and latency percentiles."""
+    every, elapsed = closed_loop(make_call, threads, seconds)
+    p50, p99 = percentiles(every)
+    return {"rps": len(every) / elapsed, "p50": p50, "p99": p99, "requests": len(every)}
+
+
+def closed_loop(make_call, threads: int, seconds: float, warmup: int = 3) -> tuple[list[float], float]:
+    """`threads` closed-loop callers, each making `warmup` untimed calls
+    first: the seconds of every timed call, and the window's length. The
+    window opens once every caller is warm (a heavy model's warm-up calls
+    would otherwise eat it)."""
     stop = [0.0]
     samples: list[list[float]] = [[] for _ in range(threads)]
-    start = threading.Barrier(threads + 1)
+    start = threading.Barrier(threads + 1, action=lambda: stop.__setitem__(0, time.monotonic() + seconds))
 
     def loop(i: int) -> None:
         call = make_call()
-        for _ in range(3):
+        for _ in range(warmup):
             call()
         start.wait()
         mine = samples[i]
@@ -85,9 +95,7 @@ def load_test(make_call, threads: int, seconds: float) -> dict:
             mine.append(time.perf_counter() - t0)
 
     elapsed = run_window(loop, threads, seconds, start, stop)
-    every = [v for s in samples for v in s]
-    p50, p99 = percentiles(every)
-    return {"rps": len(every) / elapsed, "p50": p50, "p99": p99, "requests": len(every)}
+    return [v for s in samples for v in s], elapsed
 
 
 def run_window(loop: Callable[[int], None], threads: int, seconds: float, start: threading.Barrier,
