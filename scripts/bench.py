@@ -6,8 +6,10 @@ ratios are meaningful even on a noisy 2-core machine.
      tiny add/sub model (2x[1,16] FP32) and a 16 MiB FP32 identity model, over
      ipc:// and tcp://, against calling the same TorchScript model in-process
      and against a raw ZeroMQ DEALER/ROUTER echo of the same bytes;
-  2. startup: time until 20 single-instance models are ready, and the memory
-     (PSS) of the daemon with all its processes;
+  2. many models (bench_many.py): time until 20 and until 100 single-instance
+     models are ready, the memory (PSS) of the daemon with all its processes,
+     the PSS per added model, and where an idle worker's memory goes
+     (`--only many`; --skip-startup leaves it out);
   3. the local shared-memory path (16 MiB identity against two memcpys and
      against inline frames; allocate-in-place; a tiny model local vs inline);
   4. dynamic batching: throughput and p50/p99 latency at concurrency 1, 8 and
@@ -37,7 +39,13 @@ ratios are meaningful even on a noisy 2-core machine.
      polling (`--only cpu` runs this section alone);
   9. TorchServe, PyTriton, the raw echo and the ZeroMQ+shm floor beside
      torchpool on the same models (bench_anchors.py: ../shared/anchors, when
-     $ANCHORS_VENV_ROOT has its venvs; `--only anchors`, --skip-anchors).
+     $ANCHORS_VENV_ROOT has its venvs; `--only anchors`, --skip-anchors);
+ 10. real models built in code (bench_models.py): a ResNet-18 and a
+     BERT-style encoder as TorchScript and .pt2, two instances, with and
+     without dynamic batching, at concurrency 1, 4 and 8 against the same
+     file in one separate Python process with the same threads; and issue
+     27.0's ResNet-18 with the default threads against hand-set ones
+     (`--only models`, --skip-models, --real-models).
 """
 from __future__ import annotations
 
@@ -46,7 +54,6 @@ import json
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,6 +73,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateways import (PyTriton, bench_gateways, free_port, pytriton_python,  # noqa: E402
                             render_gateways, torchpool_pids)
 from bench_local import bench_local, render_local  # noqa: E402
+from bench_many import bench_many, render_many  # noqa: E402
+from bench_models import DEFAULT_NAMES, MODELS, bench_models, render_models  # noqa: E402
 from bench_anchors import bench_anchors, render_anchors  # noqa: E402
 from bench_cpu import bench_cpu, render_cpu  # noqa: E402
 from bench_pt2 import bench_pt2, render_pt2  # noqa: E402
@@ -121,34 +130,6 @@ class Daemon:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(120)
         self._log.close()
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def pss_kib(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 # --------------------------------------------------------------- sections
@@ -269,24 +250,6 @@ def bench_endpoints(daemon: Daemon, http_port: int, grpc_port: int, work: Path, 
     return out
 
 
-def bench_startup(workdir: Path, count: int) -> dict:
-    from torchpool.examples import addsub_repository
-
-    repo = workdir / f"startup{count}"
-    addsub_repository(repo, count)
-    d = Daemon(repo, [f"ipc://{workdir}/startup.sock"], workdir / "startup.log")
-    try:
-        ready = d.wait_ready()
-        pids = descendants(d.proc.pid)
-        pss = {p: pss_kib(p) for p in pids}
-    finally:
-        d.stop()
-    workers = sorted(v for p, v in pss.items() if p != d.proc.pid)
-    return {"models": count, "ready_s": ready, "processes": len(pids),
-            "pss_total_mib": sum(pss.values()) / 1024, "pss_broker_mib": pss.get(d.proc.pid, 0) / 1024,
-            "pss_median_other_mib": statistics.median(workers) / 1024 if workers else 0}
-
-
 # ------------------------------------------------------------------ report
 
 def us(x: float) -> str:
@@ -296,13 +259,16 @@ def us(x: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
-    parser.add_argument("--skip-startup", action="store_true")
+    parser.add_argument("--skip-startup", action="store_true", help="leave out the many-models section")
     parser.add_argument("--skip-pytriton", action="store_true",
                         help="measure torchpool's HTTP/gRPC endpoints without PyTriton beside them")
     parser.add_argument("--skip-pt2", action="store_true", help="leave out the PyTorch 2 section")
     parser.add_argument("--skip-anchors", action="store_true",
                         help="leave out TorchServe/PyTriton/floors beside torchpool (bench_anchors.py)")
-    parser.add_argument("--only", choices=["pt2", "cpu", "anchors"], help="run this section alone")
+    parser.add_argument("--skip-models", action="store_true", help="leave out the real-models section")
+    parser.add_argument("--real-models", default=",".join(DEFAULT_NAMES),
+                        help=f"the real models' section: a comma list of {', '.join(MODELS)} (default %(default)s)")
+    parser.add_argument("--only", choices=["pt2", "cpu", "anchors", "models", "many"], help="run this section alone")
     parser.add_argument("--out", default=str(ROOT / "bench-results"))
     args = parser.parse_args()
     n_small, n_big, secs = (300, 8, 2.0) if args.quick else (3000, 40, 5.0)
@@ -319,6 +285,12 @@ def main() -> int:
         return report(results, args.out)
     if args.only == "anchors":
         results["anchors"] = bench_anchors(Path(args.out), args.quick)
+        return report(results, args.out)
+    if args.only == "models":
+        results["models"] = bench_models(args.quick, args.real_models.split(","))
+        return report(results, args.out)
+    if args.only == "many":
+        results["many"] = bench_many(args.quick)
         return report(results, args.out)
     with tempfile.TemporaryDirectory(prefix="torchpool-bench-") as tmp:
         work = Path(tmp)
@@ -349,11 +321,12 @@ def main() -> int:
             results["sequences"] = bench_sequences(urls["ipc"], secs)
         finally:
             daemon.stop()
-        if not args.skip_startup:
-            print("startup of 20 models ...", flush=True)
-            results["startup"] = bench_startup(work, 20)
+    if not args.skip_startup:
+        results["many"] = bench_many(args.quick)
     if not args.skip_pt2:
         results["pt2"] = bench_pt2(args.quick)
+    if not args.skip_models:
+        results["models"] = bench_models(args.quick, args.real_models.split(","))
     print("CPU per request by process ...", flush=True)
     results["cpu"] = bench_cpu(1000 if args.quick else 5000)
     if not args.skip_anchors:
@@ -377,8 +350,12 @@ def render(r: dict) -> str:
     lines = [f"machine: {r['machine']}, Python {r['python']}, {r['date']}"]
     if "inprocess" in r:
         lines += render_main(r)
+    if "many" in r:
+        lines += render_many(r["many"])
     if "pt2" in r:
         lines += render_pt2(r["pt2"], us)
+    if "models" in r:
+        lines += render_models(r["models"], us)
     if "cpu" in r:
         lines += render_cpu(r["cpu"])
     if "anchors" in r:
@@ -412,11 +389,6 @@ def render_main(r: dict) -> list[str]:
         lines += render_batching(r["batching"], us)
     if "sequences" in r:
         lines += render_sequences(r["sequences"])
-    if "startup" in r:
-        s = r["startup"]
-        lines += ["", f"startup: {s['models']} single-instance models ready in {s['ready_s']:.2f} s; "
-                      f"{s['processes']} processes, PSS {s['pss_total_mib']:.0f} MiB in all "
-                      f"(broker {s['pss_broker_mib']:.0f} MiB, median other process {s['pss_median_other_mib']:.1f} MiB)"]
     return lines
 
 
