@@ -6,7 +6,10 @@ they finish), or an inference, which is validated against its model's
 config (requests.py), admitted and queued by its version's scheduler, and
 dispatched. A burst of messages read together is dispatched once, so that
 batching schedulers see all of it. Nothing a client sends may take the
-daemon down: anything unexpected is answered as a malformed request.
+daemon down: anything unexpected is answered as a malformed request. A
+header over --max-header-bytes is refused before it is decoded: decoding
+runs on the broker's one thread, and one client's 12 MiB headers stalled
+everyone's for seconds.
 """
 from __future__ import annotations
 
@@ -38,8 +41,10 @@ class Intake:
                  control: ModelControl, answers: Answers, transfer: Counter,
                  dispatch: Callable[[ModelVersion], None], stopping: Callable[[], bool],
                  remote_model_control: bool = False, limits: TensorLimits = DEFAULT_LIMITS,
-                 direct: Optional[DirectPaths] = None, catch_up: Callable[[], None] = lambda: None) -> None:
+                 direct: Optional[DirectPaths] = None, catch_up: Callable[[], None] = lambda: None,
+                 max_header_bytes: int = messages.MAX_HEADER_BYTES) -> None:
         self.frontend = frontend
+        self.max_header_bytes = max_header_bytes            # refused unread past it (0: no limit)
         self.direct = direct                                # direct paths to workers (local clients)
         self.catch_up = catch_up                            # reads the workers' reports of them
         self.limits = limits                                # what one BYTES tensor may hold
@@ -117,7 +122,7 @@ class Intake:
         request_id = op = None
         try:
             try:
-                header = messages.decode_header(header_buf)
+                header = messages.decode_header(header_buf, self.max_header_bytes)
             except messages.HeaderError as exc:
                 request_id = exc.request_id          # a readable header's id is echoed
                 raise

@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..protocol.messages import MAX_HEADER_BYTES
 from ..protocol.validation import TensorLimits
 
 MiB = 1 << 20
@@ -72,5 +73,6 @@ class ServerOptions:
     max_in_flight_per_client: int = 1024   # unanswered requests of one ipc process / tcp connection
     max_unread_replies: int = 1024      # replies queued for a connection that does not read
     max_connections: int = 0            # client connections in all; 0: the open-files limit less a quarter
+    max_header_bytes: int = MAX_HEADER_BYTES   # a request's header frame (msgpack), refused unread past it
     max_bytes_elements: int = TensorLimits.max_bytes_elements          # elements of one BYTES tensor
     max_bytes_tensor_bytes: int = TensorLimits.max_bytes_tensor_bytes  # bytes of one BYTES tensor

@@ -187,7 +187,8 @@ class Server:
         self.intake = Intake(self.frontend, self.registry, self.sessions, self.control, self.answers,
                              self.transfer, self._dispatch, lambda: self.should_exit,
                              remote_model_control=o.remote_model_control, limits=limits,
-                             direct=direct, catch_up=self.instances.catch_up)
+                             direct=direct, catch_up=self.instances.catch_up,
+                             max_header_bytes=o.max_header_bytes)
         for sock in self.frontend.sockets:
             self.loop.watch(sock, lambda sock=sock: self.intake.on_readable(sock))
         self.frontend.watch_connections(self.loop)

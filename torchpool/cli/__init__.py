@@ -131,6 +131,9 @@ def _add_security_flags(serve: argparse.ArgumentParser) -> None:
             ("--max-connections", "max_connections", int,
              "client connections in all (ipc://, tcp://, local side channel); more are closed "
              "as they come; 0: the open-files limit less a quarter"),
+            ("--max-header-bytes", "max_header_bytes", _size,
+             "bytes of one request's header frame (small fields and tensors inline up to 64 KiB "
+             "each); a larger one is refused before it is decoded"),
             ("--max-bytes-elements", "max_bytes_elements", int, "elements of one BYTES tensor"),
             ("--max-bytes-tensor-bytes", "max_bytes_tensor_bytes", _size, "bytes of one BYTES tensor")):
         sec.add_argument(flag, dest=name, type=kind, default=_default(name),
