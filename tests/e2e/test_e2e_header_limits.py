@@ -17,7 +17,6 @@ import gc
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Iterator, Optional
@@ -30,6 +29,7 @@ from torchpool.protocol import errors, messages
 
 from ..support.daemon import Daemon, RawConnection, free_tcp_port, wait_for
 from ..support.model_repository import write_plus_one
+from ..support.threads import in_threads
 
 HONEST = 2
 REQUESTS = 150                   # per honest caller and phase
@@ -93,33 +93,26 @@ def test_a_header_over_the_limit_is_refused_unread(header_daemon: Daemon) -> Non
 
 
 def _honest_run(url: str, until: Optional[Path] = None) -> tuple[list[float], int]:
-    """Every honest caller's latencies (s) and its wrong or lost answers:
-    REQUESTS each, and on until the file `until` exists."""
-    latencies: list[list[float]] = [[] for _ in range(HONEST)]
-    wrong = [0] * HONEST
-    failed: list[str] = []
-
-    def caller(i: int) -> None:
-        try:
-            with Client(url, timeout=30, local=False) as c:
-                while len(latencies[i]) < REQUESTS or (until is not None and not until.exists()):
-                    start = time.perf_counter()
-                    y = c.infer("plus_one", {"INPUT__0": X})["OUTPUT__0"]
-                    latencies[i].append(time.perf_counter() - start)
-                    wrong[i] += not bool(np.all(y == X + 1))
-        except Exception as exc:    # a call that got no answer in 30 s: the loop stalled that long
-            failed.append(repr(exc))
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(HONEST)]
+    """Every honest caller's latencies (s) and its wrong answers: REQUESTS
+    each, and on until the file `until` exists. A call that gets no answer in
+    30 s (the loop stalled that long) fails the test."""
+    def caller(i: int) -> tuple[list[float], int]:
+        latencies, wrong = [], 0
+        with Client(url, timeout=30, local=False) as c:
+            while len(latencies) < REQUESTS or (until is not None and not until.exists()):
+                start = time.perf_counter()
+                y = c.infer("plus_one", {"INPUT__0": X})["OUTPUT__0"]
+                latencies.append(time.perf_counter() - start)
+                wrong += not bool(np.all(y == X + 1))
+        return latencies, wrong
     gc.disable()                 # this process's collections are not the daemon's doing
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = in_threads(HONEST, caller)
     finally:
         gc.enable()
+    failed = [repr(r) for r in results if isinstance(r, BaseException)]
     assert not failed, failed
-    return [v for per in latencies for v in per], sum(wrong)
+    return [v for latencies, _ in results for v in latencies], sum(wrong for _, wrong in results)
 
 
 def test_huge_headers_do_not_stall_honest_callers(header_daemon: Daemon, tmp_path: Path) -> None:
