@@ -42,6 +42,7 @@ class AsyncClient(ClientBase):
         self._marks: dict[int, Mark] = {}        # the connection's story when each was sent
         self._reader: Optional[asyncio.Task] = None
         self._watcher: Optional[asyncio.Task] = None
+        self._watched: Optional[tuple] = None       # (loop, fd) the watcher waits on
         self._hello_lock: Optional[asyncio.Lock] = None
 
     async def _read_replies(self) -> None:
@@ -56,11 +57,19 @@ class AsyncClient(ClientBase):
 
     async def _watch_connection(self) -> None:
         """Fail the calls in flight as soon as the monitor says no answer
-        will come (the connection dropped; nobody accepts on the ipc file)."""
+        will come (the connection dropped; nobody accepts on the ipc file).
+        It waits on the monitor's fd, registered with the loop until _stop:
+        a zmq.asyncio shadow of the monitor stayed registered after the
+        monitor closed, and a socket of a later client given the same fd
+        number was then never woken (its replies went unread)."""
         watch = self._watch
-        monitor = zmq.asyncio.Socket.shadow(watch.socket.underlying)   # awaitable; the watch owns it
+        loop = asyncio.get_running_loop()
+        news = asyncio.Event()
+        loop.add_reader(watch.fd, news.set)
+        self._watched = (loop, watch.fd)
         while True:
-            await monitor.poll(None, zmq.POLLIN)
+            await news.wait()
+            news.clear()
             watch.drain()
             for rid, mark in list(self._marks.items()):
                 error = watch.failure(mark)
@@ -193,6 +202,11 @@ class AsyncClient(ClientBase):
             if task is not None:
                 task.cancel()
         self._reader = self._watcher = None
+        if self._watched is not None:       # now: the fd closes with the watch, before the task ends
+            loop, fd = self._watched
+            self._watched = None
+            if not loop.is_closed():
+                loop.remove_reader(fd)
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(InferenceError(errors.CANCELLED, "client closed"))
