@@ -208,6 +208,7 @@ def test_ps_lists_each_instance_of_a_model(daemon: Daemon) -> None:
         [("multi_instance", "1", "multi_instance_0_0", "READY"), ("multi_instance", "1", "multi_instance_0_1", "READY")]
     assert {r["pid"] for r in rows} <= set(descendants(daemon.pid())) and rows[0]["pid"] != rows[1]["pid"]
     assert all(r["pss_bytes"] > 0 and r["rss_bytes"] >= r["pss_bytes"] for r in rows)
+    assert all(r["threads"] >= 1 for r in rows)          # its share of the daemon's CPUs
     every = json.loads(torchpool_command("ps", "--json", "--url", daemon.url).stdout)
     assert {r["pid"] for r in every} <= set(descendants(daemon.pid())) and len(every) > len(rows)
     table = torchpool_command("ps", "--url", daemon.url).stdout.splitlines()

@@ -66,6 +66,10 @@ def test_workers_share_the_cpus_unless_their_model_says(shared: Daemon) -> None:
         for model in ("sets_two", *["shares"] * (2 * SHARED)):        # every instance runs one
             out = c.infer(model, {"INPUT__0": x})["OUTPUT__0"]
             np.testing.assert_allclose(out, x @ x, rtol=1e-3, atol=1e-3)
+        # `torchpool ps` and the statistics' instances say what each got
+        threads = {m: [r["threads"] for r in c.statistics(m)["model_stats"][0]["instances"]]
+                   for m in ("shares", "sets_two")}
+    assert threads == {"shares": [each] * SHARED, "sets_two": [2]}, threads
     explicit = threads_of(worker_pids(shared.log(), "sets_two")[0])
     defaults = {threads_of(pid) for pid in worker_pids(shared.log(), "shares")}
     # the same worker code, so the same other threads: only the pools differ; a

@@ -142,9 +142,11 @@ def test_ps_metrics_and_logs_while_loading_serving_and_restarting(observed) -> N
         assert 0 < row["pss_bytes"] <= row["rss_bytes"]     # the torch pages it shares counted in part
     table = torchpool("ps", "--url", d.url, "good")
     header, line = table.stdout.splitlines()
-    assert header.split() == ["MODEL", "VERSION", "INSTANCE", "PID", "DEVICE", "STATE", "RESTARTS", "UPTIME",
-                              "CPU", "PSS"]
-    assert line.split()[:7] == ["good", "1", "good_0", str(rows["good"]["pid"]), "cpu", "READY", "0"]
+    assert header.split() == ["MODEL", "VERSION", "INSTANCE", "PID", "DEVICE", "THREADS", "STATE", "RESTARTS",
+                              "UPTIME", "CPU", "PSS"]
+    assert line.split()[:8] == ["good", "1", "good_0", str(rows["good"]["pid"]), "cpu",
+                                str(rows["good"]["threads"]), "READY", "0"]
+    assert rows["good"]["threads"] >= 1
     assert line.endswith(" MiB")
     with httpclient.InferenceServerClient(f"127.0.0.1:{http}") as h:
         [entry] = h.get_inference_statistics("good")["model_stats"]

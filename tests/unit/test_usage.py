@@ -49,7 +49,8 @@ def test_rows_of_workers() -> None:
     sampler = PssSampler(every=0.05)
 
     def handle(name: str, state: str, stopping: bool = False) -> SimpleNamespace:
-        return SimpleNamespace(process=SimpleNamespace(pid=me), spec=SimpleNamespace(instance=name, device="cpu"),
+        return SimpleNamespace(process=SimpleNamespace(pid=me),
+                               spec=SimpleNamespace(instance=name, device="cpu", threads=1),
                                state=state, stopping=stopping, started=now - 12.5)
 
     row = instance_row(handle("m_0", "IDLE"), 2, now, sampler)

@@ -190,7 +190,7 @@ class Supervisor:
 
     def spawn(self, mv: ModelVersion, instance: str, device: str) -> WorkerHandle:
         serial = next(self._serial)
-        threads = self.cpu_threads() if device == "cpu" else 0
+        threads = (model_parameters(mv.config).intra_op_threads or self.cpu_threads()) if device == "cpu" else 0
         spec = WorkerSpec(model=mv.name, version=mv.version, instance=instance, config=mv.config,
                           model_path=mv.model_file, device=device,
                           segment_prefix=self.worker_prefix(serial), arena_chunk=self.arena_chunk,

@@ -127,7 +127,7 @@ def instance_row(h: Any, restarts: int, now: float, sampler: PssSampler = PSS) -
     usage = read_stat(pid)
     uptime = now - h.started
     return {
-        "name": h.spec.instance, "pid": pid, "device": h.spec.device,
+        "name": h.spec.instance, "pid": pid, "device": h.spec.device, "threads": h.spec.threads,
         "state": "STOPPING" if h.stopping else STATES.get(h.state, h.state),
         "restarts": restarts,
         "started": round(time.time() - uptime, 3), "uptime_s": round(uptime, 3),

@@ -151,8 +151,10 @@ def run_ps(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(table(("MODEL", "VERSION", "INSTANCE", "PID", "DEVICE", "STATE", "RESTARTS", "UPTIME", "CPU", "PSS"),
-                [(r["model"], r["version"], r["name"], r["pid"], r["device"], r["state"], r["restarts"],
+    print(table(("MODEL", "VERSION", "INSTANCE", "PID", "DEVICE", "THREADS", "STATE", "RESTARTS", "UPTIME", "CPU",
+                 "PSS"),
+                [(r["model"], r["version"], r["name"], r["pid"], r["device"], r.get("threads") or "-", r["state"],
+                  r["restarts"],
                   duration(r["uptime_s"]), "-" if r["cpu_s"] is None else f"{r['cpu_s']:.2f} s",
                   size(r["pss_bytes"])) for r in rows]))
     return 0

@@ -29,4 +29,7 @@ class WorkerSpec:
     busy_poll_us: int = 0         # poll this long after a batch before sleeping
     shared_weights: str = ""      # ENABLE_WEIGHT_SHARING: the weights segment name
     log_format: str = "text"
-    threads: int = 0              # intra- and inter-op threads when the model sets none (0: torch's)
+    # intra-op threads it runs with: its model's INTRA_OP_THREAD_COUNT, else its share
+    # of the daemon's CPUs (inter-op too, unless the model sets INTER_OP_THREAD_COUNT);
+    # 0: torch's own (a GPU worker)
+    threads: int = 0
