@@ -849,3 +849,22 @@ def test_a_forgotten_client_closes_its_socket(tmp_path) -> None:
     with pytest.raises(InferenceError) as exc:
         c.server_live()
     assert exc.value.code == errors.CANCELLED
+
+
+def test_many_small_inputs_go_as_frames_past_the_inline_budget() -> None:
+    """A header holds at most --max-header-bytes (1 MiB) and inline tensors
+    of up to 64 KiB each: 30 of those inline would make the daemon refuse the
+    request. Past INLINE_BUDGET the client sends the rest as payload frames."""
+    st = flows.ClientState("ipc:///nowhere", local=False)
+    inputs = {f"X{i}": np.full(tensors.INLINE_LIMIT // 4, i, np.float32) for i in range(30)}
+    enc = st._encode_inline(inputs)
+    inline = [e for e in enc.entries if isinstance(e[tensors.DATA], bytes)]
+    framed = [e for e in enc.entries if isinstance(e[tensors.DATA], int)]
+    assert len(inline) * tensors.INLINE_LIMIT <= messages.INLINE_BUDGET < (len(inline) + 1) * tensors.INLINE_LIMIT
+    assert len(framed) == 30 - len(inline) == len(enc.frames)
+    header = messages.pack({"v": 1, "op": "infer", "id": 1, "model": "m", "inputs": enc.entries})
+    assert len(header) < messages.MAX_HEADER_BYTES
+    # every value is there, in order, inline or in its frame
+    for i, e in enumerate(enc.entries):
+        data = e[tensors.DATA] if isinstance(e[tensors.DATA], bytes) else bytes(enc.frames[e[tensors.DATA] - 1])
+        assert np.frombuffer(data, np.float32)[0] == i

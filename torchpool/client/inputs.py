@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from ..protocol import errors, tensors
+from ..protocol.messages import INLINE_BUDGET
 from ..protocol.errors import InferenceError
 from .arena import ClientArena, block_size
 from .outputs import _Encoded
@@ -64,7 +65,7 @@ class InputEncoding:
                     tensors.put_shm(entry, *arena.hand_out(block, nbytes), reuse=True)
                     enc.stats[0] += nbytes
                     continue
-                tensors.put_data(entry, src, enc.frames)
+                tensors.put_data(entry, src, enc.frames, inline=enc.stats[2] + nbytes <= INLINE_BUDGET)
                 enc.stats[2] += nbytes
         except BaseException:
             self.finish(enc, arena, answered=True)
@@ -90,8 +91,9 @@ class InputEncoding:
             datatype, shape, src = prepare_input(name, value)
             entry = tensors.tensor_entry(name, datatype, shape)
             entries.append(entry)
-            tensors.put_data(entry, src, frames)
-            inline += nbytes_of(src)
+            nbytes = nbytes_of(src)
+            tensors.put_data(entry, src, frames, inline=inline + nbytes <= INLINE_BUDGET)
+            inline += nbytes
         enc.stats[2] = inline
         return enc
 

@@ -40,6 +40,9 @@ PROTOCOL_VERSION = 1
 # header is refused unread. What a header legitimately holds is small fields
 # and inline tensors of at most INLINE_LIMIT each: this is 16 of them.
 MAX_HEADER_BYTES = 16 * INLINE_LIMIT
+# What a client puts inline in one request: past it, tensors travel as payload
+# frames however small, so that many small inputs never make a header too big.
+INLINE_BUDGET = MAX_HEADER_BYTES // 2
 
 OP_INFER = "infer"
 OP_SERVER_LIVE = "server_live"

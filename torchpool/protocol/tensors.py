@@ -179,10 +179,17 @@ def contiguous_bytes(src: Any) -> memoryview:
 
 
 def put_data(entry: dict, src: Any, frames: list,
-             make_frame: Optional[Callable[[memoryview], Any]] = None) -> Any:
-    """Put the bytes of `src` into `entry`: inline when at most INLINE_LIMIT,
-    else appended to `frames` (as `make_frame(data)` when given) and named by
-    its 1-based index. Returns the appended frame, or None when inline."""
+             make_frame: Optional[Callable[[memoryview], Any]] = None, inline: bool = True) -> Any:
+    """Put the bytes of `src` into `entry`: inline when at most INLINE_LIMIT
+    (and `inline`), else appended to `frames` (as `make_frame(data)` when
+    given) and named by its 1-based index. Returns the appended frame, or
+    None when inline."""
+    if not inline:
+        data = contiguous_bytes(src)
+        frame = data if make_frame is None else make_frame(data)
+        frames.append(frame)
+        entry[DATA] = len(frames)
+        return frame
     if type(src) is np.ndarray and src.nbytes <= INLINE_LIMIT:
         dtype = src.dtype
         if dtype.isnative and not dtype.hasobject:
