@@ -6,13 +6,19 @@
 #
 # Local clients in other containers share the socket directory
 # (-v /run/torchpool:/run/torchpool) and run as uid or gid 10001; docs/deploy.md.
+#
+# PYTHON_IMAGE: any image with python3.11, `python` and `pip` on PATH and apt;
+# deploy/image/python.Containerfile makes one from Debian's packages where no
+# registry is reachable (scripts/test-image builds and tests the image so).
 ARG PYTHON_IMAGE=python:3.11-slim
 
 # --- build: the torchpool wheel with its C extensions (the runtime image has
 # no compiler; without them client regions are refused and copies are slower)
 FROM ${PYTHON_IMAGE} AS build
+# python:3.11-slim has Python's headers; a base on Debian's python3 adds python3-dev
+ARG BUILD_PACKAGES="gcc libc6-dev"
 RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && apt-get install -y --no-install-recommends ${BUILD_PACKAGES} \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY setup.cfg setup.py pyproject.toml README.md ./
