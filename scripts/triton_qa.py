@@ -1,20 +1,23 @@
-"""Triton's own client QA (qa/L0_infer) against torchpool's HTTP and gRPC endpoints.
+"""Triton's own client QA (qa/L0_infer, qa/L0_batcher, qa/L0_sequence_batcher)
+against torchpool's HTTP and gRPC endpoints.
 
   Triton server tree (checkout, extracted tree, or bare git repository)
-      │ copy qa/common + qa/L0_infer into a temporary directory
+      │ copy qa/common + the suite's qa/L0_* into a temporary directory
       ▼
-  gen_qa_models.py --libtorch ─► qa_model_repository/libtorch*   (TorchScript add/sub models)
-      │ L0_infer/test.sh's generate_model_repository for BACKENDS=libtorch, TARGET=cpu
+  qa/common/gen_qa_*.py --libtorch ─► TorchScript models
+      │ what the suite's test.sh does for BACKENDS=libtorch, TARGET=cpu:
+      │ which models, which config edits
       ▼
-  models/  ─► for each configuration (no shared memory, system shared memory):
-                torchpool serve --http-port 8000 --grpc-port 8001
-                python infer_test.py -v      (the environment test.sh sets)
+  model repositories ─► for each run test.sh makes (a configuration of L0_infer,
+                        or one batcher test against one repository):
+                torchpool serve --http-port 8000 --grpc-port 8001   (test.sh's exports)
+                python <the suite's test>.py -v [Test.test_x]        (the same exports)
                 stop the daemon, check nothing of it is left
   summary; exit 1 if a run failed or ran another number of tests than test.sh expects
 
-Left out, as test.sh leaves them out for BACKENDS=libtorch ENSEMBLES=0:
-ensembles (torchpool has none), CUDA shared memory (no GPU; torchpool
-refuses it as a Triton without GPUs does), the GPU target, valgrind.
+What each suite leaves out, and why, is in docs/triton-qa.md (in short: other
+backends, ensembles, CUDA shared memory, the GPU target, valgrind). On a CPU
+host every KIND_GPU instance group of a generated model is made KIND_CPU.
 """
 from __future__ import annotations
 
@@ -34,10 +37,9 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-QA_DIRS = ("qa/common", "qa/L0_infer")
 
 # test.sh's EXPECTED_NUM_TESTS is 46 / 33 with ensembles; infer_test.py defines
 # its 5 ensemble tests (4 under shared memory) only when ENSEMBLES=1, so with
@@ -48,18 +50,22 @@ CONFIGURATIONS = {
     "system-shm": ({"TEST_SYSTEM_SHARED_MEMORY": "1"}, 29),
 }
 
-# What test.sh exports for this run (the backend list and switches it reads),
-# for a CPU-only machine: TRITON_SERVER_CPU_ONLY only makes infer_test.py skip
-# TensorRT models, which BACKENDS=libtorch excludes anyway.
+# What every test.sh exports for this run on a CPU-only machine: the backend
+# list and the switches the QA reads. TRITON_SERVER_CPU_ONLY only makes the
+# QA skip TensorRT models, which BACKENDS=libtorch excludes anyway.
 QA_ENVIRONMENT = {
-    "BACKENDS": "libtorch", "ENSEMBLES": "0", "NOBATCH": "1", "BATCH": "1",
-    "TEST_CUDA_SHARED_MEMORY": "0", "TEST_VALGRIND": "0", "VALGRIND_TESTS": "0",
-    "TRITON_SERVER_CPU_ONLY": "1", "SERVER_LAUNCH_MODE": "triton",
+    "BACKENDS": "libtorch", "ENSEMBLES": "0", "TEST_CUDA_SHARED_MEMORY": "0", "TEST_VALGRIND": "0",
+    "VALGRIND_TESTS": "0", "TRITON_SERVER_CPU_ONLY": "1", "SERVER_LAUNCH_MODE": "triton",
     "USE_HTTP": "1", "USE_GRPC": "1", "TRITONSERVER_IPADDR": "localhost",
 }
 
-# tritonclient.utils.shared_memory regions infer_util.py creates (as /dev/shm/<name>)
-QA_SHM_REGIONS = ("input0", "input1", "output0", "output1")
+# The two variables test.sh exports to delay Triton's schedulers (and that the
+# tests check are set, or unset); never inherited from the caller's shell.
+DELAY_VARIABLES = ("TRITONSERVER_DELAY_SCHEDULER", "TRITONSERVER_BACKLOG_DELAY_SCHEDULER")
+
+# the system shared-memory regions the QA makes (tritonclient.utils.shared_memory
+# keys, as /dev/shm/<name>): input0, output1, ip00, op10_data ...
+QA_SHM_REGION = re.compile(r"^(?:input|output)\d*$|^(?:ip|op)\d+(?:_data)?$")
 
 UNITTEST_LINE = re.compile(r"^(test_\w+) \([\w.]+\) \.\.\. (ok|FAIL|ERROR|skipped\b.*|expected failure"
                            r"|unexpected success)$", re.M)
@@ -69,26 +75,61 @@ class QaError(Exception):
     """A setup step failed; the message says which and what to do."""
 
 
+# ------------------------------------------------------------------ the suites
+
+@dataclass
+class Case:
+    """One run of a suite's test file against a daemon started for it."""
+    name: str                       # what the summary calls it
+    repository: str                 # the folder (under the work directory) the daemon serves
+    tests: list[str]                # unittest names given to the test file (none: all of it)
+    env: dict[str, str]             # what test.sh exports for this run, daemon and client
+    expected: Optional[int]         # tests the run must count (None: not checked)
+
+
+@dataclass
+class Suite:
+    name: str
+    test_file: str                  # under qa/, run from its folder
+    test_class: str                 # the unittest class --test names are in
+    # files under qa/ that hardcode Triton's ports, with the ports each one names
+    port_files: dict[str, tuple[int, ...]]
+    build: Callable[[Path, Path], dict[str, list[str]]]   # (qa, work) -> repository -> its models
+    cases: Callable[[list[str]], list[Case]]              # the configurations -> the runs
+    environment: dict[str, str]     # what test.sh exports for every run of the suite
+    default_configs: tuple[str, ...]
+    description: str
+
+    @property
+    def qa_dirs(self) -> tuple[str, ...]:
+        return ("qa/common", f"qa/{self.name}")
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="scripts/triton-qa",
-        description="Run Triton's qa/L0_infer (raw, class and mix tests with the libtorch models "
-                    "of gen_qa_models.py) against torchpool's KServe v2 HTTP and gRPC endpoints.")
+        description="Run one of Triton's own QA suites (qa/L0_infer, qa/L0_batcher, "
+                    "qa/L0_sequence_batcher) with the libtorch models of its generators against "
+                    "torchpool's KServe v2 HTTP and gRPC endpoints.")
     p.add_argument("--triton-server", required=True, type=Path, metavar="DIR",
                    help="Triton server source: a checkout or extracted tree holding qa/, "
                         "or a bare git repository (then --triton-ref is extracted)")
     p.add_argument("--triton-ref", default="HEAD",
                    help="commit or branch to extract when DIR is a bare git repository (default HEAD)")
+    p.add_argument("--suite", default="L0_infer", choices=sorted(SUITES),
+                   help="which of Triton's QA suites to run (default L0_infer)")
     p.add_argument("--http-port", type=int, default=8000,
-                   help="HTTP port (default 8000, Triton's; L0_infer hardcodes 8000, so another "
-                        "port is written into the temporary copy of infer_util.py/shm_util.py)")
+                   help="HTTP port (default 8000, Triton's; the QA hardcodes 8000, so another "
+                        "port is written into the temporary copy of its files)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001, Triton's)")
     p.add_argument("--config", action="append", choices=sorted(CONFIGURATIONS), dest="configs",
-                   help="run only this configuration; repeatable (default: all)")
+                   help="run only this configuration; repeatable (default: both for L0_infer, "
+                        "no-shm for the batcher suites, as their test.sh runs by default)")
     p.add_argument("--test", action="append", dest="tests", metavar="NAME",
-                   help="run only this test of infer_test.py, e.g. InferTest.test_raw_fff; "
-                        "repeatable (the expected test count is then not checked)")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds for one run of infer_test.py")
+                   help="run only this test, e.g. InferTest.test_raw_fff, test_backlog (every run "
+                        "test.sh makes of it) or test_backlog.models1 (one run); repeatable "
+                        "(L0_infer's test count is then not checked)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds for one run of the test file")
     p.add_argument("--ready-timeout", type=float, default=600,
                    help="seconds for the daemon to load every model and answer on both ports")
     p.add_argument("--log-dir", type=Path,
@@ -99,18 +140,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be a TCP port (1-65535)")
     if args.http_port == args.grpc_port:
         p.error("--http-port and --grpc-port must differ")
-    args.configs = args.configs or list(CONFIGURATIONS)
+    args.configs = args.configs or list(SUITES[args.suite].default_configs)
     return args
 
 
 # ------------------------------------------------------------------ the QA sources
 
-def extract_qa(source: Path, ref: str, dest: Path) -> str:
-    """Copy Triton's qa/common and qa/L0_infer into dest/qa; return a description of
+def extract_qa(source: Path, ref: str, dest: Path, dirs: tuple[str, ...] = ("qa/common", "qa/L0_infer")) -> str:
+    """Copy Triton's qa/ folders `dirs` into dest/qa; return a description of
     where they came from (with the commit when there is one)."""
     source = source.resolve()
     if (source / "qa").is_dir():
-        for sub in QA_DIRS:
+        for sub in dirs:
             if not (source / sub).is_dir():
                 raise QaError(f"{source / sub} is missing: --triton-server must hold Triton's qa/ tree")
             shutil.copytree(source / sub, dest / sub)
@@ -120,10 +161,10 @@ def extract_qa(source: Path, ref: str, dest: Path) -> str:
     commit = _git(["--git-dir", str(source), "rev-parse", "--short", f"{ref}^{{commit}}"])
     if not commit:
         raise QaError(f"{source} holds no qa/ directory and is not a git repository with {ref!r}")
-    archive = subprocess.run(["git", "--git-dir", str(source), "archive", "--format=tar", ref, *QA_DIRS],
+    archive = subprocess.run(["git", "--git-dir", str(source), "archive", "--format=tar", ref, *dirs],
                              capture_output=True, check=False)
     if archive.returncode != 0:
-        raise QaError(f"git archive {ref} {' '.join(QA_DIRS)} failed: {archive.stderr.decode().strip()}")
+        raise QaError(f"git archive {ref} {' '.join(dirs)} failed: {archive.stderr.decode().strip()}")
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(dest, filter="data")
     return f"{source} at {commit}"
@@ -137,41 +178,300 @@ def _git(args: list[str]) -> str:
     return r.stdout.strip() if r.returncode == 0 else ""
 
 
-def point_at_ports(common: Path, http_port: int, grpc_port: int) -> None:
-    """infer_util.py and shm_util.py hardcode localhost:8000 and :8001; another
-    port is written into our temporary copy (the only edit made to Triton's QA)."""
-    for name, old, new in (("infer_util.py", 8000, http_port), ("infer_util.py", 8001, grpc_port),
-                           ("shm_util.py", 8000, http_port)):
-        if old == new:
-            continue
-        path = common / name
+def point_at_ports(qa: Path, http_port: int, grpc_port: int,
+                   files: Optional[dict[str, tuple[int, ...]]] = None) -> None:
+    """The QA hardcodes localhost:8000 and :8001; another port is written into
+    our temporary copy of the files that name them (the only edit ever made to
+    Triton's QA). `files`: path under qa/ -> the ports it names."""
+    files = files if files is not None else SUITES["L0_infer"].port_files
+    moves = {8000: http_port, 8001: grpc_port}
+    for name, ports in files.items():
+        path = qa / name
         text = path.read_text()
-        if f'}}:{old}"' not in text:
-            raise QaError(f"{path} no longer hardcodes :{old}; cannot move it to port {new}")
-        path.write_text(text.replace(f'}}:{old}"', f'}}:{new}"'))
+        for old in ports:
+            new = moves[old]
+            if old == new:
+                continue
+            pattern = re.compile(rf'(?<=[}}"]):{old}"')       # f"{host}:8000" or host + ":8001"
+            if not pattern.search(text):
+                raise QaError(f"{path} no longer hardcodes :{old}; cannot move it to port {new}")
+            text = pattern.sub(f':{new}"', text)
+        path.write_text(text)
 
 
-def build_repository(qa: Path, work: Path) -> list[str]:
-    """gen_qa_models.py --libtorch, then what test.sh's generate_model_repository
-    does for BACKENDS=libtorch on the cpu target; return the model names."""
-    generated = work / "qa_model_repository"
-    log = work / "gen_qa_models.log"
+# ------------------------------------------------------------------ building repositories
+
+def generate(qa: Path, work: Path, script: str, flags: list[str], repository: str) -> Path:
+    """Run one of qa/common's model generators into work/<repository> (once)."""
+    dest = work / repository
+    if dest.is_dir():
+        return dest
+    log = work / f"{repository}.gen.log"
     with open(log, "wb") as out:
-        r = subprocess.run([sys.executable, "gen_qa_models.py", "--libtorch", f"--models_dir={generated}"],
-                           cwd=qa / "common", stdout=out, stderr=subprocess.STDOUT, check=False)
+        r = subprocess.run([sys.executable, script, *flags, f"--models_dir={dest}"], cwd=qa / "common",
+                           stdout=out, stderr=subprocess.STDOUT, check=False)
     if r.returncode != 0:
-        raise QaError(f"gen_qa_models.py --libtorch failed (exit {r.returncode}):\n{_tail(log, 30)}")
+        raise QaError(f"{script} {' '.join(flags)} failed (exit {r.returncode}):\n{_tail(log, 30)}")
+    return dest
+
+
+def copy_model(source: Path, repository: Path, name: Optional[str] = None) -> Path:
+    """cp -r a generated model into a repository; its config.pbtxt, made fit for
+    a CPU host (every KIND_GPU instance group becomes KIND_CPU)."""
+    if not (source / "config.pbtxt").is_file():
+        raise QaError(f"the generator made no model {source.name} (no {source / 'config.pbtxt'})")
+    dest = repository / (name or source.name)
+    shutil.copytree(source, dest)
+    config = dest / "config.pbtxt"
+    config.write_text(config.read_text().replace("KIND_GPU", "KIND_CPU"))
+    return config
+
+
+def sed(config: Path, pattern: str, replacement: str, every: bool = False) -> None:
+    """sed -i "s/pattern/replacement/[g]" config, as test.sh edits configs:
+    the first match on each line (every match with `every`)."""
+    lines = config.read_text().split("\n")
+    regex = re.compile(pattern)
+    config.write_text("\n".join(regex.sub(lambda _m: replacement, line, count=0 if every else 1)
+                                for line in lines))
+
+
+def append(config: Path, text: str) -> None:
+    """echo "text" >> config."""
+    with open(config, "a") as f:
+        f.write(text + "\n")
+
+
+def _names(*repositories: Path) -> dict[str, list[str]]:
+    return {r.name: sorted(d.name for d in r.iterdir() if d.is_dir()) for r in repositories}
+
+
+def build_infer_repository(qa: Path, work: Path) -> dict[str, list[str]]:
+    """L0_infer/test.sh's generate_model_repository for BACKENDS=libtorch on the
+    cpu target: every libtorch* model of gen_qa_models.py, with a KIND_CPU group."""
+    generated = generate(qa, work, "gen_qa_models.py", ["--libtorch"], "qa_model_repository")
     models = work / "models"
     models.mkdir()
     names = sorted(d.name for d in generated.glob("libtorch*") if d.is_dir())
     if not names:
         raise QaError(f"gen_qa_models.py --libtorch made no libtorch* model in {generated}")
     for name in names:
-        shutil.copytree(generated / name, models / name)
         # test.sh: echo "instance_group [ { kind: ${KIND} }]" >> $MC, KIND_CPU for TARGET=cpu
-        with open(models / name / "config.pbtxt", "a") as config:
-            config.write("instance_group [ { kind: KIND_CPU }]\n")
-    return names
+        append(copy_model(generated / name, models), "instance_group [ { kind: KIND_CPU }]")
+    return {"models": names}
+
+
+def build_repository(qa: Path, work: Path) -> list[str]:
+    """L0_infer's repository (work/models); its model names."""
+    return build_infer_repository(qa, work)["models"]
+
+
+BATCHING = "dynamic_batching { preferred_batch_size: [ 2, 6 ], max_queue_delay_microseconds: 10000000 }"
+
+
+def build_batcher_repositories(qa: Path, work: Path) -> dict[str, list[str]]:
+    """L0_batcher/test.sh's models, preferred_batch_only_models and var_models
+    for BACKENDS=libtorch."""
+    fixed = generate(qa, work, "gen_qa_models.py", ["--libtorch"], "qa_model_repository")
+    variable = generate(qa, work, "gen_qa_models.py", ["--libtorch", "--variable"],
+                        "qa_variable_model_repository")
+    identity = generate(qa, work, "gen_qa_identity_models.py", ["--libtorch"], "qa_identity_model_repository")
+    repositories = [work / "models", work / "preferred_batch_only_models", work / "var_models"]
+    for repository, source, batching in zip(repositories, (fixed, fixed, variable),
+                                            (BATCHING, "dynamic_batching { preferred_batch_size: [ 4, 6 ] }",
+                                             BATCHING)):
+        config = copy_model(source / "libtorch_float32_float32_float32", repository)
+        sed(config, r"^max_batch_size:.*", "max_batch_size: 8")
+        sed(config, r"^version_policy:.*", "version_policy: { specific { versions: [1] }}")
+        append(config, batching)
+    sed(work / "var_models" / "libtorch_float32_float32_float32" / "config.pbtxt", "16", "-1", every=True)
+    # the allow-ragged model (test.sh: "Use nobatch model to match the ragged test requirement"),
+    # and Triton's identity-backend model custom_zero_1_float32, which torchpool (PyTorch
+    # only) serves with the same TorchScript identity model configured the same way
+    for name in ("libtorch_zero_1_float32", "custom_zero_1_float32"):
+        config = copy_model(identity / "libtorch_nobatch_zero_1_float32", work / "var_models", name)
+        sed(config, "libtorch_nobatch_zero_1_float32", name)
+        sed(config, r"^max_batch_size:.*", "max_batch_size: 8")
+        sed(config, 'name: "INPUT__0"', 'name: "INPUT__0"\nallow_ragged_batch: true')
+        append(config, 'batch_output [{target_name: "OUTPUT__0" kind: BATCH_SCATTER_WITH_INPUT_SHAPE '
+                       'source_input: "INPUT__0" }] ' + BATCHING)
+    return _names(*repositories)
+
+
+# L0_batcher/test.sh's lists, and the TRITONSERVER_DELAY_SCHEDULER each test runs with
+BATCHER_NO_DELAY_TESTS = (
+    "test_static_batch_preferred", "test_static_batch_lt_any_preferred", "test_static_batch_not_preferred",
+    "test_static_batch_gt_max_preferred", "test_multi_batch_not_preferred", "test_multi_batch_gt_max_preferred",
+    "test_multi_batch_sum_gt_max_preferred", "test_multi_same_output0", "test_multi_same_output1",
+    "test_multi_different_outputs", "test_multi_different_output_order")
+BATCHER_DELAY_TESTS = {"test_multi_batch_delayed_sum_gt_max_preferred": 2,
+                       "test_multi_batch_use_biggest_preferred": 6,
+                       "test_multi_batch_use_best_preferred": 3,
+                       "test_multi_batch_delayed_use_max_batch": 3}
+BATCHER_DIFFERENT_SHAPE_TESTS = (
+    "test_multi_batch_not_preferred_different_shape", "test_multi_batch_preferred_different_shape",
+    "test_multi_batch_different_shape_allow_ragged", "test_multi_batch_different_shape")
+BATCHER_PREFERRED_ONLY_TESTS = {"test_preferred_batch_only_aligned": 4,
+                                "test_preferred_batch_only_unaligned": 5,
+                                "test_preferred_batch_only_use_biggest_preferred": 7,
+                                "test_preferred_batch_only_use_no_preferred_size": 3}
+
+
+def _delays(delay: int, backlog: Optional[int] = None) -> dict[str, str]:
+    env = {"TRITONSERVER_DELAY_SCHEDULER": str(delay)}
+    if backlog is not None:
+        env["TRITONSERVER_BACKLOG_DELAY_SCHEDULER"] = str(backlog)
+    return env
+
+
+def _one(suite_class: str, test: str, tag: str, repository: str, env: dict[str, str]) -> Case:
+    """One test against a fresh daemon (test.sh: "Need to launch the server for
+    each test so that the model status is reset"); check_test_results expects 1."""
+    return Case(f"{test}.{tag}", repository, [f"{suite_class}.{test}"], env, 1)
+
+
+def batcher_cases(configs: list[str]) -> list[Case]:
+    cases = []
+    for config in configs:
+        shm = CONFIGURATIONS[config][0]
+        suffix = "" if config == "no-shm" else f".{config}"
+
+        def add(test: str, tag: str, repository: str, env: dict[str, str]) -> None:
+            cases.append(_one("BatcherTest", test, tag + suffix, repository, {**shm, **env}))
+
+        for model_type, repository in (("FIXED", "models"), ("VARIABLE", "var_models")):
+            for test in BATCHER_NO_DELAY_TESTS:
+                add(test, model_type, repository, {"BATCHER_TYPE": model_type})
+            for test, delay in BATCHER_DELAY_TESTS.items():
+                add(test, model_type, repository, {"BATCHER_TYPE": model_type, **_delays(delay)})
+        for test in BATCHER_DIFFERENT_SHAPE_TESTS:
+            add(test, "VARIABLE", "var_models", {"BATCHER_TYPE": "VARIABLE"})
+        add("test_multi_batch_delayed_preferred_different_shape", "VARIABLE", "var_models",
+            {"BATCHER_TYPE": "VARIABLE", **_delays(4)})
+        for test, delay in BATCHER_PREFERRED_ONLY_TESTS.items():
+            add(test, "PREFERRED_BATCH_ONLY", "preferred_batch_only_models",
+                {"BATCHER_TYPE": "FIXED", **_delays(delay)})
+    return cases
+
+
+SEQUENCE_QUEUE_DELAY = ("sequence_batching {\ndirect {\nmax_queue_delay_microseconds: 3000000\n"
+                        "minimum_slot_utilization: 0\n}")
+
+
+def build_sequence_repositories(qa: Path, work: Path) -> dict[str, list[str]]:
+    """L0_sequence_batcher/test.sh's models0, models1, models2, models4, modelsv
+    and queue_delay_models for BACKENDS=libtorch (int32 and bool controls),
+    IMPLICIT_STATE=0, ENSEMBLES=0."""
+    fixed = generate(qa, work, "gen_qa_sequence_models.py", ["--libtorch"], "qa_sequence_model_repository")
+    variable = generate(qa, work, "gen_qa_sequence_models.py", ["--libtorch", "--variable"],
+                        "qa_variable_sequence_model_repository")
+    # repository -> (where from, which model, max_batch_size (None: as generated), instances)
+    layouts = {"models1": (fixed, "libtorch_sequence_{}", 4, 1),
+               "models2": (fixed, "libtorch_sequence_{}", 2, 2),
+               "models4": (fixed, "libtorch_sequence_{}", 1, 4),
+               "queue_delay_models": (fixed, "libtorch_sequence_{}", 4, 1),
+               "models0": (fixed, "libtorch_nobatch_sequence_{}", None, 4),
+               "modelsv": (variable, "libtorch_sequence_{}", 4, 1)}
+    for repository, (source, pattern, max_batch, count) in layouts.items():
+        for dtype in ("int32", "bool"):
+            name = pattern.format(dtype)
+            config = copy_model(source / name, work / repository)
+            if max_batch is not None:
+                sed(config, r"^max_batch_size:.*", f"max_batch_size: {max_batch}")
+            sed(config, "kind: KIND_CPU", f"kind: KIND_CPU\ncount: {count}")
+            if repository != "queue_delay_models":
+                continue
+            sed(config, "sequence_batching {", SEQUENCE_QUEUE_DELAY)
+            for variant, utilization in (("half", "0.5"), ("full", "1")):
+                copy = work / repository / f"{name}_{variant}"
+                shutil.copytree(config.parent, copy)
+                sed(copy / "config.pbtxt", name, f"{name}_{variant}")
+                sed(copy / "config.pbtxt", "minimum_slot_utilization: 0", f"minimum_slot_utilization: {utilization}")
+    return _names(*(work / r for r in layouts))
+
+
+# L0_sequence_batcher/test.sh's lists; each delay test's (TRITONSERVER_DELAY_SCHEDULER,
+# TRITONSERVER_BACKLOG_DELAY_SCHEDULER)
+SEQUENCE_NO_DELAY_TESTS = ("test_simple_sequence", "test_length1_sequence", "test_batch_size",
+                           "test_no_sequence_start", "test_no_sequence_start2", "test_no_sequence_end",
+                           "test_no_correlation_id")
+SEQUENCE_DELAY_TESTS = {"test_backlog_fill": (10, 2), "test_backlog_fill_no_end": (10, 3),
+                        "test_backlog_same_correlation_id": (12, 2),
+                        "test_backlog_same_correlation_id_no_end": (16, 0),
+                        "test_backlog_sequence_timeout": (4, 0), "test_half_batch": (8, 0),
+                        "test_skip_batch": (12, 0), "test_full_batch": (12, 0), "test_ragged_batch": (12, 0),
+                        "test_backlog": (12, 0)}
+SEQUENCE_QUEUE_DELAY_TESTS = ("test_queue_delay_no_min_util", "test_queue_delay_half_min_util",
+                              "test_queue_delay_full_min_util")
+# MODEL_TRIALS: models<trial> -> (NO_BATCHING, MODEL_INSTANCES, BATCHER_TYPE)
+SEQUENCE_TRIALS = {"0": ("1", "4", "FIXED"), "1": ("0", "1", "FIXED"), "2": ("0", "2", "FIXED"),
+                   "4": ("0", "4", "FIXED"), "v": ("0", "1", "VARIABLE")}
+
+
+def sequence_cases(configs: list[str]) -> list[Case]:
+    cases = []
+    for config in configs:
+        shm = CONFIGURATIONS[config][0]
+        suffix = "" if config == "no-shm" else f".{config}"
+        for trial, (no_batching, instances, batcher_type) in SEQUENCE_TRIALS.items():
+            repository = f"models{trial}"
+            env = {**shm, "NO_BATCHING": no_batching, "MODEL_INSTANCES": instances, "BATCHER_TYPE": batcher_type}
+            for test in SEQUENCE_NO_DELAY_TESTS:
+                cases.append(_one("SequenceBatcherTest", test, repository + suffix, repository, env))
+            for test, (delay, backlog) in SEQUENCE_DELAY_TESTS.items():
+                cases.append(_one("SequenceBatcherTest", test, repository + suffix, repository,
+                                  {**env, **_delays(delay, backlog)}))
+        # test.sh leaves BATCHER_TYPE=VARIABLE (and MODEL_INSTANCES=1) from its last trial
+        # here, under which sequence_batcher_test.py tests no libtorch model at all; FIXED
+        # makes these three test the libtorch queue_delay_models
+        env = {**shm, "NO_BATCHING": "0", "MODEL_INSTANCES": "1", "BATCHER_TYPE": "FIXED", **_delays(2, 0)}
+        for test in SEQUENCE_QUEUE_DELAY_TESTS:
+            cases.append(_one("SequenceBatcherTest", test, "queue_delay_models" + suffix,
+                              "queue_delay_models", env))
+    return cases
+
+
+def infer_cases(configs: list[str]) -> list[Case]:
+    return [Case(config, "models", [], CONFIGURATIONS[config][0], CONFIGURATIONS[config][1])
+            for config in configs]
+
+
+SUITES = {
+    "L0_infer": Suite(
+        "L0_infer", "L0_infer/infer_test.py", "InferTest",
+        {"common/infer_util.py": (8000, 8001), "common/shm_util.py": (8000,)},
+        build_infer_repository, infer_cases, {"NOBATCH": "1", "BATCH": "1"}, ("no-shm", "system-shm"),
+        "ENSEMBLES=0, TARGET=cpu"),
+    "L0_batcher": Suite(
+        "L0_batcher", "L0_batcher/batcher_test.py", "BatcherTest",
+        {"common/infer_util.py": (8000, 8001), "common/shm_util.py": (8000,),
+         "L0_batcher/batcher_test.py": (8001,)},
+        build_batcher_repositories, batcher_cases, {}, ("no-shm",), "TARGET=cpu"),
+    "L0_sequence_batcher": Suite(
+        "L0_sequence_batcher", "L0_sequence_batcher/sequence_batcher_test.py", "SequenceBatcherTest",
+        {"common/sequence_util.py": (8000, 8001), "L0_sequence_batcher/sequence_batcher_test.py": (8001,)},
+        build_sequence_repositories, sequence_cases,
+        {"IMPLICIT_STATE": "0", "INITIAL_STATE_FILE": "0", "INITIAL_STATE_ZERO": "0", "USE_SINGLE_BUFFER": "0"},
+        ("no-shm",), "ENSEMBLES=0 IMPLICIT_STATE=0, TARGET=cpu"),
+}
+
+
+def select_cases(suite: Suite, configs: list[str], tests: Optional[list[str]]) -> list[Case]:
+    """The runs of `suite`, or those of the tests named (L0_infer: the tests are
+    passed to one run per configuration; batcher suites: `test_x` picks every
+    run of it, `test_x.models1` one)."""
+    cases = suite.cases(configs)
+    if not tests:
+        return cases
+    if suite.name == "L0_infer":
+        return [Case(c.name, c.repository, list(tests), c.env, None) for c in cases]
+    wanted = {t.split(".", 1)[1] if t.startswith(suite.test_class + ".") else t for t in tests}
+    chosen = [c for c in cases if c.name in wanted or c.tests[0].split(".", 1)[1] in wanted]
+    unknown = sorted(t for t in wanted if not any(c.name == t or c.tests[0].endswith("." + t) for c in cases))
+    if unknown:
+        raise QaError(f"{suite.name} has no run {', '.join(unknown)} (test.sh's runs: "
+                      f"{', '.join(sorted({c.tests[0].split('.', 1)[1] for c in cases}))})")
+    return chosen
 
 
 # ------------------------------------------------------------------ the daemon
@@ -189,25 +489,45 @@ def http_json(port: int, path: str, method: str = "GET") -> object:
         return json.loads(r.read() or b"null")
 
 
+def clean_environment(extra: dict[str, str]) -> dict[str, str]:
+    """os.environ without the scheduler delays (a test checks they are unset
+    unless test.sh sets them), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in DELAY_VARIABLES}
+    env.update(extra)
+    return env
+
+
+def serve_command(models: Path, work: Path, http_port: int, grpc_port: int, env: dict[str, str]) -> list[str]:
+    """`torchpool serve` as test.sh starts tritonserver: its ZeroMQ socket in the
+    work directory (so it meets no other daemon), client shared memory allowed
+    where the run uses it (test.sh's --allow-client-shm=true)."""
+    args = [sys.executable, "-m", "torchpool", "serve", "--model-repository", str(models),
+            "--listen", f"ipc://{work}/torchpool.sock",
+            "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+    if env.get("TEST_SYSTEM_SHARED_MEMORY") == "1":
+        args.append("--allow-client-shm=true")
+    return args
+
+
 class ServedRepository:
     """`torchpool serve` on the QA's ports, in its own session so that nothing it
     starts outlives stop()."""
 
-    def __init__(self, models: Path, work: Path, http_port: int, grpc_port: int, log: Path) -> None:
+    def __init__(self, models: Path, work: Path, http_port: int, grpc_port: int, log: Path,
+                 env: Optional[dict[str, str]] = None) -> None:
         self.http_port, self.grpc_port, self.log = http_port, grpc_port, log
-        args = [sys.executable, "-m", "torchpool", "serve", "--model-repository", str(models),
-                "--listen", f"ipc://{work}/torchpool.sock",
-                "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+        env = env or {}
         self._log = open(log, "wb")
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(serve_command(models, work, http_port, grpc_port, env), cwd=ROOT,
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=clean_environment(env), start_new_session=True)
 
     def wait_ready(self, models: list[str], timeout: float) -> None:
         import tritonclient.grpc as grpcclient
         deadline = time.monotonic() + timeout
         grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{self.grpc_port}")
         try:
-            while not self._ready(grpc):
+            while not self._up(grpc):
                 if self.proc.poll() is not None:
                     raise QaError(f"torchpool serve exited with {self.proc.returncode}:\n{_tail(self.log, 30)}")
                 if time.monotonic() > deadline:
@@ -222,13 +542,14 @@ class ServedRepository:
         if missing:
             raise QaError(f"models not READY: {', '.join(missing)}\n{_tail(self.log, 30)}")
 
-    def _ready(self, grpc: object) -> bool:
-        """The broker has loaded the repository and both gateway ports answer."""
+    def _up(self, grpc: object) -> bool:
+        """The broker has settled every model version (READY or not) and both
+        gateway ports answer."""
         if "torchpool ready" not in self.log.read_text(errors="replace"):
             return False
         try:
-            http_json(self.http_port, "/v2/health/ready")
-            return bool(grpc.is_server_ready())
+            http_json(self.http_port, "/v2/health/live")
+            return bool(grpc.is_server_live())
         except Exception:       # refused (OSError) or InferenceServerException until the ports are up
             return False
 
@@ -277,7 +598,7 @@ def session_members(session: int) -> list[int]:
 
 @dataclass
 class RunResult:
-    config: str
+    name: str
     expected: Optional[int]
     ran: int = 0
     failures: int = 0
@@ -299,21 +620,21 @@ class RunResult:
                 and (self.expected is None or self.ran == self.expected))
 
 
-def run_infer_test(qa: Path, config: str, tests: Optional[list[str]], timeout: float, logs: Path) -> RunResult:
-    """python infer_test.py -v, as test.sh runs it, with stdout (tritonclient's verbose
-    request dumps) and stderr (unittest's report) kept apart."""
-    env_extra, expected = CONFIGURATIONS[config]
-    result = RunResult(config, None if tests else expected)
-    env = {**os.environ, **QA_ENVIRONMENT, **env_extra}
-    out, err = logs / f"client.{config}.log", logs / f"unittest.{config}.log"
+def run_test_file(suite: Suite, qa: Path, case: Case, timeout: float, logs: Path) -> RunResult:
+    """python <test file> -v [tests], as test.sh runs it, with stdout (tritonclient's
+    verbose request dumps) and stderr (unittest's report) kept apart."""
+    result = RunResult(case.name, case.expected)
+    env = clean_environment({**QA_ENVIRONMENT, **suite.environment, **case.env})
+    test = qa / suite.test_file
+    out, err = logs / f"client.{case.name}.log", logs / f"unittest.{case.name}.log"
     t0 = time.monotonic()
     with open(out, "wb") as o, open(err, "wb") as e, \
-            subprocess.Popen([sys.executable, "infer_test.py", "-v", *(tests or [])], cwd=qa / "L0_infer",
+            subprocess.Popen([sys.executable, test.name, "-v", *case.tests], cwd=test.parent,
                              env=env, stdout=o, stderr=e, start_new_session=True) as proc:
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            result.problems.append(f"infer_test.py still running after {timeout:.0f} s; killed")
+            result.problems.append(f"{test.name} still running after {timeout:.0f} s; killed")
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -321,7 +642,7 @@ def run_infer_test(qa: Path, config: str, tests: Optional[list[str]], timeout: f
     result.seconds = time.monotonic() - t0
     parse_unittest(err.read_text(errors="replace"), result)
     if proc.returncode != 0 and not (result.failures or result.errors or result.problems):
-        result.problems.append(f"infer_test.py exited with {proc.returncode}")
+        result.problems.append(f"{test.name} exited with {proc.returncode}")
     return result
 
 
@@ -346,22 +667,22 @@ def parse_unittest(text: str, result: RunResult) -> None:
 
 def leftover_regions(before: set[str]) -> list[str]:
     """The QA's own /dev/shm regions that appeared during the run and are still there."""
-    return [n for n in QA_SHM_REGIONS if n not in before and Path("/dev/shm", n).exists()]
+    return sorted(n for n in os.listdir("/dev/shm") if n not in before and QA_SHM_REGION.match(n))
 
 
-def run_configuration(args: argparse.Namespace, qa: Path, work: Path, models: list[str],
-                      config: str) -> RunResult:
+def run_case(args: argparse.Namespace, suite: Suite, qa: Path, work: Path, models: list[str],
+             case: Case) -> RunResult:
     for port in (args.http_port, args.grpc_port):
         if port_in_use(port):
             raise QaError(f"port {port} is in use (another server?); free it or pass "
                           f"--http-port/--grpc-port (the QA's copy is then pointed there)")
     shm_before = set(os.listdir("/dev/shm"))
-    daemon = ServedRepository(work / "models", work, args.http_port, args.grpc_port,
-                              work / f"torchpool.{config}.log")
-    result = RunResult(config, None)
+    daemon = ServedRepository(work / case.repository, work, args.http_port, args.grpc_port,
+                              work / f"torchpool.{case.name}.log", case.env)
+    result = RunResult(case.name, None)
     try:
         daemon.wait_ready(models, args.ready_timeout)
-        result = run_infer_test(qa, config, args.tests, args.timeout, work)
+        result = run_test_file(suite, qa, case, args.timeout, work)
         result.requests = daemon.request_counts()
     except QaError as e:
         result.problems.append(str(e))
@@ -377,25 +698,30 @@ def run_configuration(args: argparse.Namespace, qa: Path, work: Path, models: li
 
 # ------------------------------------------------------------------ summary
 
-def summary(results: list[RunResult], source: str) -> str:
-    lines = [f"Triton qa/L0_infer against torchpool ({source}; "
-             "BACKENDS=libtorch ENSEMBLES=0, TARGET=cpu)",
-             f"{'configuration':<14}{'ran':>5}{'expected':>10}{'passed':>8}{'failed':>8}{'errors':>8}"
+def summary(results: list[RunResult], source: str, suite: str = "L0_infer") -> str:
+    about = SUITES[suite].description
+    width = max([14, *(len(r.name) + 2 for r in results)])
+    lines = [f"Triton qa/{suite} against torchpool ({source}; BACKENDS=libtorch {about})",
+             f"{'run':<{width}}{'ran':>5}{'expected':>10}{'passed':>8}{'failed':>8}{'errors':>8}"
              f"{'skipped':>9}{'requests':>10}{'models':>8}{'time':>8}"]
     for r in results:
         ok_requests, failed_requests, models = r.requests
-        lines.append(f"{r.config:<14}{r.ran:>5}{r.expected if r.expected is not None else '-':>10}"
+        lines.append(f"{r.name:<{width}}{r.ran:>5}{r.expected if r.expected is not None else '-':>10}"
                      f"{r.passed:>8}{r.failures:>8}{r.errors:>8}{r.skipped:>9}{ok_requests:>10}"
                      f"{models:>8}{r.seconds:>7.0f}s")
     lines.append("requests: inferences the daemon answered successfully in that run "
                  "(failed inferences are tests' expected errors or bugs)")
     for r in results:
         if r.requests[1]:
-            lines.append(f"  {r.config}: {r.requests[1]} inference(s) answered with an error")
+            lines.append(f"  {r.name}: {r.requests[1]} inference(s) answered with an error")
         for item in r.not_ok + r.problems:
-            lines.append(f"  {r.config}: {item}")
+            lines.append(f"  {r.name}: {item}")
         if r.expected is not None and r.ran and r.ran != r.expected:
-            lines.append(f"  {r.config}: ran {r.ran} tests, test.sh's count for this setup is {r.expected}")
+            lines.append(f"  {r.name}: ran {r.ran} tests, test.sh's count for this setup is {r.expected}")
+    if len(results) > 1:
+        passed = sum(r.ok for r in results)
+        lines.append(f"runs: {len(results)}, passed {passed}, failed {len(results) - passed}; "
+                     f"tests: {sum(r.ran for r in results)}, passed {sum(r.passed for r in results)}")
     lines.append("PASSED" if results and all(r.ok for r in results) else "FAILED")
     return "\n".join(lines)
 
@@ -410,22 +736,25 @@ def _terminate(signum: int, frame: object) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    suite = SUITES[args.suite]
     signal.signal(signal.SIGTERM, _terminate)
     work = Path(tempfile.mkdtemp(prefix="torchpool-triton-qa-"))
     results: list[RunResult] = []
     source = str(args.triton_server)
     try:
-        source = extract_qa(args.triton_server, args.triton_ref, work)
+        cases = select_cases(suite, args.configs, args.tests)
+        source = extract_qa(args.triton_server, args.triton_ref, work, suite.qa_dirs)
         qa = work / "qa"
-        point_at_ports(qa / "common", args.http_port, args.grpc_port)
-        models = build_repository(qa, work)
-        print(f"{len(models)} libtorch models from gen_qa_models.py; running {', '.join(args.configs)}",
-              flush=True)
-        for config in args.configs:
-            result = run_configuration(args, qa, work, models, config)
+        point_at_ports(qa, args.http_port, args.grpc_port, suite.port_files)
+        repositories = suite.build(qa, work)
+        print(f"{sum(len(m) for m in repositories.values())} libtorch models in "
+              f"{', '.join(sorted(repositories))}; {len(cases)} run(s) of {suite.test_file}", flush=True)
+        for case in cases:
+            result = run_case(args, suite, qa, work, repositories[case.repository], case)
             results.append(result)
+            print(f"{case.name}: {'ok' if result.ok else 'FAILED'} ({result.seconds:.0f} s)", flush=True)
             if not result.ok and result.report:
-                print(f"--- {config}: unittest's report (first 200 lines)\n"
+                print(f"--- {case.name}: unittest's report (first 200 lines)\n"
                       + "\n".join(result.report.splitlines()[:200]), flush=True)
     except QaError as e:
         print(f"triton-qa: {e}", file=sys.stderr)
@@ -438,7 +767,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for log in work.glob("*.log"):
                 shutil.copy(log, args.log_dir / log.name)
         shutil.rmtree(work, ignore_errors=True)
-    print(summary(results, source))
+    print(summary(results, source, args.suite))
     return 0 if results and all(r.ok for r in results) else 1
 
 

@@ -28,7 +28,7 @@ SHM_UTIL = 'triton_client = httpclient.InferenceServerClient(f"{_tritonserver_ip
 def test_help_runs_without_torch_or_a_triton_tree() -> None:
     r = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    for flag in ("--triton-server", "--http-port", "--grpc-port", "--config", "--test", "--log-dir"):
+    for flag in ("--triton-server", "--suite", "--http-port", "--grpc-port", "--config", "--test", "--log-dir"):
         assert flag in r.stdout
 
 
@@ -37,6 +37,9 @@ def test_defaults_are_tritons_ports_and_both_configurations() -> None:
     assert (args.http_port, args.grpc_port) == (8000, 8001)
     assert args.configs == ["no-shm", "system-shm"]
     assert args.tests is None and args.triton_ref == "HEAD"
+    assert args.suite == "L0_infer"
+    # the batcher suites run once, without shared memory, as their test.sh does by default
+    assert triton_qa.parse_args(["--triton-server", "/x", "--suite", "L0_batcher"]).configs == ["no-shm"]
     assert triton_qa.parse_args(["--triton-server", "/x", "--config", "system-shm"]).configs == ["system-shm"]
 
 
@@ -46,6 +49,7 @@ def test_defaults_are_tritons_ports_and_both_configurations() -> None:
     (["--grpc-port", "70000"], "--grpc-port must be a TCP port"),
     (["--http-port", "9000", "--grpc-port", "9000"], "must differ"),
     (["--config", "cuda-shm"], "invalid choice: 'cuda-shm'"),
+    (["--suite", "L0_dlpack"], "invalid choice: 'L0_dlpack'"),
 ])
 def test_bad_arguments_are_refused_naming_the_flag(argv: list[str], message: str,
                                                    capsys: pytest.CaptureFixture) -> None:
@@ -99,15 +103,28 @@ def test_a_directory_without_qa_is_refused(tmp_path: Path) -> None:
 
 
 def test_other_ports_are_written_into_the_copy_only_when_asked(tmp_path: Path) -> None:
-    common = _qa_tree(tmp_path) / "qa" / "common"
-    triton_qa.point_at_ports(common, 8000, 8001)
+    qa = _qa_tree(tmp_path) / "qa"
+    common = qa / "common"
+    triton_qa.point_at_ports(qa, 8000, 8001)
     assert (common / "infer_util.py").read_text() == INFER_UTIL
-    triton_qa.point_at_ports(common, 18000, 18001)
+    triton_qa.point_at_ports(qa, 18000, 18001)
     assert (common / "infer_util.py").read_text() == INFER_UTIL.replace(":8000", ":18000").replace(":8001", ":18001")
     assert (common / "shm_util.py").read_text() == SHM_UTIL.replace(":8000", ":18000")
     # a QA that no longer hardcodes the port is not silently left pointing elsewhere
     with pytest.raises(triton_qa.QaError, match="no longer hardcodes :8000"):
-        triton_qa.point_at_ports(common, 19000, 18001)
+        triton_qa.point_at_ports(qa, 19000, 18001)
+
+
+def test_the_sequence_suite_s_ports_are_moved_in_each_of_its_files(tmp_path: Path) -> None:
+    qa = tmp_path / "qa"
+    (qa / "common").mkdir(parents=True)
+    (qa / "L0_sequence_batcher").mkdir()
+    test = 'self.server_address_ = (\n    os.environ.get("TRITONSERVER_IPADDR", "localhost") + ":8001"\n)\n'
+    (qa / "L0_sequence_batcher" / "sequence_batcher_test.py").write_text(test)
+    (qa / "common" / "sequence_util.py").write_text(INFER_UTIL)
+    triton_qa.point_at_ports(qa, 18000, 18001, triton_qa.SUITES["L0_sequence_batcher"].port_files)
+    assert (qa / "L0_sequence_batcher" / "sequence_batcher_test.py").read_text() == test.replace("8001", "18001")
+    assert ":18000" in (qa / "common" / "sequence_util.py").read_text()
 
 
 FAKE_GEN = """import argparse, os
@@ -176,3 +193,154 @@ def test_a_full_pass_with_the_expected_count_is_ok() -> None:
     crashed = triton_qa.RunResult("no-shm", 41)
     triton_qa.parse_unittest("Traceback ...\nImportError: no module named infer_util\n", crashed)
     assert not crashed.ok and "no unittest summary" in crashed.problems[0]
+
+
+# ------------------------------------------------------------------ the batcher suites
+
+FAKE_GENERATORS = {
+    "gen_qa_models.py": """import argparse, os
+p = argparse.ArgumentParser(); p.add_argument("--models_dir"); p.add_argument("--libtorch", action="store_true")
+p.add_argument("--variable", action="store_true")
+a = p.parse_args()
+name = "libtorch_float32_float32_float32"
+os.makedirs(f"{a.models_dir}/{name}/1")
+dims = "-1" if a.variable else "16"
+open(f"{a.models_dir}/{name}/config.pbtxt", "w").write(
+    f'name: "{name}"\\nmax_batch_size: 8\\nversion_policy: {{ latest {{ num_versions: 1 }}}}\\n'
+    f'input [ {{ name: "INPUT0" dims: [ {dims} ] }} ]\\n')
+""",
+    "gen_qa_identity_models.py": """import argparse, os
+p = argparse.ArgumentParser(); p.add_argument("--models_dir"); p.add_argument("--libtorch", action="store_true")
+a = p.parse_args()
+name = "libtorch_nobatch_zero_1_float32"
+os.makedirs(f"{a.models_dir}/{name}/1")
+open(f"{a.models_dir}/{name}/config.pbtxt", "w").write(
+    f'name: "{name}"\\nmax_batch_size: 0\\ninput [ {{ name: "INPUT__0" dims: [ -1 ] }} ]\\n')
+""",
+    "gen_qa_sequence_models.py": """import argparse, os
+p = argparse.ArgumentParser(); p.add_argument("--models_dir"); p.add_argument("--libtorch", action="store_true")
+p.add_argument("--variable", action="store_true")
+a = p.parse_args()
+for dtype in ("int32", "bool", "float32"):
+    for name in (f"libtorch_sequence_{dtype}", f"libtorch_nobatch_sequence_{dtype}"):
+        if a.variable and "nobatch" in name:
+            continue
+        os.makedirs(f"{a.models_dir}/{name}/1")
+        mbs = 0 if "nobatch" in name else 8
+        open(f"{a.models_dir}/{name}/config.pbtxt", "w").write(
+            f'name: "{name}"\\nmax_batch_size: {mbs}\\nsequence_batching {{\\n  max_sequence_idle_microseconds: 5000000\\n}}\\n'
+            f'instance_group [\\n  {{\\n    kind: KIND_GPU\\n  }}\\n]\\n')
+""",
+}
+
+
+def _generators(root: Path) -> Path:
+    qa = root / "qa"
+    (qa / "common").mkdir(parents=True)
+    for name, text in FAKE_GENERATORS.items():
+        (qa / "common" / name).write_text(text)
+    return qa
+
+
+def test_batcher_repositories_are_test_sh_s(tmp_path: Path) -> None:
+    qa = _generators(tmp_path / "src")
+    work = tmp_path / "work"
+    work.mkdir()
+    repos = triton_qa.build_batcher_repositories(qa, work)
+    assert repos == {"models": ["libtorch_float32_float32_float32"],
+                     "preferred_batch_only_models": ["libtorch_float32_float32_float32"],
+                     "var_models": ["custom_zero_1_float32", "libtorch_float32_float32_float32",
+                                    "libtorch_zero_1_float32"]}
+    fixed = (work / "models/libtorch_float32_float32_float32/config.pbtxt").read_text()
+    assert fixed == ('name: "libtorch_float32_float32_float32"\nmax_batch_size: 8\n'
+                     'version_policy: { specific { versions: [1] }}\ninput [ { name: "INPUT0" dims: [ 16 ] } ]\n'
+                     'dynamic_batching { preferred_batch_size: [ 2, 6 ], max_queue_delay_microseconds: 10000000 }\n')
+    only = (work / "preferred_batch_only_models/libtorch_float32_float32_float32/config.pbtxt").read_text()
+    assert only.endswith("dynamic_batching { preferred_batch_size: [ 4, 6 ] }\n")
+    variable = (work / "var_models/libtorch_float32_float32_float32/config.pbtxt").read_text()
+    assert "dims: [ -1 ]" in variable and "10000000" in variable      # s/16/-1/g spares the delay
+    for name in ("libtorch_zero_1_float32", "custom_zero_1_float32"):
+        zero = (work / "var_models" / name / "config.pbtxt").read_text()
+        assert zero.startswith(f'name: "{name}"\nmax_batch_size: 8\n')
+        assert 'name: "INPUT__0"\nallow_ragged_batch: true dims: [ -1 ]' in zero
+        assert 'kind: BATCH_SCATTER_WITH_INPUT_SHAPE source_input: "INPUT__0" }] dynamic_batching' in zero
+
+
+def test_sequence_repositories_are_test_sh_s_on_the_cpu(tmp_path: Path) -> None:
+    qa = _generators(tmp_path / "src")
+    work = tmp_path / "work"
+    work.mkdir()
+    repos = triton_qa.build_sequence_repositories(qa, work)
+    pair = ["libtorch_sequence_bool", "libtorch_sequence_int32"]
+    assert repos["models1"] == repos["models2"] == repos["models4"] == repos["modelsv"] == pair
+    assert repos["models0"] == ["libtorch_nobatch_sequence_bool", "libtorch_nobatch_sequence_int32"]
+    assert repos["queue_delay_models"] == sorted(pair + [f"{n}_{v}" for n in pair for v in ("full", "half")])
+    for repo, mbs, count in (("models1", 4, 1), ("models2", 2, 2), ("models4", 1, 4), ("modelsv", 4, 1),
+                             ("models0", 0, 4)):
+        name = repos[repo][1]
+        config = (work / repo / name / "config.pbtxt").read_text()
+        assert f"max_batch_size: {mbs}\n" in config, repo
+        assert f"kind: KIND_CPU\ncount: {count}\n" in config and "KIND_GPU" not in config, repo
+    half = (work / "queue_delay_models/libtorch_sequence_int32_half/config.pbtxt").read_text()
+    assert half.startswith('name: "libtorch_sequence_int32_half"\n')
+    assert ("sequence_batching {\ndirect {\nmax_queue_delay_microseconds: 3000000\n"
+            "minimum_slot_utilization: 0.5\n}\n") in half
+    full = (work / "queue_delay_models/libtorch_sequence_int32_full/config.pbtxt").read_text()
+    assert "minimum_slot_utilization: 1\n" in full
+
+
+def test_each_batcher_test_runs_against_its_own_daemon_with_test_sh_s_switches() -> None:
+    batcher = triton_qa.SUITES["L0_batcher"].cases(["no-shm"])
+    sequence = triton_qa.SUITES["L0_sequence_batcher"].cases(["no-shm"])
+    assert (len(batcher), len(sequence)) == (39, 88)
+    assert all(c.expected == 1 and len(c.tests) == 1 for c in batcher + sequence)
+    by_name = {c.name: c for c in batcher + sequence}
+    assert len(by_name) == 39 + 88
+    delays = ("TRITONSERVER_DELAY_SCHEDULER", "TRITONSERVER_BACKLOG_DELAY_SCHEDULER")
+
+    def switches(name: str) -> tuple:
+        return tuple(by_name[name].env.get(k) for k in delays)
+
+    assert switches("test_static_batch_preferred.FIXED") == (None, None)
+    assert switches("test_multi_batch_use_biggest_preferred.VARIABLE") == ("6", None)
+    assert switches("test_preferred_batch_only_unaligned.PREFERRED_BATCH_ONLY") == ("5", None)
+    assert by_name["test_preferred_batch_only_unaligned.PREFERRED_BATCH_ONLY"].repository == \
+        "preferred_batch_only_models"
+    assert switches("test_backlog_fill.models1") == ("10", "2")
+    assert switches("test_backlog_fill_no_end.models4") == ("10", "3")
+    assert switches("test_backlog_same_correlation_id_no_end.models2") == ("16", "0")
+    assert switches("test_half_batch.models0") == ("8", "0")
+    assert switches("test_simple_sequence.modelsv") == (None, None)
+    assert switches("test_queue_delay_half_min_util.queue_delay_models") == ("2", "0")
+    assert {k: by_name["test_backlog.models0"].env[k] for k in ("NO_BATCHING", "MODEL_INSTANCES", "BATCHER_TYPE")} \
+        == {"NO_BATCHING": "1", "MODEL_INSTANCES": "4", "BATCHER_TYPE": "FIXED"}
+    assert by_name["test_backlog.modelsv"].env["BATCHER_TYPE"] == "VARIABLE"
+    assert by_name["test_backlog.models1"].tests == ["SequenceBatcherTest.test_backlog"]
+
+
+def test_tests_are_chosen_by_name_or_by_run() -> None:
+    suite = triton_qa.SUITES["L0_sequence_batcher"]
+    assert [c.name for c in triton_qa.select_cases(suite, ["no-shm"], ["SequenceBatcherTest.test_backlog"])] == \
+        [f"test_backlog.models{t}" for t in "0124v"]
+    assert [c.name for c in triton_qa.select_cases(suite, ["no-shm"], ["test_half_batch.models2"])] == \
+        ["test_half_batch.models2"]
+    with pytest.raises(triton_qa.QaError, match="has no run test_nothing"):
+        triton_qa.select_cases(suite, ["no-shm"], ["test_nothing"])
+    infer = triton_qa.select_cases(triton_qa.SUITES["L0_infer"], ["no-shm"], ["InferTest.test_raw_fff"])
+    assert [(c.name, c.tests, c.expected) for c in infer] == [("no-shm", ["InferTest.test_raw_fff"], None)]
+
+
+def test_the_delay_switches_come_from_test_sh_never_from_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITONSERVER_DELAY_SCHEDULER", "99")
+    monkeypatch.setenv("TRITONSERVER_BACKLOG_DELAY_SCHEDULER", "99")
+    env = triton_qa.clean_environment({"TRITONSERVER_DELAY_SCHEDULER": "3"})
+    assert env["TRITONSERVER_DELAY_SCHEDULER"] == "3" and "TRITONSERVER_BACKLOG_DELAY_SCHEDULER" not in env
+    assert "TRITONSERVER_DELAY_SCHEDULER" not in triton_qa.clean_environment({})
+
+
+def test_the_daemon_allows_client_shared_memory_only_for_shared_memory_runs(tmp_path: Path) -> None:
+    command = triton_qa.serve_command(tmp_path / "models", tmp_path, 8000, 8001, {"TEST_SYSTEM_SHARED_MEMORY": "1"})
+    assert command[1:4] == ["-m", "torchpool", "serve"] and command[-1] == "--allow-client-shm=true"
+    assert f"ipc://{tmp_path}/torchpool.sock" in command
+    plain = triton_qa.serve_command(tmp_path / "models", tmp_path, 8000, 8001, {"TEST_SYSTEM_SHARED_MEMORY": "0"})
+    assert not any("allow-client-shm" in a for a in plain)
