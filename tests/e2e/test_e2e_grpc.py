@@ -54,7 +54,8 @@ def grpc_repository(test_repository: Path, tmp_path_factory: pytest.TempPathFact
 def gdaemon(grpc_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     port = free_tcp_port()
     d = Daemon(grpc_repository, tmp_path_factory.mktemp("grpc_daemon"), "--grpc-port", str(port),
-               "--model-control-mode", "explicit", "--load-model", "*")
+               "--model-control-mode", "explicit", "--load-model", "*",
+               "--allow-client-shm=true")      # its callers register system shared memory
     d.grpc_url = f"127.0.0.1:{port}"
     d.start()
     with grpcclient.InferenceServerClient(d.grpc_url) as c:

@@ -26,7 +26,9 @@ B = np.full((1, 16), 0.5, np.float32)
 @pytest.fixture(scope="module")
 def http_port(test_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     port = free_tcp_port()
-    d = Daemon(test_repository, tmp_path_factory.mktemp("http"), "--http-port", str(port)).start()
+    # its callers register system shared memory: off unless the operator says so
+    d = Daemon(test_repository, tmp_path_factory.mktemp("http"), "--http-port", str(port),
+               "--allow-client-shm=true").start()
     yield port
     assert d.stop() == 0, d.log()
 

@@ -19,9 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ..support.daemon import Daemon, descendants, free_tcp_port, wait_for
-from ..support.http_gateway import InProcessGateway, ResponseReader, closed_by_server, connect, error_of, request
+from ..support.daemon import Daemon, free_tcp_port, wait_for
+from ..support.http_gateway import (InProcessGateway, ResponseReader, closed_by_server, connect, error_of,
+                                    gateway_pid, request)
 from ..support.model_repository import slow_iterations
+from torchpool.gateway.defaults import MAX_INPUT_BYTES
 
 IDENTITY = "/v2/models/identity/infer"
 
@@ -50,18 +52,6 @@ def port(gateway) -> int:
 @pytest.fixture
 def url(gateway) -> str:
     return gateway[0].url
-
-
-def gateway_pid(d: Daemon) -> int:
-    """The gateway process under the daemon (0 if none runs now)."""
-    for pid in descendants(d.pid()):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"torchpool.gateway" in cmd or b"torchpool gateway" in cmd:   # before / after its title
-                return pid
-        except OSError:
-            continue
-    return 0
 
 
 def binary_body(inputs: list[tuple[str, str, list, int, bytes]]) -> tuple[bytes, dict]:
@@ -100,7 +90,8 @@ def test_a_body_over_the_limit_is_refused_before_it_is_sent(port: int) -> None:
         s.sendall(f"POST {IDENTITY} HTTP/1.1\r\nHost: t\r\nContent-Length: {3 << 30}\r\n\r\n".encode())
         status, _, body = ResponseReader(s).read()
         assert status == 413
-        assert error_of(body) == f"request body of {3 << 30} bytes exceeds the limit of {1 << 30} bytes"
+        assert error_of(body) == (f"request body of {3 << 30} bytes exceeds the limit of {MAX_INPUT_BYTES} "
+                                  f"bytes (--http-max-input-size)")
         assert closed_by_server(s, 10)
     assert_serves(port)
 
@@ -152,14 +143,15 @@ def test_malformed_json(port: int) -> None:
     assert_serves(port)
 
 
-def test_json_over_its_limit(port: int) -> None:
+def test_json_over_its_limit(url: str) -> None:
     from torchpool.gateway.http_binary import MAX_JSON_BYTES
 
     body = b"{" + b" " * MAX_JSON_BYTES + b"}"
-    status, _, answer = request(port, "POST", IDENTITY, body)
-    assert (status, error_of(answer)) == (400, f"request JSON size of {len(body)} bytes exceeds the maximum "
-                                               f"allowed input size of {MAX_JSON_BYTES} bytes")
-    assert_serves(port)
+    with InProcessGateway(url, max_body=len(body)) as gw:      # a body limit above the JSON's
+        status, _, answer = request(gw.port, "POST", IDENTITY, body)
+        assert (status, error_of(answer)) == (400, f"request JSON size of {len(body)} bytes exceeds the "
+                                                   f"maximum allowed input size of {MAX_JSON_BYTES} bytes")
+        assert_serves(gw.port)
 
 
 # --- malformed HTTP ------------------------------------------------------------------
@@ -293,7 +285,8 @@ def test_decompression_bomb_stops_at_the_limit(url: str) -> None:
     bomb = gzip.compress(bytes(8 << 20))                    # 8 MiB of zeros in a few KiB
     with InProcessGateway(url, max_body=1 << 20) as gw:
         status, _, body = request(gw.port, "POST", IDENTITY, bomb, {"Content-Encoding": "gzip"})
-        assert (status, error_of(body)) == (400, f"the decompressed request body exceeds the limit of {1 << 20} bytes")
+        assert (status, error_of(body)) == (400, f"the decompressed request body exceeds the limit of {1 << 20} "
+                                                 f"bytes (--http-max-input-size)")
         status, _, body = request(gw.port, "POST", IDENTITY, bytes(2 << 20))
         assert status == 413
         assert_serves(gw.port)
@@ -307,7 +300,7 @@ def test_a_chunked_body_over_the_limit(url: str) -> None:
             s.sendall(chunk)
         status, headers, body = ResponseReader(s).read()
         assert status == 413 and headers["connection"] == "close"
-        assert error_of(body) == f"request body exceeds the limit of {1 << 20} bytes"
+        assert error_of(body) == f"request body exceeds the limit of {1 << 20} bytes (--http-max-input-size)"
         assert closed_by_server(s, 10)
         assert_serves(gw.port)
 

@@ -63,7 +63,8 @@ def test_single_names_pass_without_their_leading_slash(value: str, name: str) ->
 def served(small_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     http, grpc = free_tcp_port(), free_tcp_port()
     d = Daemon(small_repository, tmp_path_factory.mktemp("names"), "--http-port", str(http),
-               "--grpc-port", str(grpc), "--model-control-mode", "explicit", "--load-model", "*")
+               "--grpc-port", str(grpc), "--model-control-mode", "explicit", "--load-model", "*",
+               "--allow-client-shm=true")      # its callers register system shared memory
     d.http, d.grpc = http, grpc
     d.start()
     wait_for(lambda: _http_ready(http), 60, "the gateway's HTTP port")

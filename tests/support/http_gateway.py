@@ -1,5 +1,6 @@
-"""Helpers for the HTTP endpoint's tests: raw requests, raw sockets, and an
-HTTP gateway run inside the test process (with limits a test can make small)."""
+"""Helpers for the gateways' tests: raw requests, raw sockets, an HTTP
+gateway run inside the test process (with limits a test can make small),
+the gateway process of a daemon and its memory."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,10 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any, Optional
+
+from .daemon import descendants
 
 
 def request(port: int, method: str, path: str, body: bytes = b"", headers: Optional[dict] = None,
@@ -139,3 +143,30 @@ class InProcessGateway:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
             self.loop.close()
+
+
+# --- the gateway process of a daemon ---------------------------------------------------
+
+def gateway_pid(daemon: Any) -> int:
+    """The gateway process under the daemon (0 if none runs now)."""
+    for pid in descendants(daemon.pid()):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"torchpool.gateway" in cmd or b"torchpool gateway" in cmd:   # before / after its title
+                return pid
+        except OSError:
+            continue
+    return 0
+
+
+def memory(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory (VmRSS) or its peak (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak(pid: int) -> None:
+    """Start VmHWM afresh at the current VmRSS (proc(5): clear_refs "5")."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 
-from torchpool.gateway import grpc_server
+from torchpool.gateway import grpc_requests, grpc_server
 from torchpool.gateway.backend import Backend
 from torchpool.gateway.proto import grpc_service_pb2 as pb
 from torchpool.gateway.proto import wire
@@ -76,30 +76,30 @@ def test_request_parameters_as_triton_reads_them() -> None:
     params["priority"].uint64_param = 3
     params["timeout"].int64_param = 5000
     params["custom"].double_param = 1.0          # passed on by Triton, not torchpool's
-    assert grpc_server._request_options(params) == {
+    assert grpc_requests._request_options(params) == {
         "sequence_id": "abc", "sequence_start": True, "priority": 3, "timeout_us": 5000}
     params["timeout"].string_param = "soon"
     with pytest.raises(TorchpoolError) as exc:
-        grpc_server._request_options(params)
+        grpc_requests._request_options(params)
     assert exc.value.message == "invalid value type for 'timeout' parameter, expected int64_param."
 
 
 def test_requested_outputs() -> None:
     request = pb.ModelInferRequest()
-    assert grpc_server._outputs(request) is None        # none named: every output
+    assert grpc_requests._outputs(request) is None        # none named: every output
     out = request.outputs.add(name="OUT")
     out.parameters["shared_memory_region"].string_param = "r"
     out.parameters["shared_memory_byte_size"].int64_param = 64
     out.parameters["shared_memory_offset"].int64_param = 8
-    (wanted,) = grpc_server._outputs(request)
+    (wanted,) = grpc_requests._outputs(request)
     assert (wanted.name, wanted.region, wanted.byte_size, wanted.offset) == ("OUT", "r", 64, 8)
     out.parameters["classification"].int64_param = 2
     with pytest.raises(TorchpoolError) as exc:
-        grpc_server._outputs(request)
+        grpc_requests._outputs(request)
     assert exc.value.message == "output can't set both 'shared_memory_region' and 'classification'"
     del out.parameters["shared_memory_byte_size"]
     with pytest.raises(TorchpoolError) as exc:
-        grpc_server._outputs(request)
+        grpc_requests._outputs(request)
     assert exc.value.message == ("'shared_memory_byte_size' must be specified along with "
                                  "'shared_memory_region' parameter for tensor 'OUT'")
 

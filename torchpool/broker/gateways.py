@@ -62,6 +62,12 @@ class GatewayProcess:
             cmd += ["--http-port", str(self.ports.get("http", o.http_port)), "--http-host", o.http_host]
         if o.grpc_port is not None:
             cmd += ["--grpc-port", str(self.ports.get("grpc", o.grpc_port)), "--grpc-host", o.grpc_host]
+        cmd += ["--http-max-input-size", str(o.http_max_input_size),
+                "--grpc-max-input-size", str(o.grpc_max_input_size),
+                f"--allow-client-shm={str(o.allow_client_shm).lower()}",
+                "--gateway-max-in-flight-per-caller", str(o.gateway_max_in_flight_per_caller)]
+        for prefix in o.allow_client_shm_prefixes:
+            cmd += ["--allow-client-shm-prefix", prefix]
         return cmd
 
     def start(self) -> None:

@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..gateway import defaults as gateway_defaults
 from ..protocol.messages import MAX_HEADER_BYTES
 from ..protocol.validation import TensorLimits
 
@@ -49,6 +50,12 @@ class ServerOptions:
     http_host: str = "127.0.0.1"
     grpc_port: Optional[int] = None     # gRPC (Triton's 8001); None = off
     grpc_host: str = "127.0.0.1"
+    # what the gateways' callers may do (defaults: torchpool/gateway/defaults.py)
+    http_max_input_size: int = gateway_defaults.MAX_INPUT_BYTES    # Triton's --http-max-input-size
+    grpc_max_input_size: int = gateway_defaults.MAX_INPUT_BYTES
+    allow_client_shm: bool = gateway_defaults.ALLOW_CLIENT_SHM     # Triton's --allow-client-shm
+    allow_client_shm_prefixes: list[str] = field(default_factory=list)  # empty: any key
+    gateway_max_in_flight_per_caller: int = gateway_defaults.MAX_IN_FLIGHT_PER_CALLER
     log_format: str = "text"
     model_control_mode: str = "none"    # none | poll | explicit (Triton's)
     load_models: list[str] = field(default_factory=list)   # explicit mode: load these at start ("*" = all)

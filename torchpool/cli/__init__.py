@@ -251,6 +251,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="serve KServe v2 / Triton gRPC on this port (Triton's 8001)")
     serve.add_argument("--grpc-host", default=_default("grpc_host"),
                        help=f"address of the gRPC endpoint (default {_default('grpc_host')})")
+    serve.add_argument("--http-max-input-size", type=_size, default=_default("http_max_input_size"),
+                       help="Triton's: the largest HTTP request body, also once decompressed "
+                            f"(default {_shown(_default('http_max_input_size'))})")
+    serve.add_argument("--grpc-max-input-size", type=_size, default=_default("grpc_max_input_size"),
+                       help=f"the largest gRPC request (default {_shown(_default('grpc_max_input_size'))})")
+    serve.add_argument("--allow-client-shm", nargs="?", const=True, type=_boolean,
+                       default=_default("allow_client_shm"), metavar="BOOL",
+                       help="Triton's: let HTTP/gRPC callers register system shared memory, which "
+                            "the daemon opens with its own rights (default false)")
+    serve.add_argument("--allow-client-shm-prefix", dest="allow_client_shm_prefixes", action="append",
+                       metavar="PREFIX", help="... only segments whose key begins with PREFIX; repeatable")
+    serve.add_argument("--gateway-max-in-flight-per-caller", type=int,
+                       default=_default("gateway_max_in_flight_per_caller"),
+                       help="requests of one HTTP connection or gRPC peer sent to the daemon at once; "
+                            "more wait in the gateway, callers in turn "
+                            f"(default {_shown(_default('gateway_max_in_flight_per_caller'))})")
     serve.add_argument("--model-control-mode", default=_default("model_control_mode"),
                        choices=["none", "poll", "explicit"],
                        help="Triton's: none = load all at start; poll = rescan the repository "

@@ -31,7 +31,8 @@ def server_options(args: argparse.Namespace, log_level: int) -> ServerOptions:
                  load_models=args.load_model or [],
                  metrics_config=args.metrics_config or [],
                  local_allow_users=args.local_allow_users or [],
-                 local_allow_groups=args.local_allow_groups or [])
+                 local_allow_groups=args.local_allow_groups or [],
+                 allow_client_shm_prefixes=args.allow_client_shm_prefixes or [])
     return ServerOptions(**given)
 
 

@@ -4,11 +4,10 @@ local `AsyncClient`, Triton's tensor layouts, and Triton's error statuses.
 Each protocol module parses its own wire format into `InputTensor`s and
 `OutputRequest`s and writes `OutputTensor`s back; everything else (which
 client call, how a JSON list or raw bytes become a tensor, which status an
-error code gets) is here, once.
+error code gets, each caller's share and regions: callers.py) is here, once.
 """
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -18,6 +17,8 @@ import numpy as np
 from ..client import AsyncClient, OutputRef, RawTensor, RegionOutput, SharedMemoryRef
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
+from .callers import Caller, FairShare
+from .defaults import ALLOW_CLIENT_SHM, MAX_IN_FLIGHT_PER_CALLER
 
 # Triton's HTTP status for each error code (its HttpCodeFromError); anything
 # else is 400. RESOURCE_EXHAUSTED is torchpool's (a client over a limit);
@@ -35,16 +36,35 @@ _GRPC_STATUS = {errors.INVALID_ARG: "INVALID_ARGUMENT", errors.NOT_FOUND: "NOT_F
                 errors.RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED",
                 errors.DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED"}
 
-# Extensions a Triton client may look for in the server metadata.
+# Extensions a Triton client may look for in the server metadata
+# ("system_shared_memory" too, where --allow-client-shm lets callers use it).
 EXTENSIONS = ["classification", "sequence", "model_repository", "model_repository(unload_dependents)",
-              "schedule_policy", "model_configuration", "system_shared_memory", "binary_tensor_data",
-              "parameters", "statistics"]
+              "schedule_policy", "model_configuration", "binary_tensor_data", "parameters", "statistics"]
 
 LOAD_TIMEOUT = 3600.0      # a load may compile and warm a model: wait as long as the daemon does
 CONTROL_TIMEOUT = 60.0
 # Requests sent to the daemon at once, kept below its per-client limit
 # (--max-in-flight-per-client, 1024): more wait here instead of being refused.
 MAX_IN_FLIGHT = 960
+
+
+# What one request may name: a model has a handful of inputs and outputs,
+# a tensor a handful of dimensions (numpy takes at most 64). Parsed requests
+# travel back from the helper process (offload.py): these bound them.
+MAX_TENSORS = 1024
+MAX_DIMS = 64
+
+
+def check_counts(model: str, inputs: int, outputs: int) -> None:
+    if inputs > MAX_TENSORS or outputs > MAX_TENSORS:
+        raise bad(f"request for model '{model}' names {inputs} inputs and {outputs} outputs: at most "
+                  f"{MAX_TENSORS} of each")
+
+
+def check_dims(model: str, name: str, dims: int) -> None:
+    if dims > MAX_DIMS:
+        raise bad(f"invalid shape of input '{name}' for model '{model}': {dims} dimensions, at most "
+                  f"{MAX_DIMS}")
 
 
 def http_status(code: str) -> int:
@@ -59,11 +79,38 @@ def bad(message: str) -> TorchpoolError:
     return TorchpoolError(errors.INVALID_ARG, message)
 
 
+@dataclass(frozen=True)
+class ShmPolicy:
+    """Which system shared memory remote callers may register. The daemon
+    opens a region with the gateway's rights (those of the daemon's user:
+    as root, every segment on the host), so by default they may register
+    none (Triton's --allow-client-shm, off since 26.04); with `allowed`,
+    only keys that begin with one of `prefixes` (any key when empty)."""
+
+    allowed: bool = ALLOW_CLIENT_SHM
+    prefixes: tuple[str, ...] = ()
+
+    def check(self, name: str, key: str) -> None:
+        if not self.allowed:
+            raise TorchpoolError(errors.UNAVAILABLE, f"failed to register system shared memory region "
+                                                     f"'{name}': this server does not let remote "
+                                                     f"callers use system shared memory (start it with "
+                                                     f"--allow-client-shm=true)")
+        # the prefix is matched on the name shm_open sees: '/x' and '//x' are 'x'
+        # (Triton's 'triton_' check was passed with leading slashes)
+        bare = key.lstrip("/")
+        if self.prefixes and not any(bare.startswith(p.lstrip("/")) for p in self.prefixes):
+            raise bad(f"failed to register system shared memory region '{name}': its key does not "
+                      f"begin with a prefix this server allows (--allow-client-shm-prefix)")
+
+
 @dataclass
 class InputTensor:
     """One input as a protocol parsed it: its bytes (`raw`: binary extension,
     raw_input_contents), its values (`values`: JSON data, typed contents), or
-    a registered region (`region`, `byte_size`, `offset`)."""
+    a registered region (`region`, `byte_size`, `offset`). Parsed where the
+    bytes are not (the helper process), `raw_at` says where in the HTTP body
+    they are and `raw_index` which raw_input_contents entry."""
 
     name: str
     datatype: str
@@ -73,6 +120,8 @@ class InputTensor:
     region: Optional[str] = None
     byte_size: int = 0
     offset: int = 0
+    raw_at: Optional[tuple[int, int]] = None
+    raw_index: Optional[int] = None
 
 
 @dataclass
@@ -116,7 +165,7 @@ class OutputTensor:
         if self.datatype == "BYTES":
             return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in flat]
         if self.datatype == "BF16":
-            return _bf16_to_float(flat).tolist()
+            return bf16_to_float(flat).tolist()
         return flat.tolist()
 
 
@@ -128,13 +177,16 @@ class InferResponse:
     outputs: list[OutputTensor] = field(default_factory=list)
 
 
-def _bf16_to_float(bits: np.ndarray) -> np.ndarray:
+def bf16_to_float(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def _float_to_bf16(values: np.ndarray) -> np.ndarray:
     u = values.astype(np.float32).view(np.uint32)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)   # round to nearest even
+
+
+_EXPECTED_VALUES = {"BOOL": "true/false", "BYTES": "strings"}
 
 
 def _flatten(values: Any) -> list:
@@ -168,15 +220,24 @@ def input_value(t: InputTensor, model: str) -> Any:
                   f"got {len(flat)}")
     try:
         if t.datatype == "BYTES":
-            items = [v.encode() if isinstance(v, str) else bytes(v) for v in flat]
+            # strings (JSON) or bytes (gRPC's bytes_contents); bytes(n) of a
+            # number would be n zero bytes
+            if not all(isinstance(v, (str, bytes)) for v in flat):
+                raise TypeError
+            items = [v.encode() if isinstance(v, str) else v for v in flat]
             return RawTensor("BYTES", tuple(t.shape), datatypes.encode_bytes(items))
         if t.datatype == "BF16":
             return RawTensor("BF16", tuple(t.shape), _float_to_bf16(np.asarray(flat, np.float32)))
         if t.datatype == "BOOL" and not all(isinstance(v, bool) for v in flat):
-            raise TypeError("BOOL data must be true/false")
+            raise TypeError
         arr = np.asarray(flat, dtype=datatypes.numpy_dtype(t.datatype))
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise bad(f"unable to parse 'data' of {where} as {t.datatype}: {exc}") from None
+    except OverflowError:
+        raise bad(f"unable to parse 'data' of {where} as {t.datatype}: a value is out of the "
+                  f"datatype's range") from None
+    except (TypeError, ValueError):
+        # numpy's own words would show Python types and reprs: say what was expected
+        raise bad(f"unable to parse 'data' of {where} as {t.datatype}: expected "
+                  f"{_EXPECTED_VALUES.get(t.datatype, 'numbers')}") from None
     return RawTensor(t.datatype, tuple(t.shape), arr)
 
 
@@ -211,17 +272,33 @@ def output_tensor(name: str, value: Any, binary: bool) -> OutputTensor:
 
 class Backend:
     """The daemon, as both gateways see it: one local `AsyncClient` shared by
-    every HTTP connection and gRPC call of this process."""
+    every HTTP connection and gRPC call of this process, whose requests each
+    caller gets its share of (callers.FairShare), and a client of its own
+    for each caller that registers regions (its own session: the daemon's
+    region limit and "unregister all" are then that caller's alone)."""
 
-    def __init__(self, url: str, timeout: float = CONTROL_TIMEOUT) -> None:
+    def __init__(self, url: str, timeout: float = CONTROL_TIMEOUT, shm: ShmPolicy = ShmPolicy(),
+                 per_caller: int = MAX_IN_FLIGHT_PER_CALLER) -> None:
         self.url = url
         self.client = AsyncClient(url, timeout=timeout, local=True)
         self.timeout = timeout
-        self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+        self.shm = shm
+        self.share = FairShare(MAX_IN_FLIGHT, per_caller)
         self._latest: dict[str, str] = {}       # model -> the version an unversioned request runs
+        self._with_regions: set[Caller] = set()
 
     async def close(self) -> None:
+        for caller in list(self._with_regions):
+            await self.forget(caller)
         await self.client.aclose()
+
+    async def forget(self, caller: Caller) -> None:
+        """`caller` is gone: its regions go with it (its session is closed)."""
+        caller.gone = True
+        await self._close_regions(caller)
+
+    def callers_with_regions(self) -> list[Caller]:
+        return list(self._with_regions)
 
     # --- health and metadata ---------------------------------------------------
 
@@ -236,8 +313,9 @@ class Backend:
 
     async def server_metadata(self) -> dict:
         meta = await self.client.server_metadata()
+        shm = ["system_shared_memory"] if self.shm.allowed else []
         return {"name": meta.get("name", "torchpool"), "version": meta.get("version", ""),
-                "extensions": EXTENSIONS}
+                "extensions": EXTENSIONS + shm}
 
     async def model_metadata(self, name: str, version: str = "") -> dict:
         return await self.client.model_metadata(name, version or None)
@@ -267,26 +345,35 @@ class Backend:
 
     # --- inference ----------------------------------------------------------------
 
-    async def infer(self, model: str, version: str, inputs: list[InputTensor],
+    async def infer(self, caller: Caller, model: str, version: str, inputs: list[InputTensor],
                     outputs: Optional[list[OutputRequest]], request_id: str = "",
                     binary_default: bool = False, sequence_id: Any = 0, sequence_start: bool = False,
                     sequence_end: bool = False, priority: int = 0,
                     timeout_us: int = 0) -> InferResponse:
-        """Run one request. The outputs of the answer view the worker's shared
-        memory: write them out and drop the response (the views go back to
-        the worker once garbage)."""
+        """Run one request of `caller`. The outputs of the answer view the
+        worker's shared memory: write them out and drop the response (the
+        views go back to the worker once garbage)."""
         values = {}
+        regions = False
         for t in inputs:
             if t.name in values:
                 raise bad(f"input '{t.name}' for model '{model}' is given twice")
             values[t.name] = input_value(t, model)
+            regions = regions or t.region is not None
         wanted = None if outputs is None else [output_wanted(o, model) for o in outputs]
+        regions = regions or any(o.region is not None for o in outputs or ())
         binary = {o.name: (binary_default if o.binary is None else o.binary) for o in outputs or ()}
         timeout = timeout_us / 1e6 if timeout_us else None
-        async with self._slots:
-            result = await self.client.infer(
+        # a request naming regions goes in the caller's own session (the shared
+        # one has none: the daemon then says which region it does not know)
+        client = caller.regions if regions and caller.regions is not None else self.client
+        await self.share.enter(caller)
+        try:
+            result = await client.infer(
                 model, values, wanted, version or None, timeout=timeout, priority=priority,
                 sequence_id=sequence_id, sequence_start=sequence_start, sequence_end=sequence_end)
+        finally:
+            self.share.leave(caller)
         tensors = [output_tensor(name, value, binary.get(name, binary_default))
                    for name, value in result.items()]
         return InferResponse(model, version or await self._version_of(model), request_id, tensors)
@@ -303,14 +390,46 @@ class Backend:
             version = self._latest[model] = max(versions, key=lambda v: (len(v), v))
         return version
 
-    # --- system shared memory -------------------------------------------------------
+    # --- system shared memory: each caller's own -----------------------------------
 
-    async def register_shm(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        # the daemon refuses its own segments' names (broker/regions.py region_key)
-        await self.client.register_system_shared_memory(name, key, byte_size, offset)
+    async def register_shm(self, caller: Caller, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.shm.check(name, key)
+        async with caller.region_lock:      # one region call of a caller at a time: they are rare
+            if caller.gone:
+                raise TorchpoolError(errors.CANCELLED, f"region '{name}': the caller is gone")
+            if caller.regions is None:
+                # not local: it attaches (without an arena) only to register regions
+                caller.regions = AsyncClient(self.url, timeout=self.timeout, local=False)
+                self._with_regions.add(caller)
+            try:
+                # the daemon refuses its own segments' names (broker/regions.py region_key)
+                await caller.regions.register_system_shared_memory(name, key, byte_size, offset)
+                caller.region_names.add(name)
+            finally:
+                if not caller.region_names:
+                    await self._close_regions(caller)
 
-    async def unregister_shm(self, name: str = "") -> None:
-        await self.client.unregister_system_shared_memory(name or None)
+    async def unregister_shm(self, caller: Caller, name: str = "") -> None:
+        async with caller.region_lock:
+            if caller.regions is None:
+                return                      # Triton: unregistering nothing succeeds
+            await caller.regions.unregister_system_shared_memory(name or None)
+            if name:
+                caller.region_names.discard(name)
+            else:
+                caller.region_names.clear()
+            if not caller.region_names:
+                await self._close_regions(caller)
 
-    async def shm_status(self, name: str = "") -> list[dict]:
-        return await self.client.get_system_shared_memory_status(name or None)
+    async def shm_status(self, caller: Caller, name: str = "") -> list[dict]:
+        # a caller with no regions asks in the shared session, which holds none
+        client = caller.regions or self.client
+        return await client.get_system_shared_memory_status(name or None)
+
+    async def _close_regions(self, caller: Caller) -> None:
+        """Close the caller's own session: its regions go with it."""
+        client, caller.regions = caller.regions, None
+        caller.region_names.clear()
+        self._with_regions.discard(caller)
+        if client is not None:
+            await client.aclose()

@@ -5,9 +5,12 @@ Each RPC parses its protobuf request into `backend` calls and types, and
 writes the answer back as Triton does: outputs always in
 `raw_output_contents` (one entry per output, empty for one written to a
 shared-memory region), errors as a gRPC status (Triton's code for the error)
-with the daemon's message. ModelInfer bypasses protobuf for the tensor bytes
-(proto/wire.py). CUDA shared memory, trace and log settings are not
-torchpool's: they answer UNIMPLEMENTED.
+with the daemon's message. ModelInfer and ModelStreamInfer bypass protobuf
+for the tensor bytes (proto/wire.py); a request whose other fields are
+large is parsed in the helper process (offload.py). Each peer is a caller
+(grpc_peers.py): its share of the daemon, its own regions. Messages are at
+most `MAX_INPUT_BYTES` by default. CUDA shared memory, trace and log
+settings are not torchpool's: they answer UNIMPLEMENTED.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import errno
 import functools
 import logging
 import socket
-from typing import Any, Awaitable, Callable, Optional, Sequence
+from typing import Any, Awaitable, Callable, Optional
 
 import grpc
 from google.protobuf import json_format
@@ -24,7 +27,13 @@ from google.protobuf.message import DecodeError
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
-from .backend import Backend, InferResponse, InputTensor, OutputRequest, bad, grpc_status_name
+from .backend import Backend, InferResponse, bad, grpc_status_name
+from .callers import Caller
+from .chunks import tensor_bytes
+from .defaults import MAX_INPUT_BYTES
+from .grpc_peers import GrpcCallers
+from .grpc_requests import InferCall, attach_raw, infer_call, infer_call_of_bytes
+from .offload import OFFLOAD_BYTES, Offload
 from .proto import grpc_service_pb2 as pb
 from .proto import grpc_service_pb2_grpc as pb_grpc
 from .proto import wire
@@ -32,149 +41,26 @@ from .proto import wire
 log = logging.getLogger("torchpool.gateway.grpc")
 
 SERVICE = "inference.GRPCInferenceService"
-# Triton's limit in both directions (INT32_MAX): a 1 GiB tensor must pass.
-MAX_MESSAGE_BYTES = 2**31 - 1
+# Requests are at most MAX_INPUT_BYTES by default (--grpc-max-input-size):
+# grpc holds a message whole before we see it, so this bounds what one call
+# makes the gateway hold. Answers may be as large as Triton's (INT32_MAX).
+MAX_OUTPUT_BYTES = 2**31 - 1
 # In-flight calls get this long on close; the daemon waits 5 s for the
 # gateway process before killing it.
 CLOSE_GRACE = 4.0
-
-# The `contents` field of each datatype, and the datatype Triton names for a
-# field given with the wrong datatype. FP16/BF16 have none: only raw bytes.
-_CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
-                   "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
-                   "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
-                   "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
-_FIELD_DATATYPE = {"bool_contents": "BOOL", "int_contents": "INT32", "int64_contents": "INT64",
-                   "uint_contents": "UINT32", "uint64_contents": "UINT64", "fp32_contents": "FP32",
-                   "fp64_contents": "FP64", "bytes_contents": "BYTES"}
-
 
 def _unimplemented(what: str) -> TorchpoolError:
     return TorchpoolError(errors.UNSUPPORTED, what)
 
 
-# --- request parameters ------------------------------------------------------------------
-
-def _param(params: Any, key: str, kinds: tuple[str, ...], where: str = "") -> Any:
-    """The value of parameter `key` (None if absent), which must be set as one
-    of `kinds` (InferParameter oneof fields); Triton's error text otherwise."""
-    if key not in params:        # not params[key]: that would insert an entry
-        return None
-    value = params[key]
-    which = value.WhichOneof("parameter_choice")
-    if which not in kinds:
-        raise bad(f"invalid value type for '{key}' parameter{where}, expected {' or '.join(kinds)}.")
-    return getattr(value, which)
-
-
-def _region(tensor: Any) -> Optional[tuple[str, int, int]]:
-    """(region, byte_size, offset) of a tensor in system shared memory, or None."""
-    where = f" for tensor '{tensor.name}'"
-    params = tensor.parameters
-    region = _param(params, "shared_memory_region", ("string_param",), where)
-    offset = _param(params, "shared_memory_offset", ("int64_param",), where)
-    size = _param(params, "shared_memory_byte_size", ("int64_param",), where)
-    if region is None:
-        for key, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", size)):
-            if value is not None:
-                raise bad(f"'{key}' can not be specified without 'shared_memory_region' "
-                          f"parameter for tensor '{tensor.name}'")
-        return None
-    if size is None:
-        raise bad(f"'shared_memory_byte_size' must be specified along with 'shared_memory_region' "
-                  f"parameter for tensor '{tensor.name}'")
-    return region, size, offset or 0
-
-
-def _request_options(params: Any) -> dict:
-    """Backend.infer's keyword arguments from the request's parameters."""
-    options: dict[str, Any] = {}
-    sequence_id = _param(params, "sequence_id", ("int64_param", "string_param"))
-    if sequence_id is not None:
-        options["sequence_id"] = sequence_id
-    for flag in ("sequence_start", "sequence_end"):
-        if _param(params, flag, ("bool_param",)):
-            options[flag] = True
-    priority = _param(params, "priority", ("int64_param", "uint64_param"))
-    if priority is not None:
-        if priority < 0:
-            raise bad("invalid value for 'priority', expected value >= 0.")
-        options["priority"] = priority
-    timeout = _param(params, "timeout", ("int64_param",))
-    if timeout:
-        options["timeout_us"] = max(timeout, 0)
-    return options
-
-
-# --- tensors --------------------------------------------------------------------------------
-
-def _typed_values(tensor: Any, model: str) -> list:
-    """The elements of an input given in `contents`, checked as Triton does."""
-    given = [field.name for field, _ in tensor.contents.ListFields()]
-    if not given:
-        return []
-    where = f"input tensor '{tensor.name}' for model '{model}'"
-    if len(given) > 1:
-        raise bad(f"unexpected explicit tensor data for {where}, binary data was already supplied.")
-    if _CONTENTS_FIELD.get(tensor.datatype) != given[0]:
-        raise bad(f"unexpected explicit tensor data for {where} of type "
-                  f"'{_FIELD_DATATYPE[given[0]]}', expected datatype '{tensor.datatype}'")
-    return list(getattr(tensor.contents, given[0]))
-
-
-def _inputs(request: pb.ModelInferRequest, raws: Sequence[Any]) -> list[InputTensor]:
-    model = request.model_name
-    inputs = []
-    next_raw = 0
-    for t in request.inputs:
-        parsed = InputTensor(t.name, t.datatype, list(t.shape))
-        region = _region(t)
-        if region is not None:
-            if t.HasField("contents"):
-                raise bad(f"unexpected 'content' provided when using shared memory for input "
-                          f"tensor '{t.name}' for model '{model}'")
-            parsed.region, parsed.byte_size, parsed.offset = region
-        elif t.HasField("contents"):
-            if len(raws):
-                raise bad(f"contents field must not be specified when using raw_input_contents "
-                          f"for '{t.name}' for model '{model}'")
-            parsed.values = _typed_values(t, model)
-        elif next_raw < len(raws):
-            # raw entries are taken in order by the inputs that have no other data
-            parsed.raw = raws[next_raw]
-            next_raw += 1
-        else:
-            raise bad(f"unable to find data for input tensor '{t.name}' for model '{model}' in request.")
-        inputs.append(parsed)
-    return inputs
-
-
-def _outputs(request: pb.ModelInferRequest) -> Optional[list[OutputRequest]]:
-    if not request.outputs:
-        return None                 # every output of the model
-    wanted = []
-    for o in request.outputs:
-        region = _region(o)
-        classes = _param(o.parameters, "classification", ("int64_param",))
-        if region is not None and classes is not None:
-            raise bad("output can't set both 'shared_memory_region' and 'classification'")
-        if classes is not None and classes <= 0:
-            raise bad("invalid value for 'classification' parameter, expected >= 0")
-        out = OutputRequest(o.name, binary=True, classification=classes or 0)
-        if region is not None:
-            out.region, out.byte_size, out.offset = region
-        wanted.append(out)
-    return wanted
-
-
-def _answer(result: InferResponse) -> tuple[pb.ModelInferResponse, list[Any]]:
+async def _answer(result: InferResponse) -> tuple[pb.ModelInferResponse, list[Any]]:
     """The response without its tensor bytes, and the bytes of each output."""
     header = pb.ModelInferResponse(model_name=result.model_name, model_version=result.model_version,
                                    id=result.id)
     chunks = []
     for t in result.outputs:
         header.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
-        chunks.append(b"" if t.region is not None else t.raw())
+        chunks.append(b"" if t.region is not None else await tensor_bytes(t))
     return header, chunks
 
 
@@ -207,8 +93,10 @@ def _rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, callers: GrpcCallers, offload: Offload) -> None:
         self.backend = backend
+        self.callers = callers
+        self.offload = offload
 
     # --- health and metadata
 
@@ -245,39 +133,53 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # --- inference
 
-    async def infer(self, request: pb.ModelInferRequest,
-                    raws: Sequence[Any]) -> tuple[pb.ModelInferResponse, list[Any]]:
-        result = await self.backend.infer(
-            request.model_name, request.model_version, _inputs(request, raws), _outputs(request),
-            request_id=request.id, binary_default=True, **_request_options(request.parameters))
-        return _answer(result)
+    async def _call(self, parsed: Any) -> InferCall:
+        """A request as _parse_infer_request left it, parsed the rest of the
+        way (in the helper process when its non-tensor part is large)."""
+        if isinstance(parsed, Exception):
+            raise bad(f"unable to parse the inference request: {parsed}")
+        request, rest, raws = parsed
+        if request is not None:
+            call = infer_call(request, len(raws))
+        else:
+            call = await self.offload.run(infer_call_of_bytes, rest, len(raws))
+        return attach_raw(call, raws)
+
+    async def infer(self, call: InferCall, caller: Caller) -> tuple[pb.ModelInferResponse, list[Any]]:
+        result = await self.backend.infer(caller, call.model, call.version, call.inputs, call.outputs,
+                                          request_id=call.id, binary_default=True, **call.options)
+        return await _answer(result)
 
     @_rpc
     async def ModelInfer(self, request: Any, context: Any) -> Any:
-        if isinstance(request, Exception):      # from _parse_infer_request
-            raise bad(f"unable to parse the inference request: {request}")
-        if isinstance(request, tuple):
-            return await self.infer(*request)
-        header, chunks = await self.infer(request, request.raw_input_contents)
-        header.raw_output_contents.extend(bytes(c) for c in chunks)
-        return header
+        caller = self.callers.enter(context.peer())
+        try:
+            return await self.infer(await self._call(request), caller)
+        finally:
+            self.callers.leave(caller)
 
     async def ModelStreamInfer(self, requests: Any, context: Any) -> Any:
         """One response per request, in order; an error is a response
         (error_message), and the stream goes on."""
-        async for request in requests:
-            try:
-                header, chunks = await self.infer(request, request.raw_input_contents)
-            except Exception as exc:      # one bad request must not end the stream
-                if not isinstance(exc, TorchpoolError):
-                    log.exception("gRPC ModelStreamInfer failed")
-                message = exc.message if isinstance(exc, TorchpoolError) else f"{type(exc).__name__}: {exc}"
-                # with the request's id, as Triton: the client can tell which one failed
-                yield pb.ModelStreamInferResponse(error_message=message,
-                                                  infer_response=pb.ModelInferResponse(id=request.id))
-                continue
-            header.raw_output_contents.extend(bytes(c) for c in chunks)
-            yield pb.ModelStreamInferResponse(infer_response=header)
+        caller = self.callers.enter(context.peer())
+        try:
+            async for parsed in requests:
+                call: Optional[InferCall] = None
+                try:
+                    call = await self._call(parsed)
+                    header, chunks = await self.infer(call, caller)
+                except Exception as exc:      # one bad request must not end the stream
+                    if not isinstance(exc, TorchpoolError):
+                        log.exception("gRPC ModelStreamInfer failed")
+                    message = exc.message if isinstance(exc, TorchpoolError) else f"{type(exc).__name__}: {exc}"
+                    # with the request's id, as Triton: the client can tell which one failed
+                    yield pb.ModelStreamInferResponse(
+                        error_message=message, infer_response=pb.ModelInferResponse(id=_request_id(parsed, call)))
+                    continue
+                header.raw_output_contents.extend(bytes(c) for c in chunks)
+                yield pb.ModelStreamInferResponse(infer_response=header)
+        finally:
+            self.callers.leave(caller)
 
     # --- model repository
 
@@ -320,7 +222,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> pb.SystemSharedMemoryStatusResponse:
-        regions = await self.backend.shm_status()
+        caller = self.callers.enter(context.peer())
+        try:
+            regions = await self.backend.shm_status(caller)
+        finally:
+            self.callers.leave(caller)
         if request.name:
             # Triton's answer for a name that is not registered (the daemon's
             # is an INVALID_ARG in its own words)
@@ -332,13 +238,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_rpc
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> pb.SystemSharedMemoryRegisterResponse:
-        await self.backend.register_shm(request.name, request.key, request.offset, request.byte_size)
+        caller = self.callers.enter(context.peer())
+        try:
+            await self.backend.register_shm(caller, request.name, request.key, request.offset,
+                                            request.byte_size)
+            await self.callers.regions_registered(caller)
+        finally:
+            self.callers.leave(caller)
         return pb.SystemSharedMemoryRegisterResponse()
 
     @_rpc
     async def SystemSharedMemoryUnregister(self, request: Any,
                                            context: Any) -> pb.SystemSharedMemoryUnregisterResponse:
-        await self.backend.unregister_shm(request.name)
+        caller = self.callers.enter(context.peer())
+        try:
+            await self.backend.unregister_shm(caller, request.name)
+        finally:
+            self.callers.leave(caller)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     # --- what torchpool does not do. Listing and unregistering every CUDA
@@ -372,12 +288,28 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
 
 def _parse_infer_request(data: bytes) -> Any:
-    """wire.parse_infer_request, or the error: raised here, grpc would
-    answer UNKNOWN with a Python traceback's first line."""
+    """(request, None, raw_input_contents), or (None, the request without its
+    raw_input_contents, those) when its other fields are too large to parse
+    on the loop; or the error: raised here, grpc would answer UNKNOWN with a
+    Python traceback's first line."""
     try:
-        return wire.parse_infer_request(data)
+        if len(data) < wire.SPLIT_MIN_BYTES:
+            request = pb.ModelInferRequest.FromString(data)
+            return request, None, request.raw_input_contents
+        rest, raws = wire.split_infer_request(data)
+        if len(rest) >= OFFLOAD_BYTES:
+            return None, rest, raws
+        return pb.ModelInferRequest.FromString(rest), None, raws
     except (wire.WireError, DecodeError) as exc:
         return exc
+
+
+def _request_id(parsed: Any, call: Optional[InferCall]) -> str:
+    if call is not None:
+        return call.id
+    if isinstance(parsed, tuple) and parsed[0] is not None:
+        return parsed[0].id
+    return ""
 
 
 def _no_repository_name(request: Any) -> None:
@@ -388,13 +320,19 @@ def _no_repository_name(request: Any) -> None:
 # --- the server ----------------------------------------------------------------------------------
 
 class GrpcServer:
-    def __init__(self, server: grpc.aio.Server, port: int) -> None:
+    def __init__(self, server: grpc.aio.Server, port: int, callers: GrpcCallers,
+                 own_offload: Optional[Offload]) -> None:
         self._server = server
         self.port = port
+        self.callers = callers
+        self.own_offload = own_offload
 
     async def close(self) -> None:
         """New calls are refused at once; those in flight get CLOSE_GRACE s."""
         await self._server.stop(CLOSE_GRACE)
+        await self.callers.close()
+        if self.own_offload is not None:
+            self.own_offload.close()
 
 
 def _address(host: str, port: int) -> str:
@@ -414,24 +352,21 @@ def _bind_error(host: str, port: int) -> OSError:
     return OSError(errno.EADDRNOTAVAIL, f"gRPC could not bind {_address(host, port)}")
 
 
-async def start_grpc(backend: Backend, host: str, port: int) -> GrpcServer:
+async def start_grpc(backend: Backend, host: str, port: int, max_input: int = MAX_INPUT_BYTES,
+                     offload: Optional[Offload] = None) -> GrpcServer:
     """Serve GRPCInferenceService for `backend` on host:port (0: any free
-    port, see .port). Raises OSError if the address cannot be bound."""
+    port, see .port), taking requests of at most `max_input` bytes. Raises
+    OSError if the address cannot be bound."""
     server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_input),
+        ("grpc.max_send_message_length", MAX_OUTPUT_BYTES),
+        # a connection's calls at once: past a caller's share they would
+        # only wait here, each holding its message
+        ("grpc.max_concurrent_streams", 2 * backend.share.per_caller),
         # grpc sets SO_REUSEPORT by default: a second server on a busy port
         # would bind and share it instead of failing
         ("grpc.so_reuseport", 0),
     ])
-    servicer = InferenceServicer(backend)
-    # ModelInfer with the tensor bytes outside protobuf; added first, so it
-    # is found before the generated handler for the same method
-    fast_infer = grpc.unary_unary_rpc_method_handler(
-        servicer.ModelInfer, request_deserializer=_parse_infer_request,
-        response_serializer=wire.serialize_infer_response)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"ModelInfer": fast_infer}),))
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     try:
         bound = server.add_insecure_port(_address(host, port))
     except RuntimeError:
@@ -439,5 +374,18 @@ async def start_grpc(backend: Backend, host: str, port: int) -> GrpcServer:
     if not bound:
         await server.stop(None)
         raise _bind_error(host, port)
+    callers = GrpcCallers(bound, backend.forget)
+    servicer = InferenceServicer(backend, callers, offload or Offload())
+    own_offload = servicer.offload if offload is None else None
+    # ModelInfer and ModelStreamInfer with the tensor bytes outside protobuf;
+    # added first, so they are found before the generated handlers
+    fast = {"ModelInfer": grpc.unary_unary_rpc_method_handler(
+                servicer.ModelInfer, request_deserializer=_parse_infer_request,
+                response_serializer=wire.serialize_infer_response),
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                servicer.ModelStreamInfer, request_deserializer=_parse_infer_request,
+                response_serializer=pb.ModelStreamInferResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, fast),))
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     await server.start()
-    return GrpcServer(server, bound)
+    return GrpcServer(server, bound, callers, own_offload)

@@ -5,19 +5,28 @@ A request body is `Inference-Header-Content-Length` bytes of JSON followed by
 the binary inputs in input order (each declares `binary_data_size`); without
 that header the body is all JSON. Inputs become `InputTensor`s whose `raw` is
 a memoryview slice of the body (no copy: the backend copies once, into shared
-memory). A response is JSON, then the binary outputs in output order,
-written from the worker's shared memory; `Inference-Header-Content-Length`
-says where the JSON ends. Messages follow Triton's http_server.cc wording.
+memory). A large JSON document is parsed in the helper process (offload.py),
+which also turns its "data" lists into tensor bytes: `infer_call` is the
+part that runs there, `parse_infer` the whole parse. A response is JSON,
+then the binary outputs in output order, written from the worker's shared
+memory; `Inference-Header-Content-Length` says where the JSON ends; large
+outputs are converted a chunk per turn of the event loop (chunks.py).
+Messages follow Triton's http_server.cc wording.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import secrets
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .backend import InferResponse, InputTensor, OutputRequest, bad
-from .http_protocol import Response
+from .backend import InferResponse, InputTensor, OutputRequest, bad, check_counts, check_dims, input_value
+from .chunks import json_values, tensor_bytes
+from .http_bodies import body_buffer
+from .http_messages import Response
+from .offload import OFFLOAD_BYTES, Offload
 
 INFER_HEADER = "inference-header-content-length"
 # Triton's default --http-max-input-size for the JSON document: parsed into
@@ -26,9 +35,16 @@ MAX_JSON_BYTES = 64 << 20
 _RESERVED_PREFIX = "triton_"
 
 
+# Compressed bodies, and responses to compress, from this size are
+# (de)compressed in a thread: zlib lets go of the GIL, the loop serves on.
+THREAD_BYTES = 64 << 10
+
+
 @dataclass
 class InferCall:
-    """A parsed infer request: what `Backend.infer` takes besides the model."""
+    """A parsed infer request: what `Backend.infer` takes besides the model
+    and the caller. Binary inputs say where in the body they are
+    (`InputTensor.raw_at`) until `attach_binary` gives them their bytes."""
 
     inputs: list[InputTensor]
     outputs: Optional[list[OutputRequest]]
@@ -40,7 +56,7 @@ class InferCall:
 # --- JSON field checks (TritonJson's AsUInt / AsBool / AsString) ------------------
 
 def _uint(value: Any, what: str) -> int:
-    if type(value) is not int or value < 0:
+    if type(value) is not int or value < 0 or value >= 1 << 63:
         raise bad(f"Unable to parse '{what}': expected an unsigned integer, got {_short(value)}")
     return value
 
@@ -70,16 +86,25 @@ def _list(value: Any, what: str) -> list:
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, (bytes, bytearray)) else repr(value)
+    """A value as the client wrote it, cut short (an integer too long to
+    print whole is shown by its digits' count)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = json.dumps(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_json_size(size: int, what: str = "request") -> None:
+    if size > MAX_JSON_BYTES:
+        raise bad(f"{what} JSON size of {size} bytes exceeds the maximum allowed input size of "
+                  f"{MAX_JSON_BYTES} bytes")
 
 
 def load_json(data: Any, what: str = "request") -> Any:
     """A JSON document from bytes; a clear 400 for anything else (including
-    nesting deep enough to exhaust the parser's recursion)."""
-    if len(data) > MAX_JSON_BYTES:
-        raise bad(f"{what} JSON size of {len(data)} bytes exceeds the maximum allowed input size of "
-                  f"{MAX_JSON_BYTES} bytes")
+    nesting deep enough to exhaust the parser's recursion, and integers
+    longer than Python converts)."""
+    check_json_size(len(data), what)
     try:
         return json.loads(bytes(data))
     except json.JSONDecodeError as exc:
@@ -88,6 +113,9 @@ def load_json(data: Any, what: str = "request") -> Any:
         raise bad(f"failed to parse the {what} JSON buffer: not UTF-8 at {exc.start}") from None
     except RecursionError:
         raise bad(f"failed to parse the {what} JSON buffer: nested too deeply") from None
+    except ValueError:
+        # Python's limit on the digits of an integer (sys.get_int_max_str_digits)
+        raise bad(f"failed to parse the {what} JSON buffer: a number has too many digits") from None
 
 
 # --- the request ---------------------------------------------------------------
@@ -110,17 +138,46 @@ def header_length(headers: dict, body_size: int) -> Optional[int]:
 
 
 def parse_infer(body: Any, headers: dict, model: str) -> InferCall:
-    size = len(body)
-    json_end = header_length(headers, size)
+    """The whole request, parsed here (small documents, tests)."""
+    document, json_end = json_document(body, headers)
+    return attach_binary(infer_call(document, json_end, len(body), model), body)
+
+
+async def parse_infer_off_loop(body: Any, headers: dict, model: str, offload: Offload) -> InferCall:
+    """The request, its JSON parsed in the helper process when it is large."""
+    document, json_end = json_document(body, headers)
+    if len(document) < OFFLOAD_BYTES:
+        call = infer_call(document, json_end, len(body), model)
+    else:
+        check_json_size(len(document))       # before the copy to the helper
+        call = await offload.run(infer_call, bytes(document), json_end, len(body), model, True)
+    return attach_binary(call, body)
+
+
+def json_document(body: Any, headers: dict) -> tuple[memoryview, Optional[int]]:
+    """The JSON part of a body, and where it ends (None: the whole body)."""
+    json_end = header_length(headers, len(body))
     view = memoryview(body)
-    doc = _obj(load_json(view[:json_end] if json_end is not None else view), "request")
+    return (view[:json_end] if json_end is not None else view), json_end
+
+
+def infer_call(document: Any, json_end: Optional[int], size: int, model: str,
+               convert: bool = False) -> InferCall:
+    """The request's JSON document as an InferCall; binary inputs point into
+    the body (`raw_at`); with `convert`, "data" lists become tensor bytes
+    (what the helper process hands back instead of Python lists)."""
+    doc = _obj(load_json(document), "request")
     call = InferCall([], None)
     if "id" in doc:
         call.id = _str(doc["id"], "id")
     _parse_params(doc.get("parameters"), call)
     offset = json_end if json_end is not None else size
-    for i, item in enumerate(_list(doc.get("inputs"), "inputs")):
-        tensor, offset = _parse_input(_obj(item, f"inputs[{i}]"), view, offset, json_end, model)
+    inputs = _list(doc.get("inputs"), "inputs")
+    check_counts(model, len(inputs), len(doc["outputs"]) if isinstance(doc.get("outputs"), list) else 0)
+    for i, item in enumerate(inputs):
+        tensor, offset = _parse_input(_obj(item, f"inputs[{i}]"), size, offset, json_end, model)
+        if convert and tensor.values is not None:
+            tensor.raw, tensor.values = input_value(tensor, model).data, None
         call.inputs.append(tensor)
     if offset != size:
         raise bad(f"unexpected additional input data for model '{model}'")
@@ -129,12 +186,22 @@ def parse_infer(body: Any, headers: dict, model: str) -> InferCall:
     return call
 
 
+def attach_binary(call: InferCall, body: Any) -> InferCall:
+    """Binary inputs as views of the body (no copy)."""
+    view = memoryview(body)
+    for t in call.inputs:
+        if t.raw_at is not None:
+            start, end = t.raw_at
+            t.raw, t.raw_at = view[start:end], None
+    return call
+
+
 def _parse_params(params: Any, call: InferCall) -> None:
     if params is None:
         return
     for key, value in _obj(params, "parameters").items():
         if key == "sequence_id":
-            if not (isinstance(value, str) or (type(value) is int and value >= 0)):
+            if not (isinstance(value, str) or (type(value) is int and 0 <= value < 1 << 64)):
                 raise bad(f"Unable to parse 'sequence_id': expected an unsigned integer or a string, "
                           f"got {_short(value)}")
             call.params["sequence_id"] = value
@@ -163,11 +230,13 @@ def _content_kind(item: dict, params: dict) -> str:
     return kinds[0]
 
 
-def _parse_input(item: dict, view: memoryview, offset: int, json_end: Optional[int],
+def _parse_input(item: dict, size: int, offset: int, json_end: Optional[int],
                  model: str) -> tuple[InputTensor, int]:
     name = _str(item.get("name"), "name")
     datatype = _str(item.get("datatype"), f"datatype' of '{name}")
-    shape = [_uint(d, f"shape' of '{name}") for d in _list(item.get("shape"), f"shape' of '{name}")]
+    dims = _list(item.get("shape"), f"shape' of '{name}")
+    check_dims(model, name, len(dims))
+    shape = [_uint(d, f"shape' of '{name}") for d in dims]
     params = _obj(item.get("parameters", {}), f"parameters' of '{name}")
     tensor = InputTensor(name, datatype, shape)
     kind = _content_kind(item, params)
@@ -182,10 +251,10 @@ def _parse_input(item: dict, view: memoryview, offset: int, json_end: Optional[i
         if json_end is None and n:
             raise bad("must specify valid 'Infer-Header-Content-Length' in request header and "
                       "'binary_data_size' when passing inputs in binary data format")
-        if offset + n > len(view):
-            raise bad(f"unexpected size for input '{name}', expecting {offset + n - len(view)} "
+        if offset + n > size:
+            raise bad(f"unexpected size for input '{name}', expecting {offset + n - size} "
                       f"additional bytes for model '{model}'")
-        tensor.raw = view[offset:offset + n]
+        tensor.raw_at = (offset, offset + n)
         offset += n
     return tensor, offset
 
@@ -215,25 +284,33 @@ def _nbytes(chunk: Any) -> int:
     return chunk.nbytes if isinstance(chunk, memoryview) else len(chunk)
 
 
-def encode_infer(result: InferResponse, accept_encoding: Optional[str]) -> Response:
+async def encode_infer(result: InferResponse, accept_encoding: Optional[str]) -> Response:
     """The response document and the binary outputs after it, as views of
-    the worker's memory (compressed only if the client asked)."""
+    the worker's memory (compressed only if the client asked). A large
+    output's JSON values are made a chunk per turn of the loop and put in
+    place of a marker no client can guess."""
     outputs, binaries = [], []
+    values: dict[str, bytes] = {}
     for t in result.outputs:
         out: dict = {"name": t.name, "datatype": t.datatype, "shape": t.shape}
         if t.region is not None:
             pass                            # Triton says nothing more of an output in a region
         elif t.binary:
-            raw = t.raw()
+            raw = await tensor_bytes(t)
             out["parameters"] = {"binary_data_size": _nbytes(raw)}
             if _nbytes(raw):
                 binaries.append(raw)
         else:
-            out["data"] = t.values()
+            marker = f"tp-values-{secrets.token_hex(8)}"
+            values[json.dumps(marker)] = await json_values(t)
+            out["data"] = marker
         outputs.append(out)
     doc: dict = {"id": result.id} if result.id else {}
     doc.update(model_name=result.model_name, model_version=result.model_version, outputs=outputs)
     head = json.dumps(doc, separators=(",", ":")).encode()
+    for marker, data in values.items():
+        before, _, after = head.partition(marker.encode())
+        head = b"".join((before, data, after))
     headers: tuple = ()
     content_type = "application/json"
     if binaries:
@@ -242,7 +319,11 @@ def encode_infer(result: InferResponse, accept_encoding: Optional[str]) -> Respo
     chunks = [head, *binaries]
     encoding = response_encoding(accept_encoding)
     if encoding != "identity":
-        chunks = [compress(b"".join(chunks), encoding)]
+        whole = b"".join(chunks)
+        if len(whole) < THREAD_BYTES:
+            chunks = [compress(whole, encoding)]
+        else:
+            chunks = [await asyncio.get_running_loop().run_in_executor(None, compress, whole, encoding)]
         headers += (("Content-Encoding", encoding),)
     return Response(200, chunks, content_type, headers)
 
@@ -271,16 +352,47 @@ def compress(data: bytes, encoding: str) -> bytes:
     return zlib.compress(data)              # HTTP "deflate" is the zlib format (tritonclient's too)
 
 
-def decompress(body: Any, encoding: str, limit: int) -> bytes:
+# deflate makes at most about 1032 bytes of 1 (RFC 1951's longest match):
+# what a body can decompress to, whatever its header says
+_MAX_RATIO = 1032
+_PIECE = 1 << 20                # decompressed at a time
+
+
+def decompressed_bound(compressed: int, limit: int) -> int:
+    """The most a body of `compressed` bytes can decompress to, within `limit`."""
+    return min(limit, compressed * _MAX_RATIO + 64)
+
+
+def decompress(body: Any, encoding: str, limit: int) -> Any:
     """The body of a request sent with Content-Encoding, never more than
-    `limit` bytes however small the compressed body (a bomb stops there)."""
+    `limit` bytes however small the compressed body (a bomb stops there).
+    Written a piece at a time into a buffer whose memory is taken as it is
+    written: what it costs is what it makes, never twice that."""
     d = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+    size = decompressed_bound(len(body), limit)
+    out = body_buffer(size + 1)
+    filled = 0
+    data: Any = body
     try:
-        out = d.decompress(body, limit + 1)
+        while True:
+            piece = d.decompress(data, _PIECE)
+            data = d.unconsumed_tail
+            if filled + len(piece) > min(size, limit):
+                raise bad(f"the decompressed request body exceeds the limit of {limit} bytes "
+                          f"(--http-max-input-size)")
+            out[filled:filled + len(piece)] = piece
+            filled += len(piece)
+            if d.eof or not (piece or data):
+                break
     except zlib.error as exc:
         raise bad(f"unable to decompress the {encoding} request body: {exc}") from None
-    if len(out) > limit or d.unconsumed_tail:
-        raise bad(f"the decompressed request body exceeds the limit of {limit} bytes")
     if not d.eof:
         raise bad(f"unable to decompress the {encoding} request body: it is truncated")
-    return out
+    return memoryview(out)[:filled]
+
+
+async def decompress_off_loop(body: Any, encoding: str, limit: int) -> Any:
+    """`decompress`, in a thread for a body worth it (zlib lets go of the GIL)."""
+    if len(body) < THREAD_BYTES:
+        return decompress(body, encoding, limit)
+    return await asyncio.get_running_loop().run_in_executor(None, decompress, body, encoding, limit)

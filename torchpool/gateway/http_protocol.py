@@ -11,72 +11,42 @@ wait parsed: once more than MAX_PIPELINED wait, reading pauses (what one
 read of SCRATCH_BYTES held is parsed whole, so that bounds the queue too).
 A body whose size is known (Content-Length) is received straight into one
 buffer of that size: the socket reads into it, nothing is copied before the
-gateway's single copy into shared memory. Responses are written as a header plus the caller's
+gateway's single copy into shared memory; its memory is taken as the bytes
+arrive (http_bodies.py). Responses are written as a header plus the caller's
 chunks (memoryviews of the worker's shared memory are written as they are).
+Headers and small bodies are read into one scratch buffer that every
+connection of the server shares (a read is parsed whole before the next).
 
 Limits on what a client can make us hold (`Limits`): the body size, the
+body bytes held by all connections together (`max_bodies_held`), the
 header size, the requests parsed ahead, and deadlines (the headers of a
 request must arrive within `header_timeout` of its first byte, a body or a
 response must make progress every `io_timeout`, an idle keep-alive
 connection is closed after `idle_timeout`). A malformed request is answered
-400 in its turn and the connection closed.
+400 in its turn and the connection closed. Each connection is one caller
+(callers.py): what it registered goes when it does.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
+import select
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Optional
 
 import httptools
 
+from .callers import Caller
+from .http_bodies import BodyBudget, body_buffer
+from .http_messages import Request, Response, error_response
+from .http_messages import head as head_of
+
 log = logging.getLogger("torchpool.gateway.http")
 
-# A body is held whole in memory: 1 GiB is far above any tensor Triton takes
-# by default (--http-max-input-size, 64 MiB) and keeps a hostile peer from
-# asking for the machine.
-MAX_BODY_BYTES = 1 << 30
-MAX_HEADER_BYTES = 64 << 10         # request line + headers (llhttp has no limit of its own)
 MAX_PIPELINED = 16                  # parsed requests waiting behind the one being served
 MAX_PIPELINED_BYTES = 64 << 20      # ... and their bodies in all
 SCRATCH_BYTES = 64 << 10            # the read buffer for headers and small bodies
-
-_REASONS = {200: "OK", 100: "Continue", 400: "Bad Request", 404: "Not Found",
-            405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large",
-            429: "Too Many Requests", 431: "Request Header Fields Too Large",
-            500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable"}
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_body: int = MAX_BODY_BYTES
-    max_header: int = MAX_HEADER_BYTES
-    header_timeout: float = 30.0    # first byte of a request -> end of its headers
-    io_timeout: float = 60.0        # longest pause while a body arrives or a response leaves
-    idle_timeout: float = 300.0     # a keep-alive connection with nothing to do
-
-
-@dataclass
-class Request:
-    method: str
-    path: str                       # as sent, query string included
-    headers: dict                   # lower-case name -> value (latin-1 text)
-    body: Any                       # bytes, bytearray or b""
-    keep_alive: bool = True
-
-
-@dataclass
-class Response:
-    status: int
-    chunks: list                    # bytes-like, written in order after the headers
-    content_type: Optional[str] = "application/json"
-    headers: tuple = ()             # extra (name, value) pairs
-
-
-Handler = Callable[[Request], Awaitable[Response]]
 
 
 class _Reject(Exception):
@@ -87,38 +57,24 @@ class _Reject(Exception):
         self.status = status
 
 
-def error_response(status: int, message: str, headers: tuple = ()) -> Response:
-    return Response(status, [json.dumps({"error": message}).encode()], headers=headers)
-
-
-def _head(status: int, content_type: Optional[str], length: int, headers: tuple, close: bool) -> bytes:
-    lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
-    if content_type:
-        lines.append(f"Content-Type: {content_type}")
-    lines.extend(f"{k}: {v}" for k, v in headers)
-    lines.append(f"Content-Length: {length}")
-    if close:
-        lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
 class _Partial:
     """The request being received."""
 
     __slots__ = ("url", "headers", "size", "length", "buf", "filled", "whole", "method", "keep_alive",
-                 "upgrade")
+                 "upgrade", "held")
 
     def __init__(self) -> None:
         self.url = b""
         self.headers: dict = {}
         self.size = 0               # header bytes so far
         self.length: Optional[int] = None
-        self.buf: Optional[bytearray] = None
+        self.buf: Any = None        # body_buffer(length), or a bytearray for a chunked body
         self.filled = 0
         self.whole: Any = None      # a body that came in one piece, kept as it came
         self.method = ""
         self.keep_alive = True
         self.upgrade = False
+        self.held = 0               # body bytes taken from the budget
 
     def body(self) -> Any:
         if self.buf is not None:
@@ -134,9 +90,11 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.server = server
         self.limits = server.limits
         self.loop = server.loop
+        self.budget: BodyBudget = server.budget
         self.transport: Any = None
-        self.parser = httptools.HttpRequestParser(self)
-        self.scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self.caller: Optional[Caller] = None
+        self.parser: Any = httptools.HttpRequestParser(self)
+        self.scratch: memoryview = server.scratch   # shared: each read is parsed before the next
         self.direct: Optional[memoryview] = None    # the rest of a body, read into place
         self.cur: Optional[_Partial] = None
         self.refusal: Optional[_Reject] = None      # raised by a parser callback
@@ -145,7 +103,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.task: Optional[asyncio.Task] = None
         self.closed = False
         self.reading = True
+        self.starved = False                        # paused until the budget has room
         self.stopped = False                        # no more requests will be parsed
+        self.shut = False                           # the server closes: nothing more is read
         self.lingering = False
         self.drained: Optional[asyncio.Future] = None
         self.deadline = math.inf
@@ -154,14 +114,30 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        peer = transport.get_extra_info("peername")
+        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
+        self.caller = Caller(f"HTTP {where}")
         self.deadline = self.loop.time() + self.limits.idle_timeout
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
-        # a request being served finishes; its answer is dropped
+        # a request being served finishes; its answer is dropped. Whatever
+        # else this connection held is given back now (the parser refers to
+        # the connection: without this, only the garbage collector would)
         self.closed = True
         self.server.connections.discard(self)
         self._wake_writer()
+        self.budget.forget(self._room)
+        held = sum(r.held for r in self.queue if isinstance(r, Request))
+        if self.cur is not None:
+            held += self.cur.held
+        self.budget.give(held)
+        if self.direct is not None:
+            self.direct.release()
+        self.cur = self.direct = self.parser = None
+        self.queue.clear()
+        self.queued_bytes = 0
+        self.server.caller_gone(self.caller)
 
     def pause_writing(self) -> None:
         if self.drained is None:
@@ -176,25 +152,30 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.drained = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.direct if self.direct is not None else self.scratch
+        if self.direct is None:
+            return self.scratch
+        # no more than the budget has room for (a page at least: the read
+        # that found it full paused reading)
+        return self.direct[:max(self.budget.room(), 4096)]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.stopped:
             return
         if self.direct is not None:
             self._direct_received(nbytes)
+            self._check_budget()
             return
         data = self.scratch[:nbytes]
-        while data is not None:
+        while data is not None and not self.closed:
             data = self._feed(data)
         cur = self.cur
-        if cur is None or cur.length is None or not cur.method:
-            return                          # between requests, in headers, or chunked
-        if cur.buf is None and cur.whole is None and cur.length > SCRATCH_BYTES:
-            cur.buf = bytearray(cur.length)     # a big body not begun: all of it into place
-        if cur.buf is not None and cur.filled < cur.length:
-            # the rest of this body goes straight into its buffer, past the parser
-            self.direct = memoryview(cur.buf)[cur.filled:]
+        if cur is not None and cur.length is not None and cur.method:
+            if cur.buf is None and cur.whole is None and cur.length > SCRATCH_BYTES:
+                cur.buf = body_buffer(cur.length)   # a big body not begun: all of it into place
+            if cur.buf is not None and cur.filled < cur.length:
+                # the rest of this body goes straight into its buffer, past the parser
+                self.direct = memoryview(cur.buf)[cur.filled:]
+        self._check_budget()
 
     def _feed(self, data: memoryview) -> Optional[memoryview]:
         """Parse `data`; what is left to parse after an Upgrade request."""
@@ -220,9 +201,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         cur = self.cur
         if cur is None or not cur.length:
             return rest
-        cur.buf = bytearray(cur.length)
+        cur.buf = body_buffer(cur.length)
         cur.filled = min(len(rest), cur.length)
         cur.buf[:cur.filled] = rest[:cur.filled]
+        self._hold(cur, cur.filled)
         if cur.filled < cur.length:
             return None                     # buffer_updated reads the rest into place
         self._complete()
@@ -235,9 +217,11 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def _direct_received(self, nbytes: int) -> None:
         self.deadline = self.loop.time() + self.limits.io_timeout
+        self._hold(self.cur, nbytes)
         self.direct = self.direct[nbytes:]
         if len(self.direct):
             return
+        self.direct.release()
         self.direct = None
         self.cur.filled = self.cur.length
         # the parser still waits for this body: a fresh one reads the next request
@@ -268,26 +252,33 @@ class HttpConnection(asyncio.BufferedProtocol):
         cur.method = self.parser.get_method().decode("latin-1")
         cur.keep_alive = self.parser.should_keep_alive()
         cur.upgrade = self.parser.should_upgrade()
-        if cur.upgrade and "transfer-encoding" in cur.headers:
+        coding = cur.headers.get("transfer-encoding")
+        if coding is not None and coding.strip().lower() != "chunked":
+            # llhttp frames "gzip, chunked" as chunked and leaves the gzip to us:
+            # refused (RFC 9112: 501 for a transfer coding the server does not know)
+            raise self._refuse(501, f"unsupported Transfer-Encoding '{coding[:40]}': only chunked is "
+                               f"supported (send compressed bodies with Content-Encoding)")
+        if cur.upgrade and coding is not None:
             raise self._refuse(400, "an Upgrade request with a chunked body is not supported")
         length = cur.headers.get("content-length")
         if length is not None and "transfer-encoding" not in cur.headers:
             cur.length = int(length)        # llhttp checked it is a number
             if cur.length > self.limits.max_body:
                 raise self._refuse(413, f"request body of {cur.length} bytes exceeds the limit of "
-                                   f"{self.limits.max_body} bytes")
+                                   f"{self.limits.max_body} bytes (--http-max-input-size)")
         if cur.headers.get("expect", "").lower() == "100-continue":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.deadline = self.loop.time() + self.limits.io_timeout
 
     def on_body(self, chunk: bytes) -> None:
         cur = self.cur
+        self._hold(cur, len(chunk))
         if cur.length is not None:
             if cur.buf is None:
                 if len(chunk) == cur.length:        # all in one read: keep it as it came
                     cur.whole = chunk
                     return
-                cur.buf = bytearray(cur.length)
+                cur.buf = body_buffer(cur.length)
             cur.buf[cur.filled:cur.filled + len(chunk)] = chunk
             cur.filled += len(chunk)
             return
@@ -295,7 +286,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         if cur.buf is None:
             cur.buf = bytearray()
         if len(cur.buf) + len(chunk) > self.limits.max_body:
-            raise self._refuse(413, f"request body exceeds the limit of {self.limits.max_body} bytes")
+            raise self._refuse(413, f"request body exceeds the limit of {self.limits.max_body} bytes "
+                               f"(--http-max-input-size)")
         cur.buf += chunk
 
     def on_message_complete(self) -> None:
@@ -307,10 +299,34 @@ class HttpConnection(asyncio.BufferedProtocol):
         path = cur.url.decode("latin-1")
         body = cur.body()
         self.queued_bytes += len(body)
-        self.queue.append(Request(cur.method, path, cur.headers, body, cur.keep_alive))
+        self.queue.append(Request(cur.method, path, cur.headers, body, cur.keep_alive, self.caller,
+                                  cur.held))
         if not cur.keep_alive:
             self.stopped = True             # whatever follows is not read
         self._kick()
+
+    # --- the budget of body bytes ------------------------------------------------
+
+    def _hold(self, cur: _Partial, n: int) -> None:
+        cur.held += n
+        self.budget.take(n)
+
+    def _check_budget(self) -> None:
+        """Stop reading while the budget is spent and this connection would
+        take more: a body being received, or requests parsed ahead."""
+        if self.closed or self.lingering or self.budget.room():
+            return
+        if self.direct is None and self.cur is None and not self.queue:
+            return                          # between requests: the next headers cost nothing
+        if not self.starved:
+            self.starved = True
+            self.budget.wait(self._room)
+            self._update_reading()
+
+    def _room(self) -> None:
+        """The budget has room again (called by it, once, in turn)."""
+        self.starved = False
+        self._update_reading()
 
     # --- serving -------------------------------------------------------------------
 
@@ -331,9 +347,28 @@ class HttpConnection(asyncio.BufferedProtocol):
     def _kick(self) -> None:
         if self.task is None:
             self.task = self.loop.create_task(self._serve())
-        if self.reading and (len(self.queue) > MAX_PIPELINED or self.queued_bytes > MAX_PIPELINED_BYTES):
-            self.reading = False
-            self.transport.pause_reading()
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        """Read, or not: paused while too many requests wait parsed (they
+        resume at half), while the budget is spent for us, and for good once
+        the server closes (lingering reads on, to drop what comes)."""
+        if self.closed:
+            return
+        if self.lingering:
+            want = True
+        elif self.starved or self.shut:
+            want = False
+        elif self.reading:
+            want = len(self.queue) <= MAX_PIPELINED and self.queued_bytes <= MAX_PIPELINED_BYTES
+        else:
+            want = len(self.queue) <= MAX_PIPELINED // 2 and self.queued_bytes <= MAX_PIPELINED_BYTES // 2
+        if want != self.reading:
+            self.reading = want
+            if want:
+                self.transport.resume_reading()
+            else:
+                self.transport.pause_reading()
 
     async def _serve(self) -> None:
         try:
@@ -343,8 +378,15 @@ class HttpConnection(asyncio.BufferedProtocol):
                     self._write(error_response(item.status, str(item)), close=True, linger=True)
                     return
                 self.queued_bytes -= len(item.body)
-                self._resume_reading()
-                response = await self._answer(item)
+                self._update_reading()
+                try:
+                    response = await self._answer(item)
+                finally:
+                    # the body's bytes are ours no more (the handler may have
+                    # added what it decompressed)
+                    self.budget.give(item.held)
+                    item.held = 0
+                    item.body = b""
                 if self.closed:
                     return
                 close = not item.keep_alive or (self.stopped and not self.queue)
@@ -374,15 +416,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         except asyncio.TimeoutError:        # a peer that does not read its answers
             self.transport.abort()
 
-    def _resume_reading(self) -> None:
-        if not self.reading and len(self.queue) <= MAX_PIPELINED // 2 \
-                and self.queued_bytes <= MAX_PIPELINED_BYTES // 2 and not self.closed:
-            self.reading = True
-            self.transport.resume_reading()
-
     def _write(self, response: Response, close: bool, linger: bool = False) -> None:
         length = sum(len(c) if not isinstance(c, memoryview) else c.nbytes for c in response.chunks)
-        head = _head(response.status, response.content_type, length, response.headers, close)
+        head = head_of(response.status, response.content_type, length, response.headers, close)
         write = self.transport.write
         if len(response.chunks) == 1 and length < 16384:
             write(head + bytes(response.chunks[0]))     # one send for a small answer
@@ -402,19 +438,33 @@ class HttpConnection(asyncio.BufferedProtocol):
         client reads the answer instead of a reset from closing on unread data."""
         self.lingering = True
         self.transport.write_eof()
-        if not self.reading:
-            self.reading = True
-            self.transport.resume_reading()
+        self._update_reading()
         self.deadline = self.loop.time() + self.limits.io_timeout
 
     def shutdown(self) -> None:
         """The server closes: answer what was received, read nothing more."""
-        self.stopped = True
+        self.stopped = self.shut = True
         if self.task is None:
             self.transport.close()
-        elif self.reading:
-            self.reading = False
-            self.transport.pause_reading()
+        else:
+            self._update_reading()
+
+    def abandoned(self) -> bool:
+        """Paused in the middle of a body (the budget is spent) and its
+        client reset the connection or closed it: paused, it would not see
+        that until its deadline, holding what it received. (A client that
+        closes with body bytes still unsent gets no FIN through our full
+        window: that one is closed at its deadline.)"""
+        if not self.starved or (self.cur is None and self.direct is None) or self.closed \
+                or self.transport.is_closing():
+            return False
+        sock = self.transport.get_extra_info("socket")
+        try:
+            poll = select.poll()
+            poll.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+            return bool(poll.poll(0))
+        except (AttributeError, ValueError, OSError):
+            return False
 
     def expired(self, now: float) -> bool:
         """Past its deadline: receiving a request too slowly, or idle too long

@@ -20,14 +20,18 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 from urllib.parse import unquote
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
 from .backend import Backend, bad, http_status
-from .http_binary import decompress, encode_infer, load_json, parse_infer
-from .http_protocol import Handler, HttpConnection, Limits, Request, Response, error_response
+from .callers import Caller
+from .http_binary import decompress_off_loop, decompressed_bound, encode_infer, load_json, parse_infer_off_loop
+from .http_bodies import BodyBudget
+from .http_messages import Handler, Limits, Request, Response, error_response
+from .http_protocol import SCRATCH_BYTES, HttpConnection
+from .offload import Offload
 
 __all__ = ["HttpServer", "Limits", "start_http"]
 
@@ -75,11 +79,15 @@ def _body_json(request: Request) -> Optional[dict]:
 
 
 class Router:
-    """Request -> Response for Triton's HTTP API, over one `Backend`."""
+    """Request -> Response for Triton's HTTP API, over one `Backend`; large
+    JSON parsed in `offload`'s helper process, decompressed bytes counted in
+    `budget` (the body budget of the server's connections)."""
 
-    def __init__(self, backend: Backend, limits: Limits) -> None:
+    def __init__(self, backend: Backend, limits: Limits, budget: BodyBudget, offload: Offload) -> None:
         self.backend = backend
         self.limits = limits
+        self.budget = budget
+        self.offload = offload
 
     async def __call__(self, request: Request) -> Response:
         path = request.path.partition("?")[0]
@@ -154,14 +162,26 @@ class Router:
         body = request.body
         encoding = request.headers.get("content-encoding", "").strip().lower()
         if encoding in ("gzip", "deflate"):
-            body = decompress(body, encoding, self.limits.max_body)
+            body = await self._decompressed(request, encoding)
         elif encoding not in ("", "identity"):
             raise _ErrorWithHeaders(errors.UNSUPPORTED, "Unsupported compression type",
                                     (("Accept-Encoding", "gzip, deflate"),))
-        call = parse_infer(body, request.headers, model)
-        result = await self.backend.infer(model, version, call.inputs, call.outputs, call.id,
-                                          call.binary_default, **call.params)
-        return encode_infer(result, request.headers.get("accept-encoding"))
+        call = await parse_infer_off_loop(body, request.headers, model, self.offload)
+        result = await self.backend.infer(request.caller, model, version, call.inputs, call.outputs,
+                                          call.id, call.binary_default, **call.params)
+        return await encode_infer(result, request.headers.get("accept-encoding"))
+
+    async def _decompressed(self, request: Request, encoding: str) -> Any:
+        """The body decompressed (within the body limit), its bytes counted
+        in the budget until the request is answered: room for as much as
+        the body could make is waited for first."""
+        bound = decompressed_bound(len(request.body), self.limits.max_body)
+        await self.budget.reserve(bound)
+        request.held += bound
+        body = await decompress_off_loop(request.body, encoding, self.limits.max_body)
+        self.budget.give(bound - len(body))
+        request.held -= bound - len(body)
+        return body
 
     # --- repository ------------------------------------------------------------------
 
@@ -210,9 +230,9 @@ class Router:
         if request.method != ("GET" if action == "status" else "POST"):
             return _not_allowed()
         if action == "status":
-            return _json(await self.backend.shm_status(region))
+            return _json(await self.backend.shm_status(request.caller, region))
         if action == "unregister":
-            await self.backend.unregister_shm(region)
+            await self.backend.unregister_shm(request.caller, region)
             return Response(200, [])
         if not region:
             raise bad("'region name' is necessary to register system shared memory region")
@@ -220,7 +240,7 @@ class Router:
         if not isinstance(doc, dict):
             raise bad("failed to parse the request JSON buffer: expected an object")
         key, offset, byte_size = self._register_fields(doc)
-        await self.backend.register_shm(region, key, offset, byte_size)
+        await self.backend.register_shm(request.caller, region, key, offset, byte_size)
         return Response(200, [])
 
     @staticmethod
@@ -253,16 +273,35 @@ class Router:
 
 
 class HttpServer:
-    """A listening socket and its connections; `port` is the bound one."""
+    """A listening socket and its connections; `port` is the bound one.
+    What its connections share: the body budget and the read buffer; a
+    connection that goes away is a caller gone (`forget` it)."""
 
-    def __init__(self, handler: Handler, limits: Limits) -> None:
+    def __init__(self, handler: Handler, limits: Limits, budget: BodyBudget,
+                 forget: Optional[Callable[[Caller], Awaitable[None]]] = None) -> None:
         self.handler = handler
         self.limits = limits
+        self.budget = budget
+        self.scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self.forget = forget
         self.loop = asyncio.get_running_loop()
         self.connections: set[HttpConnection] = set()
         self.port = 0
         self._server: Any = None
         self._sweeper: Optional[asyncio.Task] = None
+        self._forgetting: set[asyncio.Task] = set()
+        self.own_offload: Optional[Offload] = None  # closed with the server
+
+    def caller_gone(self, caller: Optional[Caller]) -> None:
+        """A connection closed: what its caller registered goes (in a task:
+        the daemon is told)."""
+        if caller is None or self.forget is None or caller.regions is None:
+            if caller is not None:
+                caller.gone = True
+            return
+        task = self.loop.create_task(self.forget(caller))
+        self._forgetting.add(task)
+        task.add_done_callback(self._forgetting.discard)
 
     async def start(self, host: str, port: int) -> "HttpServer":
         self._server = await self.loop.create_server(lambda: HttpConnection(self), host, port,
@@ -278,7 +317,7 @@ class HttpServer:
         while True:
             await asyncio.sleep(interval)
             now = self.loop.time()
-            for conn in [c for c in self.connections if c.expired(now)]:
+            for conn in [c for c in self.connections if c.expired(now) or c.abandoned()]:
                 conn.transport.abort()
 
     async def close(self, grace: float = 60.0) -> None:
@@ -299,13 +338,21 @@ class HttpServer:
             await asyncio.gather(*late, return_exceptions=True)
         for conn in list(self.connections):
             conn.transport.close()
-        await asyncio.gather(self._sweeper, return_exceptions=True)
+        await asyncio.gather(self._sweeper, *self._forgetting, return_exceptions=True)
         await self._server.wait_closed()
         self._server = None
+        if self.own_offload is not None:
+            self.own_offload.close()
 
 
-async def start_http(backend: Backend, host: str, port: int, limits: Limits = Limits()) -> HttpServer:
+async def start_http(backend: Backend, host: str, port: int, limits: Limits = Limits(),
+                     offload: Optional[Offload] = None) -> HttpServer:
     """Serve Triton's HTTP/REST API for `backend` on host:port (0 = any free
     port, then see `.port`). Binds before returning; raises OSError if the
-    address cannot be bound."""
-    return await HttpServer(Router(backend, limits), limits).start(host, port)
+    address cannot be bound. Large JSON is parsed in `offload`'s helper
+    process (its own if none is given)."""
+    budget = BodyBudget(limits.bodies_held)
+    router = Router(backend, limits, budget, offload or Offload())
+    server = HttpServer(router, limits, budget, backend.forget)
+    server.own_offload = router.offload if offload is None else None
+    return await server.start(host, port)

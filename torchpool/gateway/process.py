@@ -21,6 +21,7 @@ import sys
 from typing import Any, Optional
 
 from ..logs import FORMATS, set_process_title, setup_logging
+from . import defaults
 
 log = logging.getLogger("torchpool.gateway")
 
@@ -46,11 +47,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, help="serve gRPC on this port (0 = any free port)")
     p.add_argument("--grpc-host", default="127.0.0.1")
+    p.add_argument("--http-max-input-size", type=int, default=defaults.MAX_INPUT_BYTES,
+                   help="the largest HTTP request body, decompressed too (bytes)")
+    p.add_argument("--grpc-max-input-size", type=int, default=defaults.MAX_INPUT_BYTES,
+                   help="the largest gRPC request message (bytes)")
+    p.add_argument("--allow-client-shm", nargs="?", const=True, type=_boolean,
+                   default=defaults.ALLOW_CLIENT_SHM, metavar="BOOL",
+                   help="let HTTP/gRPC callers register system shared memory (Triton's; default false)")
+    p.add_argument("--allow-client-shm-prefix", dest="allow_client_shm_prefixes", action="append",
+                   default=[], metavar="PREFIX",
+                   help="... only keys that begin with PREFIX; repeatable (none given: any key)")
+    p.add_argument("--gateway-max-in-flight-per-caller", type=int,
+                   default=defaults.MAX_IN_FLIGHT_PER_CALLER,
+                   help="requests of one HTTP connection or gRPC peer sent to the daemon at once")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=FORMATS)
     p.add_argument("--status-fd", type=int, help="write 'ready {...}' or 'error <why>' here, once")
     p.add_argument("--parent-pid", type=int, help="exit when this process (the daemon) goes")
     return p
+
+
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 class _Status:
@@ -70,18 +93,22 @@ class _Status:
         self.fd = None
 
 
-async def _start(backend: Any, kind: str, host: str, port: int) -> Any:
+async def _start(backend: Any, kind: str, host: str, port: int, args: argparse.Namespace,
+                 offload: Any) -> Any:
     if kind == "HTTP":
-        from .http_server import start_http
-        return await start_http(backend, host, port)
+        from .http_server import Limits, start_http
+        return await start_http(backend, host, port, Limits(max_body=args.http_max_input_size), offload)
     from .grpc_server import start_grpc
-    return await start_grpc(backend, host, port)
+    return await start_grpc(backend, host, port, args.grpc_max_input_size, offload)
 
 
 async def serve(args: argparse.Namespace, status: _Status) -> int:
-    from .backend import Backend
+    from .backend import Backend, ShmPolicy
+    from .offload import Offload
 
-    backend = Backend(args.url)
+    shm = ShmPolicy(args.allow_client_shm, tuple(args.allow_client_shm_prefixes))
+    backend = Backend(args.url, shm=shm, per_caller=args.gateway_max_in_flight_per_caller)
+    offload = Offload()          # one helper process for both protocols, started on first use
     servers: list[tuple[str, Any]] = []
     wanted = [(kind, host, port) for kind, host, port in (("HTTP", args.http_host, args.http_port),
                                                           ("gRPC", args.grpc_host, args.grpc_port))
@@ -89,7 +116,7 @@ async def serve(args: argparse.Namespace, status: _Status) -> int:
     try:
         for kind, host, port in wanted:
             try:
-                servers.append((kind, await _start(backend, kind, host, port)))
+                servers.append((kind, await _start(backend, kind, host, port, args, offload)))
             except OSError as exc:
                 why = f"cannot serve {kind} on {host}:{port}: {exc.strerror or exc}"
                 log.error("%s", why)
@@ -109,6 +136,7 @@ async def serve(args: argparse.Namespace, status: _Status) -> int:
         for _kind, server in reversed(servers):
             await server.close()
         await backend.close()
+        offload.close()
 
 
 def _run(coro: Any) -> int:

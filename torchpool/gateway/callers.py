@@ -1,0 +1,112 @@
+"""Remote callers of the gateway, and each one's turn at the daemon.
+
+A caller is one HTTP connection or one gRPC peer (the HTTP/2 connection grpc
+names by the peer's address and port). Those are the only identities the two
+protocols give without authentication that another caller cannot take: every
+client on this host shares one address (127.0.0.1), so an address would not
+keep a local attacker apart from its neighbours. A caller ends when its
+connection does (http_protocol.py; grpc_peers.py for gRPC).
+
+The gateway talks to the daemon as one client, which the daemon lets hold
+`MAX_IN_FLIGHT` requests at once. `FairShare` splits that between callers:
+each holds at most `per_caller` of them (defaults.MAX_IN_FLIGHT_PER_CALLER,
+--gateway-max-in-flight-per-caller); a request past either limit waits
+here, in its caller's queue, and freed places go to the waiting callers in
+turn (round robin), so one caller's thousand requests wait behind each
+other, not in front of another caller's one.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any
+
+
+class Caller:
+    """One remote caller: its requests at the daemon and waiting, and the
+    daemon client that holds its registered regions (Backend makes it on
+    its first register)."""
+
+    __slots__ = ("name", "peer", "calls", "in_flight", "waiting", "regions", "region_names",
+                 "region_lock", "gone")
+
+    def __init__(self, name: str) -> None:
+        self.name = name                    # for logs: "HTTP 127.0.0.1:40312", "gRPC ipv4:..."
+        self.peer = ""                      # gRPC: grpc's name of the peer
+        self.calls = 0                      # gRPC: calls in progress
+        self.in_flight = 0
+        self.waiting: deque[asyncio.Future] = deque()
+        self.regions: Any = None            # an AsyncClient with this caller's own session
+        self.region_names: set[str] = set()     # what it registered there
+        self.region_lock = asyncio.Lock()
+        self.gone = False
+
+    def __repr__(self) -> str:
+        return f"Caller({self.name})"
+
+
+class FairShare:
+    """Places for requests at the daemon: `total` in all, `per_caller` for
+    one caller; callers waiting for a place get one in turn."""
+
+    def __init__(self, total: int, per_caller: int) -> None:
+        self.total = total
+        self.per_caller = per_caller
+        self.in_flight = 0
+        self._turns: deque[Caller] = deque()    # callers with requests waiting, next first
+
+    async def enter(self, caller: Caller) -> None:
+        """Wait for a place (in this caller's order); `leave` gives it back."""
+        if not self._turns and self.in_flight < self.total and caller.in_flight < self.per_caller:
+            self._take(caller)
+            return
+        fut = asyncio.get_running_loop().create_future()
+        caller.waiting.append(fut)
+        if len(caller.waiting) == 1:
+            self._turns.append(caller)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.leave(caller)          # a place came as the request was cancelled
+            else:
+                self._forget(caller, fut)
+            raise
+
+    def leave(self, caller: Caller) -> None:
+        caller.in_flight -= 1
+        self.in_flight -= 1
+        self._hand_out()
+
+    def _take(self, caller: Caller) -> None:
+        caller.in_flight += 1
+        self.in_flight += 1
+
+    def _forget(self, caller: Caller, fut: asyncio.Future) -> None:
+        try:
+            caller.waiting.remove(fut)
+        except ValueError:
+            return
+        if not caller.waiting:
+            self._turns.remove(caller)
+
+    def _hand_out(self) -> None:
+        """Free places to waiting callers, one each per round, skipping those
+        at their own limit."""
+        skipped = 0
+        while self.in_flight < self.total and skipped < len(self._turns):
+            caller = self._turns.popleft()
+            if caller.in_flight >= self.per_caller:
+                self._turns.append(caller)
+                skipped += 1
+                continue
+            skipped = 0
+            fut = caller.waiting.popleft()
+            if not fut.done():              # not one cancelled while it waited
+                self._take(caller)
+                fut.set_result(None)
+            if caller.waiting:
+                self._turns.append(caller)
+
+    def waiting(self) -> int:
+        return sum(len(c.waiting) for c in self._turns)
