@@ -40,8 +40,10 @@ in turns, the order reversed every round, so that drift hits all alike:
 throughput is the median of a cell's windows, p50/p99 over all its
 requests, CPU per inference from /proc/<pid>/stat (utime + stime of every
 thread, also the ones that ended) of the client, of the daemon's processes
-together and of the in-process baseline. After the run, each worker's
-memory (smaps_rollup).
+together and of the in-process baseline. After the timed rounds, the
+requests per execution of each dynamic-batching model at c=8 (from the
+daemon's statistics, which are not asked during the timed windows) and
+each worker's memory (smaps_rollup).
 """
 from __future__ import annotations
 
@@ -407,9 +409,6 @@ def merge(windows: list[dict]) -> dict:
     out = {"rps": statistics.median(rates), "windows_rps": rates,
            "p50": p50, "p99": p99, "requests": len(every),
            "cpu": {k: statistics.mean(w["cpu"][k] for w in windows) for k in windows[0]["cpu"]}}
-    if "executions" in windows[0]:
-        executions = sum(w["executions"] for w in windows)
-        out["mean_batch"] = sum(w["inferences"] for w in windows) / executions if executions else 0.0
     return out
 
 
@@ -441,11 +440,18 @@ class Served:
             client = self.clients[next(turn)]
             return lambda: client.infer(name, inputs)
 
+        return window(make, c, seconds, self.processes)
+
+    def mean_batch(self, name: str, model: str, c: int, seconds: float) -> float:
+        """Requests per execution over a window of `c` callers, from the
+        daemon's statistics. Not asked during the timed windows: a
+        statistics call has the broker read its workers' smaps_rollup every
+        2 s for a minute after (broker/usage.py), 10-24% of a core with 22
+        ResNet/BERT workers here."""
         executions, inferences = self.counts(name)
-        result = window(make, c, seconds, self.processes)
+        self.run(name, model, c, seconds)
         after = self.counts(name)
-        result["executions"], result["inferences"] = after[0] - executions, after[1] - inferences
-        return result
+        return (after[1] - inferences) / (after[0] - executions) if after[0] > executions else 0.0
 
     def close(self) -> None:
         for client in self.clients:
@@ -513,7 +519,7 @@ def bench_models(quick: bool = False, names: Optional[list[str]] = None) -> dict
     from torchpool.config.devices import cpu_budget
 
     names = names or DEFAULT_NAMES
-    seconds, rounds, warm = (0.5, 1, 0.3) if quick else (2.0, 2, 1.0)
+    seconds, rounds, warm = (0.5, 1, 0.3) if quick else (1.5, 2, 0.5)
     with tempfile.TemporaryDirectory(prefix="torchpool-bench-models-") as tmp:
         work = Path(tmp)
         print(f"real models ({', '.join(names)}): building TorchScript and .pt2 ...", flush=True)
@@ -539,6 +545,9 @@ def bench_models(quick: bool = False, names: Optional[list[str]] = None) -> dict
                     got = (inprocess.run(cell.target, cell.model, cell.c, seconds, cell.batch) if cell.inprocess
                            else served.run(cell.target, cell.model, cell.c, seconds))
                     windows.setdefault((cell.row, cell.c), []).append(got)
+            print("real models: batch sizes at c=8 (the daemon's statistics), workers' memory ...", flush=True)
+            batches = {cell.row: served.mean_batch(cell.target, cell.model, cell.c, seconds) for cell in cells
+                       if cell.row.endswith("_dyn") and cell.c == max(CONCURRENCY)}
             memory = worker_memory(daemon.proc.pid)
             sizes = {name: path.stat().st_size for name, path in files.items()}
         finally:
@@ -550,6 +559,8 @@ def bench_models(quick: bool = False, names: Optional[list[str]] = None) -> dict
     rows: dict[str, dict] = {}
     for (row, c), ws in windows.items():
         rows.setdefault(row, {})[f"c{c}"] = merge(ws)
+    for row, mean in batches.items():
+        rows[row][f"c{max(CONCURRENCY)}"]["mean_batch"] = mean
     return {"models": names, "rows": rows, "threads": threads, "instances": INSTANCES, "cpu_budget": cpu_budget(),
             "window_s": seconds, "rounds": rounds, "build_s": built, "ready_s": ready, "worker_memory": memory,
             "file_bytes": sizes}
@@ -601,7 +612,7 @@ def _cpu(cell: dict, ms: Callable[[float], str]) -> str:
     cpu = cell["cpu"]
     if "process" in cpu:
         return ms(cpu["process"])
-    return f"{ms(cpu['daemon'])} + {ms(cpu['client'])}"
+    return f"{ms(cpu['daemon'])} (broker {ms(cpu['broker'])}) + {ms(cpu['client'])}"
 
 
 def render_models(r: dict, us: Callable[[float], str]) -> list[str]:
@@ -611,9 +622,10 @@ def render_models(r: dict, us: Callable[[float], str]) -> list[str]:
                  f"in-process: one process, {r['instances']} copies x {r['threads']} thread(s), batch 1; "
                  f"{r['rounds']} round(s) of {r['window_s']} s windows, alternating; built in {r['build_s']:.0f} s, "
                  f"daemon ready in {r['ready_s']:.0f} s. "
-                 "(x): against the in-process row; CPU: the daemon's processes + the client, per request.", "",
+                 "(x): against the in-process row; CPU: the daemon's processes (the broker's part) + the client.",
+             "",
              "| model | how | " + " | ".join(f"c={c[1:]}" for c in cs)
-             + " | p50 / p99 c=8 | CPU / request c=1, c=8 | requests per execution c=8 |",
+             + " | p50 / p99 c=8 (requests) | CPU / inference c=1; c=8 | requests per execution c=8 |",
              "|---|---|" + "---|" * len(cs) + "---|---|---|"]
     for model in r["models"]:
         for form, title in FORMS.items():
@@ -626,7 +638,7 @@ def render_models(r: dict, us: Callable[[float], str]) -> list[str]:
                 batch = f"{row['c8']['mean_batch']:.1f}" if "mean_batch" in row["c8"] else ""
                 lines.append(f"| {first} | {label} | "
                              + " | ".join(_rps(row[c], None if row is base else base[c]) for c in cs)
-                             + f" | {us(row['c8']['p50'])} / {us(row['c8']['p99'])}"
+                             + f" | {us(row['c8']['p50'])} / {us(row['c8']['p99'])} ({row['c8']['requests']})"
                              f" | {_cpu(row['c1'], us)}; {_cpu(row['c8'], us)} | {batch} |")
     lines += render_goals(r)
     memory = r.get("worker_memory", {})
@@ -681,7 +693,7 @@ def render_item0(r: dict, us: Callable[[float], str]) -> list[str]:
     rows = {key[len(ITEM0):]: row for key, row in r["rows"].items() if key.startswith(ITEM0)}
     lines = ["", "issue 27.0: ResNet-18 TorchScript, dynamic_batching { preferred_batch_size: [ 4, 8 ] "
                  "max_queue_delay_microseconds: 2000 }, its own windows in turns:", "",
-             "| configuration | c=1 | c=8 | p50 / p99 c=8 | CPU / request c=1, c=8 |", "|---|---|---|---|---|"]
+             "| configuration | c=1 | c=8 | p50 / p99 c=8 | CPU / inference c=1; c=8 |", "|---|---|---|---|---|"]
     for key, label in item0_rows() + [(inprocess_row("resnet18", "ts"),
                                        f"in-process, {r['instances']} copies x {r['threads']} thread(s), batch 1")]:
         row = rows[key]
