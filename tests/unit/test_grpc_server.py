@@ -43,6 +43,27 @@ def test_raw_inputs_are_split_from_the_request(sizes: list[int]) -> None:
     assert parsed == whole
 
 
+def test_the_split_keeps_runs_of_fields_and_stops_at_max_fields() -> None:
+    request = infer_request([100_000, 0, 3])
+    rest, raws = wire.split_infer_request(request.SerializeToString())
+    whole = pb.ModelInferRequest.FromString(request.SerializeToString())
+    whole.ClearField("raw_input_contents")
+    assert pb.ModelInferRequest.FromString(rest) == whole
+    assert [bytes(r) for r in raws] == list(request.raw_input_contents)
+    tiny = b"\x3a\x00" * (wire.MAX_FIELDS + 1)            # empty raw_input_contents, one too many
+    with pytest.raises(wire.WireError, match=f"more than {wire.MAX_FIELDS} fields"):
+        wire.split_infer_request(tiny)
+    assert len(wire.split_infer_request(tiny[:-2])[1]) == wire.MAX_FIELDS
+
+
+def test_raw_entries_no_input_takes_are_refused() -> None:
+    request = infer_request([4])
+    with pytest.raises(TorchpoolError, match="raw_input_contents has 2 entries but 1 of the inputs"):
+        grpc_requests.infer_call(request, raw_count=2)
+    call = grpc_requests.infer_call(request, raw_count=1)
+    assert [t.raw_index for t in call.inputs] == [0]
+
+
 def test_a_truncated_request_is_refused() -> None:
     data = infer_request([100_000]).SerializeToString()
     with pytest.raises((wire.WireError, DecodeError)):

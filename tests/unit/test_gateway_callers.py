@@ -1,0 +1,113 @@
+"""callers.FairShare: each caller's places at the daemon, and turns between
+callers; http_bodies.BodyBudget: bytes held and who waits for them."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from torchpool.gateway.callers import Caller, FairShare
+from torchpool.gateway.http_bodies import BodyBudget, body_buffer
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_caller_waits_past_its_share_and_callers_take_turns() -> None:
+    async def scenario() -> list[str]:
+        share = FairShare(total=2, per_caller=2)
+        greedy, other = Caller("greedy"), Caller("other")
+        order: list[str] = []
+
+        async def call(caller: Caller, gate: asyncio.Event) -> None:
+            await share.enter(caller)
+            order.append(caller.name)
+            await gate.wait()
+            share.leave(caller)
+
+        gate = asyncio.Event()
+        tasks = [asyncio.ensure_future(call(greedy, gate)) for _ in range(6)]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.ensure_future(call(other, gate)))
+        await asyncio.sleep(0)
+        assert order == ["greedy", "greedy"] and share.waiting() == 5
+        gate.set()                      # the two places freed go round: one each
+        await asyncio.gather(*tasks)
+        return order
+
+    order = run(scenario())
+    # the other caller's one request comes before the greedy caller's last three
+    assert order == ["greedy", "greedy", "greedy", "other", "greedy", "greedy", "greedy"]
+
+
+def test_a_caller_never_holds_more_than_its_share() -> None:
+    async def scenario() -> int:
+        share = FairShare(total=100, per_caller=3)
+        caller = Caller("c")
+        most = 0
+        gate = asyncio.Event()
+
+        async def call() -> None:
+            nonlocal most
+            await share.enter(caller)
+            most = max(most, caller.in_flight)
+            await gate.wait()
+            share.leave(caller)
+
+        tasks = [asyncio.ensure_future(call()) for _ in range(10)]
+        await asyncio.sleep(0)
+        assert caller.in_flight == 3 and share.in_flight == 3
+        gate.set()
+        await asyncio.gather(*tasks)
+        assert share.in_flight == 0 and caller.in_flight == 0
+        return most
+
+    assert run(scenario()) == 3
+
+
+def test_a_cancelled_waiter_gives_its_turn_away() -> None:
+    async def scenario() -> None:
+        share = FairShare(total=1, per_caller=1)
+        a, b = Caller("a"), Caller("b")
+        await share.enter(a)
+        waiting = asyncio.ensure_future(share.enter(b))
+        after = asyncio.ensure_future(share.enter(b))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.sleep(0)
+        share.leave(a)                  # the place goes to b's next request, not the cancelled one
+        await asyncio.wait_for(after, 5)
+        assert b.in_flight == 1 and share.in_flight == 1 and share.waiting() == 0
+
+    run(scenario())
+
+
+def test_the_budget_wakes_waiters_in_turn_and_reservations_wait() -> None:
+    async def scenario() -> list[str]:
+        budget = BodyBudget(100)
+        woken: list[str] = []
+        budget.take(100)
+        budget.wait(lambda: woken.append("first"))
+        budget.wait(lambda: woken.append("second"))
+        reserved = asyncio.ensure_future(budget.reserve(60))
+        await asyncio.sleep(0)
+        assert not reserved.done()
+        budget.give(50)                 # room: the waiters in turn; the reservation still waits
+        await asyncio.sleep(0)
+        assert woken == ["first", "second"] and not reserved.done()
+        budget.give(50)
+        await asyncio.wait_for(reserved, 5)
+        assert budget.held == 60
+        return woken
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("size", [0, 1, 64 << 20])
+def test_a_body_buffer_costs_what_is_written(size: int) -> None:
+    buf = body_buffer(size)
+    assert len(buf) == size
+    if size > 1:
+        buf[size - 1:size] = b"x"
+        assert bytes(buf[:1]) == b"\0" and bytes(buf[size - 1:]) == b"x"
