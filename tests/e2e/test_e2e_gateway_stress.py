@@ -19,7 +19,6 @@ import http.client
 import json
 import multiprocessing
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -32,6 +31,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 from ..support.daemon import Daemon, free_tcp_port, wait_for  # noqa: E402
 from ..support.gateway_offender import ELEMENTS, offend_gateway, payloads  # noqa: E402
 from ..support.http_gateway import gateway_pid  # noqa: E402
+from ..support.threads import in_threads  # noqa: E402
 
 REQUESTS = 150                   # per honest caller and phase
 PAIRS = 2
@@ -53,13 +53,12 @@ def served(small_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def honest_run(d: Daemon) -> tuple[list[float], int]:
     """Two HTTP and two gRPC callers, each on its own connection: every
     latency (seconds) and the number of wrong answers."""
-    latencies: list[list[float]] = [[] for _ in range(4)]
-    wrong = [0] * 4
 
-    def http_caller(i: int) -> None:
+    def http_caller(i: int) -> tuple[list[float], int]:
         x = np.full(ELEMENTS, float(i), np.float32)
         body = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [ELEMENTS],
                                        "data": x.tolist()}]}).encode()
+        latencies, wrong = [], 0
         conn = http.client.HTTPConnection("127.0.0.1", d.http, timeout=60)
         try:
             for _ in range(REQUESTS):
@@ -67,13 +66,15 @@ def honest_run(d: Daemon) -> tuple[list[float], int]:
                 conn.request("POST", "/v2/models/identity/infer", body=body)
                 answer = conn.getresponse()
                 doc = json.loads(answer.read())
-                latencies[i].append(time.perf_counter() - start)
-                wrong[i] += answer.status != 200 or doc["outputs"][0]["data"] != x.tolist()
+                latencies.append(time.perf_counter() - start)
+                wrong += answer.status != 200 or doc["outputs"][0]["data"] != x.tolist()
         finally:
             conn.close()
+        return latencies, wrong
 
-    def grpc_caller(i: int) -> None:
+    def grpc_caller(i: int) -> tuple[list[float], int]:
         x = np.full(ELEMENTS, float(i), np.float32)
+        latencies, wrong = [], 0
         with grpcclient.InferenceServerClient(f"127.0.0.1:{d.grpc}",
                                               channel_args=[("grpc.use_local_subchannel_pool", 1)]) as c:
             t = grpcclient.InferInput("INPUT__0", [ELEMENTS], "FP32")
@@ -81,20 +82,19 @@ def honest_run(d: Daemon) -> tuple[list[float], int]:
             for _ in range(REQUESTS):
                 start = time.perf_counter()
                 y = c.infer("identity", [t]).as_numpy("OUTPUT__0")
-                latencies[i].append(time.perf_counter() - start)
-                wrong[i] += not np.array_equal(y, x)
+                latencies.append(time.perf_counter() - start)
+                wrong += not np.array_equal(y, x)
+        return latencies, wrong
 
-    threads = [threading.Thread(target=http_caller, args=(0,)), threading.Thread(target=http_caller, args=(1,)),
-               threading.Thread(target=grpc_caller, args=(2,)), threading.Thread(target=grpc_caller, args=(3,))]
     gc.disable()                    # this process's collections are not the gateway's doing
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = in_threads(4, lambda i: (http_caller if i < 2 else grpc_caller)(i))
     finally:
         gc.enable()
-    return [v for per in latencies for v in per], sum(wrong)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return [v for latencies, _ in results for v in latencies], sum(wrong for _, wrong in results)
 
 
 def p99(values: list[float]) -> float:

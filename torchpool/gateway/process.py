@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the largest HTTP request body, decompressed too (bytes)")
     p.add_argument("--grpc-max-input-size", type=int, default=defaults.MAX_INPUT_BYTES,
                    help="the largest gRPC request message (bytes)")
-    p.add_argument("--allow-client-shm", nargs="?", const=True, type=_boolean,
-                   default=defaults.ALLOW_CLIENT_SHM, metavar="BOOL",
+    # the daemon passes --allow-client-shm=true or =false (its own flag takes Triton's spellings)
+    p.add_argument("--allow-client-shm", nargs="?", const="true", choices=["true", "false"],
+                   default=str(defaults.ALLOW_CLIENT_SHM).lower(), metavar="true|false",
                    help="let HTTP/gRPC callers register system shared memory (Triton's; default false)")
     p.add_argument("--allow-client-shm-prefix", dest="allow_client_shm_prefixes", action="append",
                    default=[], metavar="PREFIX",
@@ -65,15 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status-fd", type=int, help="write 'ready {...}' or 'error <why>' here, once")
     p.add_argument("--parent-pid", type=int, help="exit when this process (the daemon) goes")
     return p
-
-
-def _boolean(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 class _Status:
@@ -106,7 +98,7 @@ async def serve(args: argparse.Namespace, status: _Status) -> int:
     from .backend import Backend, ShmPolicy
     from .offload import Offload
 
-    shm = ShmPolicy(args.allow_client_shm, tuple(args.allow_client_shm_prefixes))
+    shm = ShmPolicy(args.allow_client_shm == "true", tuple(args.allow_client_shm_prefixes))
     backend = Backend(args.url, shm=shm, per_caller=args.gateway_max_in_flight_per_caller)
     offload = Offload()          # one helper process for both protocols, started on first use
     servers: list[tuple[str, Any]] = []
