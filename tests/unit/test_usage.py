@@ -14,7 +14,7 @@ from ..support.daemon import cpu_ticks, wait_for
 
 
 def test_stat_and_pss_of_a_process() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import sys; b = bytearray(64 << 20); sys.stdin.read()"],
+    child = subprocess.Popen([sys.executable, "-c", "import sys; b = b\"x\" * (64 << 20); sys.stdin.read()"],
                              stdin=subprocess.PIPE)
     try:
         def touched() -> bool:
@@ -38,7 +38,16 @@ def test_sampler_answers_at_once_and_reads_on_its_thread() -> None:
     assert sampler.pss(me) is None                        # never read yet: not waited for
     first = wait_for(lambda: sampler.pss(me), 10, "the sampler's first reading")
     assert abs(first - read_pss(me)) < 32 << 20
-    # nobody asks for longer than forget_after: the reading is dropped
+    # read on demand only: with nobody asking, the thread reads nothing
+    read_at = sampler._pss[me][0]
+    time.sleep(0.2)                                       # (an interval with no asking: not a wait)
+    assert sampler._pss[me][0] == read_at
+    # asked again past `every`: answered at once with the old reading, read again
+    assert sampler.pss(me) == first
+    wait_for(lambda: sampler._pss[me][0] > read_at, 10, "a fresh reading")
+    # nobody asks for longer than forget_after: the reading is dropped at the next read
+    time.sleep(0.6)
+    sampler.pss(os.getppid())
     wait_for(lambda: me not in sampler._asked, 10, "the sampler to forget an unasked pid")
     assert sampler.pss(me) is None
 

@@ -23,10 +23,13 @@ from typing import Any, Iterable, Optional
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-# PSS is read again this often while anyone asks for it (Triton polls its
-# CPU and GPU metrics every --metrics-interval-ms, 2000 by default) ...
-PSS_EVERY_S = 2.0
-# ... and a pid nobody asked about for this long is no longer read
+# A pid's PSS is read again when asked about and its reading is older than
+# this: a statistics call or a metrics scrape costs at most one read per worker
+# per PSS_EVERY_S (5-10 ms each, so a loop of calls or a 2 s scrape never keeps
+# a core busy walking 60 workers' page tables, which also holds each worker's
+# memory lock while it runs) ...
+PSS_EVERY_S = 10.0
+# ... and the reading of a pid nobody asked about for this long is dropped
 PSS_FORGET_S = 60.0
 
 # WorkerHandle states (supervisor.py) as an operator reads them
@@ -65,37 +68,38 @@ def read_pss(pid: int) -> Optional[int]:
 
 
 class PssSampler:
-    """The PSS of the pids asked about, read on its own thread: at once for a
-    pid asked about the first time, then every `every` seconds while it is
-    asked about again within `forget_after`. With nobody asking it sleeps.
-    `pss(pid)` never waits: it answers the latest reading (None before the
-    first)."""
+    """The PSS of the pids asked about, read on its own thread, on demand:
+    a pid asked about whose reading is missing or older than `every` seconds
+    is read (once) by the thread, which otherwise sleeps. `pss(pid)` never
+    waits: it answers the latest reading (None before the first)."""
 
     def __init__(self, every: float = PSS_EVERY_S, forget_after: float = PSS_FORGET_S) -> None:
         self.every, self.forget_after = every, forget_after
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._asked: dict[int, float] = {}          # pid -> when it was last asked about
-        self._pss: dict[int, Optional[int]] = {}    # pid -> its latest reading
+        self._pss: dict[int, tuple[float, Optional[int]]] = {}    # pid -> (when read, reading)
+        self._due: set[int] = set()                 # pids to read now
         self._thread: Optional[threading.Thread] = None
 
     def pss(self, pid: int) -> Optional[int]:
+        now = time.monotonic()
         with self._lock:
-            self._asked[pid] = time.monotonic()
-            first = pid not in self._pss
-            value = self._pss.get(pid)
+            self._asked[pid] = now
+            read_at, value = self._pss.get(pid, (None, None))
+            stale = (read_at is None or now - read_at > self.every) and pid not in self._due
+            if stale:
+                self._due.add(pid)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="torchpool-pss", daemon=True)
                 self._thread.start()
-        if first:
+        if stale:
             self._wake.set()
         return value
 
     def _run(self) -> None:
         while True:
-            with self._lock:
-                pids = list(self._asked)
-            self._wake.wait(self.every if pids else None)
+            self._wake.wait()
             self._wake.clear()
             with self._lock:
                 now = time.monotonic()
@@ -103,12 +107,12 @@ class PssSampler:
                     if now - asked > self.forget_after:
                         del self._asked[pid]
                         self._pss.pop(pid, None)
-                pids = list(self._asked)
-            for pid in pids:
+                due, self._due = self._due, set()
+            for pid in due:
                 value = read_pss(pid)        # the slow part, outside the lock
                 with self._lock:
                     if pid in self._asked:
-                        self._pss[pid] = value
+                        self._pss[pid] = (time.monotonic(), value)
 
 
 # One per process, as the workers it reads are the daemon's: the statistics
