@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .backend import InferResponse, InputTensor, OutputRequest, bad, check_counts, check_dims, input_value
-from .chunks import json_values, tensor_bytes
+from .chunks import CHUNK_ELEMENTS, json_values, tensor_bytes
 from .http_bodies import body_buffer
 from .http_messages import Response
 from .offload import OFFLOAD_BYTES, Offload
@@ -300,6 +300,8 @@ async def encode_infer(result: InferResponse, accept_encoding: Optional[str]) ->
             out["parameters"] = {"binary_data_size": _nbytes(raw)}
             if _nbytes(raw):
                 binaries.append(raw)
+        elif t.array.size <= CHUNK_ELEMENTS:
+            out["data"] = t.values()
         else:
             marker = f"tp-values-{secrets.token_hex(8)}"
             values[json.dumps(marker)] = await json_values(t)
