@@ -32,14 +32,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tritonclient.grpc
-import tritonclient.http
 
 from torchpool.client import Client, NoAnswer
 from torchpool.protocol import errors
 
 from ..support import podman
 from ..support.daemon import wait_for
+from ..support.kserve_v2 import infer_addsub_over_http_and_grpc
 from .conftest import DAEMON_UID, IMAGE, ROOT, manifest, network_of, owned_dir
 
 SOCKET_DIR = "/run/torchpool"
@@ -246,17 +245,7 @@ def test_the_kserve_runtime_serves_mnt_models_over_http_and_grpc(pod_network, ex
                  READY_TIMEOUT, "the runtime's models to load")
         assert container.running(), container.logs()
         assert http_status(f"http://{ip}:8080/v2/models/addsub/ready") == 200
-        for module, port in ((tritonclient.http, 8080), (tritonclient.grpc, 9000)):
-            client = module.InferenceServerClient(f"{ip}:{port}")
-            try:
-                inputs = [module.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
-                for i in inputs:
-                    i.set_data_from_numpy(A)
-                result = client.infer("addsub", inputs)
-                np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + A)
-                np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), A - A)
-            finally:
-                client.close()
+        infer_addsub_over_http_and_grpc(ip, 8080, 9000)
         port = runtime["annotations"]["prometheus.kserve.io/port"]
         metrics = urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=10).read().decode()
         assert re.search(r'nv_inference_request_success\{model="addsub",version="1"\} 2\b', metrics), metrics

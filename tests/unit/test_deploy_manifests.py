@@ -30,13 +30,11 @@ from typing import Iterator
 
 import jsonschema
 import kubernetes_validate
-import numpy as np
 import pytest
-import tritonclient.grpc
-import tritonclient.http
 import yaml
 
 from ..support.daemon import Daemon, free_tcp_port, wait_for
+from ..support.kserve_v2 import infer_addsub_over_http_and_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -425,6 +423,19 @@ def status(url: str) -> int:
         return 0
 
 
+def start_moved(argv: list[str], repository: Path, tmp_path: Path) -> tuple[Daemon, dict[int, int]]:
+    """`torchpool serve` with a container's `argv` moved to the test's
+    repository, socket directory and free ports (container port -> ours)."""
+    container_ports = {int(p) for f in ("--http-port", "--grpc-port", "--metrics-port") for p in flag(argv, f)}
+    container_ports |= {int(u.rsplit(":", 1)[1]) for u in flag(argv, "--listen") if u.startswith("tcp://")}
+    ports = {p: free_tcp_port() for p in container_ports}
+    socket_dir = tmp_path / "run"
+    socket_dir.mkdir()
+    daemon = Daemon(repository, socket_dir)
+    daemon.args = [sys.executable, "-m", "torchpool", "serve", *moved(argv, repository, socket_dir, ports)]
+    return daemon.start(), ports
+
+
 COMMANDS = {
     "Dockerfile": lambda: image_command()[2:],
     "sidecar.yaml": lambda: daemon_container(pod_spec(workload("sidecar.yaml")))["args"],
@@ -439,15 +450,7 @@ def test_the_daemon_command_serves_and_its_probes_answer(source: str, small_repo
     argv = COMMANDS[source]()
     if source == "Dockerfile":
         assert image_command()[:2] == ["torchpool", "serve"]
-    container_ports = {int(p) for f in ("--http-port", "--grpc-port", "--metrics-port") for p in flag(argv, f)}
-    container_ports |= {int(u.rsplit(":", 1)[1]) for u in flag(argv, "--listen") if u.startswith("tcp://")}
-    ports = {p: free_tcp_port() for p in container_ports}
-    socket_dir = tmp_path / "run"
-    socket_dir.mkdir()
-    daemon = Daemon(small_repository, socket_dir)
-    daemon.args = [sys.executable, "-m", "torchpool", "serve",
-                   *moved(argv, small_repository, socket_dir, ports)]
-    daemon.start()
+    daemon, ports = start_moved(argv, small_repository, tmp_path)
     try:
         http = f"http://127.0.0.1:{ports[int(flag(argv, '--http-port')[0])]}"
         wait_for(lambda: status(f"{http}/v2/health/ready") == 200, 60, f"{source}: ready on the HTTP port")
@@ -456,11 +459,11 @@ def test_the_daemon_command_serves_and_its_probes_answer(source: str, small_repo
             (healthcheck,) = docker("HEALTHCHECK")
             check = json.loads(healthcheck[healthcheck.index("CMD ") + 4:])
             assert check[0] == "python"
-            probe = moved(check[1:], small_repository, socket_dir, ports)
+            probe = moved(check[1:], small_repository, daemon.socket_path.parent, ports)
             assert subprocess.run([sys.executable, *probe], timeout=30).returncode == 0
         elif source == "torchpool-server.yaml":          # its clients are remote: HTTP and gRPC
-            infer_over_http_and_grpc(ports[int(flag(argv, "--http-port")[0])],
-                                     ports[int(flag(argv, "--grpc-port")[0])])
+            infer_addsub_over_http_and_grpc("127.0.0.1", ports[int(flag(argv, "--http-port")[0])],
+                                            ports[int(flag(argv, "--grpc-port")[0])])
         else:
             run_the_example_client(source, daemon.url)
     finally:
@@ -486,22 +489,6 @@ def run_the_example_client(source: str, url: str) -> None:
         client.kill()
         client.wait(30)
         client.stdout.close()
-
-
-def infer_over_http_and_grpc(http_port: int, grpc_port: int) -> None:
-    """addsub answers over KServe v2 HTTP and gRPC (tritonclient)."""
-    a = np.arange(16, dtype=np.float32).reshape(1, 16)
-    for module, port in ((tritonclient.http, http_port), (tritonclient.grpc, grpc_port)):
-        client = module.InferenceServerClient(f"127.0.0.1:{port}")
-        try:
-            inputs = [module.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
-            for i in inputs:
-                i.set_data_from_numpy(a)
-            result = client.infer("addsub", inputs)
-            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
-            np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - a)
-        finally:
-            client.close()
 
 
 # --- autoscaling: the HPA, the adapter's rule, the Deployment ----------------------------
@@ -573,17 +560,11 @@ def test_the_runtimes_command_serves_a_repository_in_kserves_layout(small_reposi
     in the real image, with /mnt/models mounted read-only.)"""
     (container,) = the_one("cluster-serving-runtime.yaml", "ClusterServingRuntime")["spec"]["containers"]
     args = [a.replace(KSERVE_MODELS, "/models") for a in container["args"]]
-    ports = {p: free_tcp_port() for p in (8080, 9000, 8002)}
-    socket_dir = tmp_path / "run"
-    socket_dir.mkdir()
-    daemon = Daemon(small_repository, socket_dir)
-    daemon.args = [sys.executable, "-m", "torchpool", "serve",
-                   *moved(args, small_repository, socket_dir, ports)]
-    daemon.start()
+    daemon, ports = start_moved(args, small_repository, tmp_path)
     try:
         http = f"http://127.0.0.1:{ports[8080]}"
         wait_for(lambda: status(f"{http}/v2/health/ready") == 200, 60, "ready on KServe's HTTP port")
         assert status(f"{http}/v2/health/live") == 200
-        infer_over_http_and_grpc(ports[8080], ports[9000])
+        infer_addsub_over_http_and_grpc("127.0.0.1", ports[8080], ports[9000])
     finally:
         assert daemon.stop() == 0, daemon.log()
