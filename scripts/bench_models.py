@@ -445,9 +445,9 @@ class Served:
     def mean_batch(self, name: str, model: str, c: int, seconds: float) -> float:
         """Requests per execution over a window of `c` callers, from the
         daemon's statistics. Not asked during the timed windows: a
-        statistics call has the broker read its workers' smaps_rollup every
-        2 s for a minute after (broker/usage.py), 10-24% of a core with 22
-        ResNet/BERT workers here."""
+        statistics call has the broker read its workers' smaps_rollup
+        (milliseconds each, broker/usage.py; before 1953afd it kept doing so
+        every 2 s for a minute: 10-24% of a core with 22 ResNet/BERT workers)."""
         executions, inferences = self.counts(name)
         self.run(name, model, c, seconds)
         after = self.counts(name)
