@@ -30,6 +30,14 @@ NONE, POLL, EXPLICIT = "none", "poll", "explicit"
 Waiter = Callable[[Optional[TorchpoolError]], None]
 
 
+def _is_model_directory(path: Path) -> bool:
+    """Does `path` name a directory (False for a name the OS refuses: too long, a NUL)?"""
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
 def fingerprint(model_dir: Path) -> str:
     """What a reload depends on: the config bytes and every version's files."""
     h = hashlib.sha1()
@@ -70,7 +78,7 @@ class ModelControl:
         if entry.error is not None:
             # a model of the repository that fails stays listed, with why; a name
             # that is no model directory leaves nothing behind (Triton's index)
-            if (model is None or not model.versions) and entry.path.is_dir():
+            if (model is None or not model.versions) and _is_model_directory(entry.path):
                 self.registry.models[name] = Model(name, entry, fingerprint=fingerprint(entry.path))
             raise TorchpoolError(errors.INVALID_ARG if config is not None else errors.UNAVAILABLE,
                                  f"failed to load '{name}': {entry.error}")
