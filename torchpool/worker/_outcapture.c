@@ -281,13 +281,17 @@ static int patch_libc10(struct dl_phdr_info *info, size_t info_size, void *data)
 
 /* ------------------------------------------------------------ module functions */
 
+/* The region in the table at `index`, or NULL (the caller holds the lock). */
+static Region *live_region(Py_ssize_t index) {
+    return index >= 0 && index < MAX_REGIONS && regions[index].base != NULL ? &regions[index] : NULL;
+}
+
 /* The region at `index` (raising ValueError when there is none). */
 static Region *region_at(Py_ssize_t index) {
-    if (index < 0 || index >= MAX_REGIONS || regions[index].base == NULL) {
+    Region *r = live_region(index);
+    if (r == NULL)
         PyErr_Format(PyExc_ValueError, "no capture region %zd", index);
-        return NULL;
-    }
-    return &regions[index];
+    return r;
 }
 
 static PyObject *add_region(PyObject *self, PyObject *args) {
@@ -344,7 +348,7 @@ static PyObject *remove_region(PyObject *self, PyObject *arg) {
     if (index == -1 && PyErr_Occurred())
         return NULL;
     pthread_mutex_lock(&region_lock);
-    Region *r = index >= 0 && index < MAX_REGIONS && regions[index].base != NULL ? &regions[index] : NULL;
+    Region *r = live_region(index);
     if (r == NULL || r->heap.nused != 0) {
         pthread_mutex_unlock(&region_lock);
         if (r == NULL) {
@@ -436,7 +440,7 @@ static PyObject *alloc(PyObject *self, PyObject *args) {
         return NULL;
     }
     pthread_mutex_lock(&region_lock);
-    Region *r = index >= 0 && index < MAX_REGIONS && regions[index].base != NULL ? &regions[index] : NULL;
+    Region *r = live_region(index);
     size_t offset = r != NULL ? heap_alloc(&r->heap, (size_t)n, GRANULE) : NONE;
     pthread_mutex_unlock(&region_lock);
     if (r == NULL) {
@@ -453,7 +457,7 @@ static PyObject *release(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "nn", &index, &offset))
         return NULL;
     pthread_mutex_lock(&region_lock);
-    Region *r = index >= 0 && index < MAX_REGIONS && regions[index].base != NULL ? &regions[index] : NULL;
+    Region *r = live_region(index);
     int done = r != NULL && offset >= 0 && heap_free(&r->heap, (size_t)offset) == 0;
     pthread_mutex_unlock(&region_lock);
     return PyBool_FromLong(done);
@@ -472,7 +476,7 @@ static PyObject *stats(PyObject *self, PyObject *arg) {
     if (index == -1 && PyErr_Occurred())
         return NULL;
     pthread_mutex_lock(&region_lock);
-    Region *r = index >= 0 && index < MAX_REGIONS && regions[index].base != NULL ? &regions[index] : NULL;
+    Region *r = live_region(index);
     size_t used = r ? r->heap.used_bytes : 0, blocks = r ? r->heap.nused : 0;
     pthread_mutex_unlock(&region_lock);
     if (r == NULL) {
