@@ -26,7 +26,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -38,23 +37,13 @@ from torchpool.protocol import errors
 
 from ..support import podman
 from ..support.daemon import wait_for
-from ..support.kserve_v2 import infer_addsub_over_http_and_grpc
+from ..support.kserve_v2 import http_status, infer_addsub_over_http_and_grpc
 from .conftest import DAEMON_UID, IMAGE, ROOT, manifest, network_of, owned_dir
 
 SOCKET_DIR = "/run/torchpool"
 READY_TIMEOUT = 180       # six models load in the container (minutes on a busy machine)
 A = np.arange(16, dtype=np.float32).reshape(1, 16)
 SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | 0x0010     # 0x10: F_SEAL_FUTURE_WRITE
-
-
-def http_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as answer:
-            return answer.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
 
 
 def pod_spec(path: str) -> dict:

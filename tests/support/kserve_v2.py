@@ -1,11 +1,26 @@
-"""One addsub inference over KServe v2 HTTP and gRPC, with Triton's own client."""
+"""KServe v2 endpoints from a test: an HTTP status, and one addsub inference
+over HTTP and gRPC with Triton's own client."""
 from __future__ import annotations
+
+import urllib.error
+import urllib.request
 
 import numpy as np
 import tritonclient.grpc
 import tritonclient.http
 
 A = np.arange(16, dtype=np.float32).reshape(1, 16)
+
+
+def http_status(url: str) -> int:
+    """The status of a GET (0 when nothing answers)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return answer.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
 
 
 def infer_addsub_over_http_and_grpc(host: str, http_port: int, grpc_port: int) -> None:

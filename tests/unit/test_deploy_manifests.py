@@ -22,8 +22,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
@@ -34,6 +32,7 @@ import pytest
 import yaml
 
 from ..support.daemon import Daemon, free_tcp_port, wait_for
+from ..support.kserve_v2 import http_status as status
 from ..support.kserve_v2 import infer_addsub_over_http_and_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -411,16 +410,6 @@ def moved(argv: list[str], repository: Path, socket_dir: Path, ports: dict[int, 
             arg = re.sub(rf"(?<!\d){inside}(?!\d)", str(outside), arg)
         out.append(arg)
     return out
-
-
-def status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as answer:
-            return answer.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
 
 
 def start_moved(argv: list[str], repository: Path, tmp_path: Path) -> tuple[Daemon, dict[int, int]]:
