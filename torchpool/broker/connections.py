@@ -44,20 +44,21 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _EVENT_FRAME = struct.Struct("=HI")      # a monitor event's first frame: event, value (the fd)
 
 
-def raise_open_files_limit() -> int:
-    """Raise the soft RLIMIT_NOFILE to the hard one (logged); returns the soft limit now."""
+def raise_open_files_limit(logger: logging.Logger = log) -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard one (logged to `logger`: the
+    gateway process calls this too); returns the soft limit now."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         except (ValueError, OSError) as exc:
-            log.warning("open files: cannot raise the soft limit %d to the hard limit %d: %s",
-                        soft, hard, exc)
+            logger.warning("open files: cannot raise the soft limit %d to the hard limit %d: %s",
+                           soft, hard, exc)
             return soft
-        log.info("open files: soft limit raised from %d to the hard limit %d", soft, hard)
+        logger.info("open files: soft limit raised from %d to the hard limit %d", soft, hard)
         return hard
-    log.info("open files: soft limit %d, hard limit %s", soft,
-             "unlimited" if hard == resource.RLIM_INFINITY else hard)
+    logger.info("open files: soft limit %d, hard limit %s", soft,
+                "unlimited" if hard == resource.RLIM_INFINITY else hard)
     return soft
 
 

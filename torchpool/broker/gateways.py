@@ -65,7 +65,9 @@ class GatewayProcess:
         cmd += ["--http-max-input-size", str(o.http_max_input_size),
                 "--grpc-max-input-size", str(o.grpc_max_input_size),
                 f"--allow-client-shm={str(o.allow_client_shm).lower()}",
-                "--gateway-max-in-flight-per-caller", str(o.gateway_max_in_flight_per_caller)]
+                "--gateway-max-in-flight-per-caller", str(o.gateway_max_in_flight_per_caller),
+                "--http-max-connections", str(o.http_max_connections),
+                "--grpc-max-connections", str(o.grpc_max_connections)]
         for prefix in o.allow_client_shm_prefixes:
             cmd += ["--allow-client-shm-prefix", prefix]
         return cmd

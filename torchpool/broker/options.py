@@ -56,6 +56,8 @@ class ServerOptions:
     allow_client_shm: bool = gateway_defaults.ALLOW_CLIENT_SHM     # Triton's --allow-client-shm
     allow_client_shm_prefixes: list[str] = field(default_factory=list)  # empty: any key
     gateway_max_in_flight_per_caller: int = gateway_defaults.MAX_IN_FLIGHT_PER_CALLER
+    http_max_connections: int = 0       # 0: a share of the gateway's open-files limit
+    grpc_max_connections: int = 0
     log_format: str = "text"
     model_control_mode: str = "none"    # none | poll | explicit (Triton's)
     load_models: list[str] = field(default_factory=list)   # explicit mode: load these at start ("*" = all)

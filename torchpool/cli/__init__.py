@@ -267,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests of one HTTP connection or gRPC peer sent to the daemon at once; "
                             "more wait in the gateway, callers in turn "
                             f"(default {_shown(_default('gateway_max_in_flight_per_caller'))})")
+    serve.add_argument("--http-max-connections", type=int, default=_default("http_max_connections"),
+                       help="HTTP connections at once: at the cap a new one replaces the oldest idle "
+                            "one, or is refused; 0: a share of the gateway's open-files limit")
+    serve.add_argument("--grpc-max-connections", type=int, default=_default("grpc_max_connections"),
+                       help="gRPC connections at once, more are refused; 0: a share of the "
+                            "gateway's open-files limit")
     serve.add_argument("--model-control-mode", default=_default("model_control_mode"),
                        choices=["none", "poll", "explicit"],
                        help="Triton's: none = load all at start; poll = rescan the repository "

@@ -17,3 +17,23 @@ MAX_IN_FLIGHT_PER_CALLER = 64
 # --allow-client-shm, off by default since 26.04): the daemon opens the
 # segment with the gateway's rights, not the caller's.
 ALLOW_CLIENT_SHM = False
+
+# Every connection costs the gateway a file descriptor (its soft limit is
+# raised to the hard one at start). A quarter of the limit, at least
+# FD_RESERVE_MIN, is kept for everything else: the daemon's socket, shared
+# memory, the helper process, grpc's own, and connections accepted in one go
+# before they are refused.
+# The protocols served share the rest evenly, each under its own cap
+# (--http-max-connections, --grpc-max-connections; 0: this share).
+FD_RESERVE_MIN = 256
+
+
+def fd_reserve(open_files: int) -> int:
+    """File descriptors kept free of connections at a soft limit of `open_files`."""
+    return max(FD_RESERVE_MIN, open_files // 4)
+
+
+def max_connections(open_files: int, protocols: int) -> int:
+    """One protocol's connection cap when none is given, at a soft limit of
+    `open_files`, with `protocols` (1 or 2) served."""
+    return max(1, (open_files - fd_reserve(open_files)) // max(1, protocols))

@@ -48,6 +48,16 @@ MAX_OUTPUT_BYTES = 2**31 - 1
 # In-flight calls get this long on close; the daemon waits 5 s for the
 # gateway process before killing it.
 CLOSE_GRACE = 4.0
+# Connections (each an fd). What grpcio lets a server bound: how many at once
+# (grpc.max_allowed_incoming_connections: one past it is accepted and closed
+# at once, its client sees UNAVAILABLE), how long one may take to send its
+# HTTP/2 preface and settings (grpc's default is 120 s: a socket that sends
+# nothing held an fd that long), and how long one may stay open with no call
+# (a GOAWAY; its client reconnects on its next call). What it does not: which
+# connection goes when they run short (nothing like HTTP's oldest-idle-first),
+# a bound per peer, or one on a connection that keeps a stream open and idle.
+HANDSHAKE_TIMEOUT_S = 10.0
+IDLE_TIMEOUT_S = 60.0
 
 def _unimplemented(what: str) -> TorchpoolError:
     return TorchpoolError(errors.UNSUPPORTED, what)
@@ -353,11 +363,13 @@ def _bind_error(host: str, port: int) -> OSError:
 
 
 async def start_grpc(backend: Backend, host: str, port: int, max_input: int = MAX_INPUT_BYTES,
-                     offload: Optional[Offload] = None) -> GrpcServer:
+                     offload: Optional[Offload] = None, max_connections: int = 0) -> GrpcServer:
     """Serve GRPCInferenceService for `backend` on host:port (0: any free
-    port, see .port), taking requests of at most `max_input` bytes. Raises
-    OSError if the address cannot be bound."""
-    server = grpc.aio.server(options=[
+    port, see .port), taking requests of at most `max_input` bytes and at
+    most `max_connections` connections at once (0: no cap). Raises OSError
+    if the address cannot be bound."""
+    cap = [("grpc.max_allowed_incoming_connections", max_connections)] if max_connections else []
+    server = grpc.aio.server(options=cap + [
         ("grpc.max_receive_message_length", max_input),
         ("grpc.max_send_message_length", MAX_OUTPUT_BYTES),
         # a connection's calls at once: past a caller's share they would
@@ -366,6 +378,8 @@ async def start_grpc(backend: Backend, host: str, port: int, max_input: int = MA
         # grpc sets SO_REUSEPORT by default: a second server on a busy port
         # would bind and share it instead of failing
         ("grpc.so_reuseport", 0),
+        ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+        ("grpc.max_connection_idle_ms", int(IDLE_TIMEOUT_S * 1000)),
     ])
     try:
         bound = server.add_insecure_port(_address(host, port))

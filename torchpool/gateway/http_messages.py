@@ -33,6 +33,11 @@ class Limits:
     header_timeout: float = 30.0    # first byte of a request -> end of its headers
     io_timeout: float = 60.0        # longest pause while a body arrives or a response leaves
     idle_timeout: float = 300.0     # a keep-alive connection with nothing to do
+    # connections at once (0: no cap; the gateway process sets one below its
+    # fd limit). Past half of it, one idle or still sending a request's
+    # headers for `pressure_timeout` is closed (http_server.HttpServer).
+    max_connections: int = 0
+    pressure_timeout: float = 5.0
 
     @property
     def bodies_held(self) -> int:

@@ -22,7 +22,8 @@ body bytes held by all connections together (`max_bodies_held`), the
 header size, the requests parsed ahead, and deadlines (the headers of a
 request must arrive within `header_timeout` of its first byte, a body or a
 response must make progress every `io_timeout`, an idle keep-alive
-connection is closed after `idle_timeout`). A malformed request is answered
+connection is closed after `idle_timeout`, sooner when connections run
+short: http_server.HttpServer). A malformed request is answered
 400 in its turn and the connection closed. Each connection is one caller
 (callers.py): what it registered goes when it does.
 """
@@ -109,16 +110,22 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.lingering = False
         self.drained: Optional[asyncio.Future] = None
         self.deadline = math.inf
+        self.turned_away: Optional[bytes] = None    # past the server's cap: sent this, then closed
 
     # --- transport events -----------------------------------------------------
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        if self.turned_away is not None:
+            # nothing it sends is read: the answer may be lost to a reset
+            # if it sent a request meanwhile, but it is closed either way
+            transport.write(self.turned_away)
+            transport.close()
+            return
         peer = transport.get_extra_info("peername")
         where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
         self.caller = Caller(f"HTTP {where}")
-        self.deadline = self.loop.time() + self.limits.idle_timeout
-        self.server.connections.add(self)
+        self._idle()
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
         # a request being served finishes; its answer is dropped. Whatever
@@ -126,6 +133,7 @@ class HttpConnection(asyncio.BufferedProtocol):
         # the connection: without this, only the garbage collector would)
         self.closed = True
         self.server.connections.discard(self)
+        self.server.has_request(self)           # gone: no longer to be reclaimed
         self._wake_writer()
         self.budget.forget(self._room)
         held = sum(r.held for r in self.queue if isinstance(r, Request))
@@ -231,6 +239,8 @@ class HttpConnection(asyncio.BufferedProtocol):
     # --- parser callbacks ------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self.task is None:
+            self.server.no_request(self)        # until its headers are in (the oldest go first)
         self.cur = _Partial()
         self.deadline = self.loop.time() + self.limits.header_timeout
 
@@ -248,6 +258,7 @@ class HttpConnection(asyncio.BufferedProtocol):
             raise self._refuse(431, f"request headers exceed {self.limits.max_header} bytes")
 
     def on_headers_complete(self) -> None:
+        self.server.has_request(self)
         cur = self.cur
         cur.method = self.parser.get_method().decode("latin-1")
         cur.keep_alive = self.parser.should_keep_alive()
@@ -398,8 +409,17 @@ class HttpConnection(asyncio.BufferedProtocol):
                     await self._drain()
         finally:
             self.task = None
-            if self.cur is None and not self.closed and not self.lingering:
-                self.deadline = self.loop.time() + self.limits.idle_timeout
+            if not self.lingering and not self.transport.is_closing():
+                if self.cur is None:
+                    self._idle()
+                elif not self.cur.method:           # the next request's headers are coming
+                    self.server.no_request(self)
+
+    def _idle(self) -> None:
+        """Nothing received, nothing to answer: closed after `idle_timeout`,
+        sooner when the server is short of connections (HttpServer)."""
+        self.deadline = self.loop.time() + self.limits.idle_timeout
+        self.server.no_request(self)
 
     async def _answer(self, request: Request) -> Response:
         try:

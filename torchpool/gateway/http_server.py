@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import re
 from typing import Any, Awaitable, Callable, Optional
 from urllib.parse import unquote
@@ -29,11 +31,15 @@ from .backend import Backend, bad, http_status
 from .callers import Caller
 from .http_binary import decompress_off_loop, decompressed_bound, encode_infer, load_json, parse_infer_off_loop
 from .http_bodies import BodyBudget
-from .http_messages import Handler, Limits, Request, Response, error_response
+from .http_messages import Handler, Limits, Request, Response, error_response, head
 from .http_protocol import SCRATCH_BYTES, HttpConnection
 from .offload import Offload
 
 __all__ = ["HttpServer", "Limits", "start_http"]
+
+log = logging.getLogger("torchpool.gateway.http")
+
+REPORT_INTERVAL_S = 10.0    # at most one warning about refused or early-closed connections this often
 
 _MODEL = re.compile(r"/v2/models/([^/]+)(?:/versions/([0-9]+))?"
                     r"(?:/(infer|generate|generate_stream|ready|config|stats|trace/setting))?")
@@ -275,7 +281,17 @@ class Router:
 class HttpServer:
     """A listening socket and its connections; `port` is the bound one.
     What its connections share: the body budget and the read buffer; a
-    connection that goes away is a caller gone (`forget` it)."""
+    connection that goes away is a caller gone (`forget` it).
+
+    Connections are at most `limits.max_connections` (each costs an fd; the
+    gateway process sets the cap below its limit). Those with no request in
+    hand (idle, or still sending a request's headers) are kept in the order
+    they came to be so: at the cap, a new connection takes the place of the
+    oldest of them, or is refused (503, closed) when there is none; past
+    half the cap, those so for `pressure_timeout` are closed, oldest first,
+    down to half. So idle or stalling connections, however many, cannot lock
+    other callers out, and a connection with a request in hand (its body
+    arriving, or being answered) is never closed for another's sake."""
 
     def __init__(self, handler: Handler, limits: Limits, budget: BodyBudget,
                  forget: Optional[Callable[[Caller], Awaitable[None]]] = None) -> None:
@@ -286,11 +302,16 @@ class HttpServer:
         self.forget = forget
         self.loop = asyncio.get_running_loop()
         self.connections: set[HttpConnection] = set()
+        # connections with no request in hand -> since when; oldest first
+        self.reclaimable: dict[HttpConnection, float] = {}
         self.port = 0
         self._server: Any = None
         self._sweeper: Optional[asyncio.Task] = None
         self._forgetting: set[asyncio.Task] = set()
         self.own_offload: Optional[Offload] = None  # closed with the server
+        self.refusal = refusal(limits.max_connections)   # sent past the cap, none reclaimable
+        self.refused = self.closed_early = 0        # since the last report
+        self._reported_at = -math.inf
 
     def caller_gone(self, caller: Optional[Caller]) -> None:
         """A connection closed: what its caller registered goes (in a task:
@@ -303,8 +324,39 @@ class HttpServer:
         self._forgetting.add(task)
         task.add_done_callback(self._forgetting.discard)
 
+    def _accepted(self) -> HttpConnection:
+        """The protocol factory, called as each connection is accepted (by
+        uvloop in its accept loop, so an fd made free here is free for the
+        next accept of the same burst)."""
+        conn = HttpConnection(self)
+        cap = self.limits.max_connections
+        if cap and len(self.connections) >= cap:
+            if not self.reclaimable:
+                conn.turned_away = self.refusal
+                self.refused += 1
+                return conn
+            self._reclaim(next(iter(self.reclaimable)))
+        self.connections.add(conn)
+        return conn
+
+    def no_request(self, conn: HttpConnection) -> None:
+        """`conn` holds no request from now on (idle, or a request's headers begun)."""
+        self.reclaimable.pop(conn, None)
+        self.reclaimable[conn] = self.loop.time()
+
+    def has_request(self, conn: HttpConnection) -> None:
+        """`conn` holds a request (or is gone)."""
+        self.reclaimable.pop(conn, None)
+
+    def _reclaim(self, conn: HttpConnection) -> None:
+        """Closed early for room: it no longer counts (connection_lost follows)."""
+        self.reclaimable.pop(conn, None)
+        self.connections.discard(conn)
+        conn.transport.close()
+        self.closed_early += 1
+
     async def start(self, host: str, port: int) -> "HttpServer":
-        self._server = await self.loop.create_server(lambda: HttpConnection(self), host, port,
+        self._server = await self.loop.create_server(self._accepted, host, port,
                                                      reuse_address=True, backlog=1024)
         self.port = self._server.sockets[0].getsockname()[1]
         self._sweeper = self.loop.create_task(self._sweep())
@@ -313,12 +365,37 @@ class HttpServer:
     async def _sweep(self) -> None:
         """One timer for all connections (a timer per request costs more)."""
         limits = self.limits
-        interval = min(1.0, limits.header_timeout / 4, limits.io_timeout / 4, limits.idle_timeout / 4)
+        interval = min(1.0, limits.header_timeout / 4, limits.io_timeout / 4, limits.idle_timeout / 4,
+                       limits.pressure_timeout / 4)
         while True:
             await asyncio.sleep(interval)
             now = self.loop.time()
             for conn in [c for c in self.connections if c.expired(now) or c.abandoned()]:
                 conn.transport.abort()
+            self._relieve(now)
+            self._report(now)
+
+    def _relieve(self, now: float) -> None:
+        """Past half the cap: connections with no request in hand for
+        `pressure_timeout` are closed, oldest first, down to half."""
+        half = self.limits.max_connections // 2
+        if not half:
+            return
+        while len(self.connections) > half and self.reclaimable:
+            conn, since = next(iter(self.reclaimable.items()))
+            if now - since < self.limits.pressure_timeout:
+                return
+            self._reclaim(conn)
+
+    def _report(self, now: float) -> None:
+        if not (self.refused or self.closed_early) or now - self._reported_at < REPORT_INTERVAL_S:
+            return
+        log.warning("HTTP connections: %d open of at most %d (--http-max-connections); since the "
+                    "last report %d closed early for room (idle, or slow to send a request), %d "
+                    "refused (every one with a request in hand)",
+                    len(self.connections), self.limits.max_connections, self.closed_early, self.refused)
+        self.refused = self.closed_early = 0
+        self._reported_at = now
 
     async def close(self, grace: float = 60.0) -> None:
         """Stop listening and reading; the requests received are answered
@@ -343,6 +420,14 @@ class HttpServer:
         self._server = None
         if self.own_offload is not None:
             self.own_offload.close()
+
+
+def refusal(cap: int) -> bytes:
+    """What a connection past the cap is sent before it is closed."""
+    body = json.dumps({"error": f"the HTTP gateway holds {cap} connections, as many as it accepts "
+                                f"(--http-max-connections), each with a request in hand: try again "
+                                f"later"}).encode()
+    return head(503, "application/json", len(body), (), close=True) + body
 
 
 async def start_http(backend: Backend, host: str, port: int, limits: Limits = Limits(),

@@ -20,6 +20,7 @@ import signal
 import sys
 from typing import Any, Optional
 
+from ..broker.connections import raise_open_files_limit
 from ..logs import FORMATS, set_process_title, setup_logging
 from . import defaults
 
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-max-in-flight-per-caller", type=int,
                    default=defaults.MAX_IN_FLIGHT_PER_CALLER,
                    help="requests of one HTTP connection or gRPC peer sent to the daemon at once")
+    # 0: a share of the open-files limit (defaults.max_connections)
+    p.add_argument("--http-max-connections", type=int, default=0, help="HTTP connections at once")
+    p.add_argument("--grpc-max-connections", type=int, default=0, help="gRPC connections at once")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=FORMATS)
     p.add_argument("--status-fd", type=int, help="write 'ready {...}' or 'error <why>' here, once")
@@ -86,15 +90,18 @@ class _Status:
 
 
 async def _start(backend: Any, kind: str, host: str, port: int, args: argparse.Namespace,
-                 offload: Any) -> Any:
+                 offload: Any, max_connections: int) -> Any:
     if kind == "HTTP":
         from .http_server import Limits, start_http
-        return await start_http(backend, host, port, Limits(max_body=args.http_max_input_size), offload)
+        limits = Limits(max_body=args.http_max_input_size, max_connections=max_connections)
+        return await start_http(backend, host, port, limits, offload)
     from .grpc_server import start_grpc
-    return await start_grpc(backend, host, port, args.grpc_max_input_size, offload)
+    return await start_grpc(backend, host, port, args.grpc_max_input_size, offload, max_connections)
 
 
-async def serve(args: argparse.Namespace, status: _Status) -> int:
+async def serve(args: argparse.Namespace, status: _Status, open_files: int) -> int:
+    """Serve until SIGTERM/SIGINT; `open_files`: the soft fd limit, whose
+    share each protocol's connections get unless given."""
     from .backend import Backend, ShmPolicy
     from .offload import Offload
 
@@ -105,10 +112,12 @@ async def serve(args: argparse.Namespace, status: _Status) -> int:
     wanted = [(kind, host, port) for kind, host, port in (("HTTP", args.http_host, args.http_port),
                                                           ("gRPC", args.grpc_host, args.grpc_port))
               if port is not None]
+    share = defaults.max_connections(open_files, len(wanted))
+    caps = {"HTTP": args.http_max_connections or share, "gRPC": args.grpc_max_connections or share}
     try:
         for kind, host, port in wanted:
             try:
-                servers.append((kind, await _start(backend, kind, host, port, args, offload)))
+                servers.append((kind, await _start(backend, kind, host, port, args, offload, caps[kind])))
             except OSError as exc:
                 why = f"cannot serve {kind} on {host}:{port}: {exc.strerror or exc}"
                 log.error("%s", why)
@@ -116,7 +125,8 @@ async def serve(args: argparse.Namespace, status: _Status) -> int:
                 return 2
         ports = {kind.lower(): server.port for kind, server in servers}
         for (kind, server), (_k, host, _p) in zip(servers, wanted):
-            log.info("%s endpoint on %s:%d for %s", kind, host, server.port, args.url)
+            log.info("%s endpoint on %s:%d for %s (at most %d connections)", kind, host, server.port,
+                     args.url, caps[kind])
         status.say("ready " + json.dumps(ports))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -153,8 +163,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         status.say("error neither --http-port nor --grpc-port given")
         log.error("neither --http-port nor --grpc-port given: nothing to serve")
         return 2
+    open_files = raise_open_files_limit(log)    # every connection costs an fd
     try:
-        return _run(serve(args, status))
+        return _run(serve(args, status, open_files))
     except KeyboardInterrupt:
         return 0
     finally:
