@@ -31,7 +31,7 @@ from ..support.model_repository import Identity, config, serialize, tensor  # no
 
 F32 = "libtorch_float32_float32_float32"        # INPUT__0/1 FP32 [16], mbs 8 -> sum, difference
 COPIED = [F32, "all_dtypes", "string_io", "sequence_accumulate", "multi_instance",
-          "versioned_all", "identity_fp32"]
+          "versioned_all", "identity_fp32", "batch_probe"]
 LABELS = ["cat", "dog", "bird", "fish"]
 
 
@@ -476,6 +476,61 @@ def test_stream_infer_in_order_with_errors(client, stub) -> None:
     (raw,) = stub.ModelStreamInfer(iter([service_pb2.ModelInferRequest(model_name="no_such_model", id="r9")]))
     assert (raw.error_message, raw.infer_response.id) == (
         "Request for unknown model: 'no_such_model' is not found", "r9")
+
+
+def _stream(client, send) -> list:
+    """The responses of one stream: `send()` writes every request at once,
+    before any answer is read (as Triton's own QA streams them)."""
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        n = send()
+        return [answers.get(timeout=30) for _ in range(n)]
+    finally:
+        client.stop_stream()
+
+
+def test_a_stream_has_all_its_requests_in_flight(client) -> None:
+    """Eight requests written at once reach the dynamic batcher together (it
+    waits 0.1 s for a batch): a stream read one answer at a time would run
+    eight batches of one."""
+    def send() -> int:
+        for i in range(8):
+            client.async_stream_infer(
+                "batch_probe", [infer_input("INPUT__0", np.array([[float(i)]], np.float32))],
+                request_id=f"p{i}")
+        return 8
+    got = _stream(client, send)
+    assert [error for _, error in got] == [None] * 8
+    assert [result.get_response().id for result, _ in got] == [f"p{i}" for i in range(8)]
+    assert [float(result.as_numpy("OUTPUT__1")[0, 0]) for result, _ in got] == [float(i) for i in range(8)]
+    sizes = [int(result.as_numpy("OUTPUT__0")[0, 0]) for result, _ in got]
+    assert max(sizes) > 1, f"every request ran alone: {sizes}"
+
+
+def test_a_streams_sequences_reach_the_batcher_in_order(client) -> None:
+    """Two interleaved sequences written at once on one stream: each
+    request goes to the daemon after the one before it, so the running sums
+    come out as if sent one by one, and a bad request between them fails
+    alone."""
+    def one(x: int, seq: int, **flags) -> None:
+        client.async_stream_infer("sequence_accumulate",
+                                  [infer_input("INPUT__0", np.array([x], np.int32))],
+                                  sequence_id=seq, request_id=f"{seq}:{x}", **flags)
+
+    def send() -> int:
+        one(1, 71, sequence_start=True)
+        one(10, 72, sequence_start=True)
+        one(2, 71)
+        client.async_stream_infer("no_such_model", [infer_input("INPUT__0", np.array([0], np.int32))],
+                                  request_id="bad")
+        one(20, 72, sequence_end=True)
+        one(3, 71, sequence_end=True)
+        return 6
+    got = _stream(client, send)
+    sums = [None if error else int(result.as_numpy("OUTPUT__0")[0]) for result, error in got]
+    assert sums == [1, 10, 3, None, 30, 6]
+    assert got[3][1].message() == "Request for unknown model: 'no_such_model' is not found"
 
 
 def test_asyncio_client(gdaemon) -> None:

@@ -77,7 +77,8 @@ class AsyncClient(ClientBase):
                 if error is not None and fut is not None and not fut.done():
                     fut.set_exception(error)
 
-    async def _call(self, frames: list, request_id: int, timeout: Optional[float]) -> tuple[dict, list]:
+    async def _call(self, frames: list, request_id: int, timeout: Optional[float],
+                    sent: Optional[Callable[[], None]] = None) -> tuple[dict, list]:
         self._check_open()
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read_replies())
@@ -98,6 +99,8 @@ class AsyncClient(ClientBase):
         timer = loop.call_later(limit, _expire, fut)
         try:
             await self._sock.send_multipart(frames, copy=len(frames) == 1)
+            if sent is not None:
+                sent()
             header, payload = await fut
         except asyncio.TimeoutError:
             raise self._no_answer(limit) from None
@@ -112,8 +115,13 @@ class AsyncClient(ClientBase):
     def _send(self, call: Call) -> Any:
         return self._call(call.frames, call.rid, call.timeout)
 
-    async def _perform(self, make_flow: Callable, timeout: Optional[float], session: bool = False) -> Any:
+    async def _perform(self, make_flow: Callable, timeout: Optional[float], session: bool = False,
+                       sent: Optional[Callable[[], None]] = None) -> Any:
         st = self._state
+        send = self._send
+        if sent is not None:
+            def send(call: Call) -> Any:
+                return self._call(call.frames, call.rid, call.timeout, sent if call.request else None)
         for attempt in range(2):
             if st.needs_hello(session):
                 if self._hello_lock is None:
@@ -124,7 +132,7 @@ class AsyncClient(ClientBase):
             if session:
                 st.require_session()
             try:
-                return await run_async(make_flow(), self._send)
+                return await run_async(make_flow(), send)
             except SessionLost as lost:
                 st.session_lost(lost.token)
                 if attempt:
@@ -175,12 +183,14 @@ class AsyncClient(ClientBase):
     async def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
                     version: Any = None, timeout: Optional[float] = None, copy: bool = False,
                     priority: int = 0, sequence_id: Any = 0, sequence_start: bool = False,
-                    sequence_end: bool = False) -> InferResult:
-        """As `Client.infer`."""
+                    sequence_end: bool = False, sent: Optional[Callable[[], None]] = None) -> InferResult:
+        """As `Client.infer`. `sent()`, when given, is called once the request
+        is on its way to the daemon, before its answer: a caller that must
+        keep its requests in order (a gRPC stream's) sends the next then."""
         seq = sequence_field(sequence_id, sequence_start, sequence_end)
         return await self._perform(
             lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy, priority, seq),
-            timeout, needs_session(inputs, outputs))
+            timeout, needs_session(inputs, outputs), sent)
 
     async def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:
         """As `Client.empty` (a coroutine: the first call may say hello)."""

@@ -365,14 +365,14 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
     def _send_infer(self, rid: Any, frames: list, timeout: Optional[float], direct: Any, lane: Any) -> Flow:
         if direct is not None:
             try:
-                return (yield Call(rid, frames, timeout, direct))
+                return (yield Call(rid, frames, timeout, direct, request=True))
             except NoAnswer as exc:
                 if exc.sent and not direct.lost:
                     raise
                 if exc.sent:      # the path closed with it: the daemon says why
                     raise (yield from self.direct.ended_flow(self, direct, timeout)) from None
                 # the path closed before it took the request: the lane takes it
-        return (yield Call(rid, frames, timeout, lane))
+        return (yield Call(rid, frames, timeout, lane, request=True))
 
     def open_lane(self) -> Any:
         """The session's request lane, while it is open; else None."""

@@ -160,11 +160,13 @@ class Call:
     """One request a flow wants sent: the driver sends `frames` and answers
     with the reply to `rid` (or throws the error / NoAnswer in)."""
 
-    __slots__ = ("rid", "frames", "timeout", "channel")
+    __slots__ = ("rid", "frames", "timeout", "channel", "request")
 
-    def __init__(self, rid: int, frames: list, timeout: Optional[float], channel: Any = None) -> None:
+    def __init__(self, rid: int, frames: list, timeout: Optional[float], channel: Any = None,
+                 request: bool = False) -> None:
         self.rid, self.frames, self.timeout = rid, frames, timeout
         self.channel = channel       # the session's lane (client/lane.py) when it goes there
+        self.request = request       # the inference request itself (not a hello, a grow, ...)
 
 
 Flow = Generator[Call, Any, Any]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -349,10 +349,11 @@ class Backend:
                     outputs: Optional[list[OutputRequest]], request_id: str = "",
                     binary_default: bool = False, sequence_id: Any = 0, sequence_start: bool = False,
                     sequence_end: bool = False, priority: int = 0,
-                    timeout_us: int = 0) -> InferResponse:
+                    timeout_us: int = 0, sent: Optional[Callable[[], None]] = None) -> InferResponse:
         """Run one request of `caller`. The outputs of the answer view the
         worker's shared memory: write them out and drop the response (the
-        views go back to the worker once garbage)."""
+        views go back to the worker once garbage). `sent()`: as
+        AsyncClient.infer's (not called when the request fails before)."""
         values = {}
         regions = False
         for t in inputs:
@@ -371,7 +372,8 @@ class Backend:
         try:
             result = await client.infer(
                 model, values, wanted, version or None, timeout=timeout, priority=priority,
-                sequence_id=sequence_id, sequence_start=sequence_start, sequence_end=sequence_end)
+                sequence_id=sequence_id, sequence_start=sequence_start, sequence_end=sequence_end,
+                sent=sent)
         finally:
             self.share.leave(caller)
         tensors = [output_tensor(name, value, binary.get(name, binary_default))

@@ -107,6 +107,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.backend = backend
         self.callers = callers
         self.offload = offload
+        # a stream's requests read ahead of its responses: more than its
+        # caller may have at the daemon would only wait in the gateway
+        self.stream_depth = max(1, backend.share.per_caller)
 
     # --- health and metadata
 
@@ -155,9 +158,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             call = await self.offload.run(infer_call_of_bytes, rest, len(raws))
         return attach_raw(call, raws)
 
-    async def infer(self, call: InferCall, caller: Caller) -> tuple[pb.ModelInferResponse, list[Any]]:
+    async def infer(self, call: InferCall, caller: Caller,
+                    sent: Optional[Callable[[], None]] = None) -> tuple[pb.ModelInferResponse, list[Any]]:
         result = await self.backend.infer(caller, call.model, call.version, call.inputs, call.outputs,
-                                          request_id=call.id, binary_default=True, **call.options)
+                                          request_id=call.id, binary_default=True, sent=sent,
+                                          **call.options)
         return await _answer(result)
 
     @_rpc
@@ -170,26 +175,68 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, requests: Any, context: Any) -> Any:
         """One response per request, in order; an error is a response
-        (error_message), and the stream goes on."""
+        (error_message), and the stream goes on.
+
+        Requests are read as they come, as Triton does, not one answer at a
+        time: each goes to the daemon once the one before it is on its way
+        (a sequence's requests reach its scheduler in the stream's order),
+        and a sequence batcher or a dynamic batch sees all of a stream's
+        requests in flight. At most `stream_depth` are read ahead of the
+        responses written: a client that sends without reading is held by
+        gRPC's flow control, not by the gateway's memory."""
         caller = self.callers.enter(context.peer())
+        ahead: asyncio.Queue = asyncio.Queue(self.stream_depth)
+        reader = asyncio.ensure_future(self._read_stream(requests, caller, ahead))
+        try:
+            while True:
+                answer = await ahead.get()
+                if answer is None:
+                    break
+                yield await answer
+            await reader                    # its error (the stream's), if it had one
+        finally:
+            reader.cancel()
+            while not ahead.empty():
+                answer = ahead.get_nowait()
+                if answer is not None:
+                    answer.cancel()
+            self.callers.leave(caller)
+
+    async def _read_stream(self, requests: Any, caller: Caller, ahead: asyncio.Queue) -> None:
+        """Start each request of a stream as it arrives, in order; None
+        after the last."""
+        before: Optional[asyncio.Event] = None
         try:
             async for parsed in requests:
-                call: Optional[InferCall] = None
-                try:
-                    call = await self._call(parsed)
-                    header, chunks = await self.infer(call, caller)
-                except Exception as exc:      # one bad request must not end the stream
-                    if not isinstance(exc, TorchpoolError):
-                        log.exception("gRPC ModelStreamInfer failed")
-                    message = exc.message if isinstance(exc, TorchpoolError) else f"{type(exc).__name__}: {exc}"
-                    # with the request's id, as Triton: the client can tell which one failed
-                    yield pb.ModelStreamInferResponse(
-                        error_message=message, infer_response=pb.ModelInferResponse(id=_request_id(parsed, call)))
-                    continue
-                header.raw_output_contents.extend(bytes(c) for c in chunks)
-                yield pb.ModelStreamInferResponse(infer_response=header)
+                sent = asyncio.Event()
+                await ahead.put(asyncio.ensure_future(self._stream_one(parsed, caller, before, sent)))
+                before = sent
         finally:
-            self.callers.leave(caller)
+            await ahead.put(None)
+
+    async def _stream_one(self, parsed: Any, caller: Caller, before: Optional[asyncio.Event],
+                          sent: asyncio.Event) -> pb.ModelStreamInferResponse:
+        call: Optional[InferCall] = None
+        try:
+            try:
+                call = await self._call(parsed)
+            finally:
+                if before is not None:
+                    await before.wait()     # in the stream's order, sent or failed
+            header, chunks = await self.infer(call, caller, sent.set)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:      # one bad request must not end the stream
+            if not isinstance(exc, TorchpoolError):
+                log.exception("gRPC ModelStreamInfer failed")
+            message = exc.message if isinstance(exc, TorchpoolError) else f"{type(exc).__name__}: {exc}"
+            # with the request's id, as Triton: the client can tell which one failed
+            return pb.ModelStreamInferResponse(
+                error_message=message, infer_response=pb.ModelInferResponse(id=_request_id(parsed, call)))
+        finally:
+            sent.set()                  # failed before it was sent: the next one goes on
+        header.raw_output_contents.extend(bytes(c) for c in chunks)
+        return pb.ModelStreamInferResponse(infer_response=header)
 
     # --- model repository
 
