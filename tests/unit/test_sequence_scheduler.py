@@ -248,6 +248,22 @@ def test_slots_are_per_instance_and_new_sequences_wait_for_a_free_slot(arena) ->
     assert [r.sequence.corrid for r in b.requests] == [5] and h.run(b, accumulate) == [5]
 
 
+def test_instances_have_their_slots_from_ready_not_from_their_first_take(arena) -> None:
+    """Two STARTs that arrive before either instance asked for a batch go
+    one to each instance (lowest slot first), as Triton's batchers have
+    their slots from the start (qa/L0_sequence_batcher test_half_batch)."""
+    h = Harness(accumulator(mbs=2), arena)
+    h.s.instance_ready("w0")
+    h.s.instance_ready("w1")
+    h.send(1, 1, start=True)
+    h.send(2, 2, start=True)
+    b0 = h.s.take("w0", h.now)
+    b1 = h.s.take("w1", h.now)
+    assert [r.sequence.corrid for r in b0.requests] == [1]
+    assert [r.sequence.corrid for r in b1.requests] == [2]
+    assert (h.run(b0, accumulate), h.run(b1, accumulate)) == ([1], [2])
+
+
 def deque_of(*items):
     from collections import deque
     return deque(items)

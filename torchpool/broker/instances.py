@@ -299,6 +299,8 @@ class Instances:
     def _on_ready(self, h: WorkerHandle, mv: ModelVersion, msg: internal.Ready) -> None:
         h.state = IDLE
         mv.idle.append(h)
+        if mv.scheduler is not None:
+            mv.scheduler.instance_ready(h)
         log.debug("%s ready (pid %s, %s)", h.label, msg.pid, msg.device)
         died = self._restarted.pop(h, None)
         if died is not None:

@@ -131,6 +131,12 @@ class Scheduler(ABC):
         None when it failed (error, crash, timeout). Called before its answers
         are sent, while the outputs are still readable."""
 
+    def instance_ready(self, instance: Any) -> None:
+        """`instance` (a worker handle) is ready to run batches: at its start
+        and after each restart, before it takes any. A scheduler that places
+        requests on instances before they ask (a sequence's slot) counts it
+        from now, not from its first take."""
+
     def instance_gone(self, instance: Any) -> Refusals:
         """An instance died or stopped: requests bound to it that can no
         longer run (a sequence's slot), to be failed."""

@@ -376,6 +376,13 @@ class SequenceBatcher(Scheduler):
             elif captured:
                 seq.state = {name: parts[i] for name, parts in states.items()}
 
+    def instance_ready(self, instance: Any) -> None:
+        # Every instance has its slots from its start, as Triton's batchers
+        # do: two STARTs that arrive before the second instance's first take
+        # would otherwise share the first one's slots (qa/L0_sequence_batcher
+        # test_half_batch on two instances ran them as batches of two).
+        self._fill(self._instance(instance))
+
     def instance_gone(self, instance: Any) -> Refusals:
         inst = self.instances.pop(instance, None)
         if inst is None:
