@@ -533,6 +533,27 @@ def test_a_streams_sequences_reach_the_batcher_in_order(client) -> None:
     assert got[3][1].message() == "Request for unknown model: 'no_such_model' is not found"
 
 
+def test_a_stream_cancelled_with_requests_in_flight_leaves_the_gateway_serving(client, gdaemon) -> None:
+    """Eight requests held by the batcher's 0.1 s delay when the client
+    cancels its stream: the gateway drops them, and the same peer's next
+    stream and calls are served (its share of the daemon came back)."""
+    for _ in range(3):
+        client.start_stream(callback=lambda result, error: None)
+        for i in range(8):
+            client.async_stream_infer(
+                "batch_probe", [infer_input("INPUT__0", np.array([[float(i)]], np.float32))])
+        client.stop_stream(cancel_requests=True)
+    def send_one() -> int:
+        client.async_stream_infer("batch_probe", [infer_input("INPUT__0", np.array([[7.0]], np.float32))],
+                                  request_id="after")
+        return 1
+    got = _stream(client, send_one)
+    assert got[0][1] is None and got[0][0].get_response().id == "after"
+    x = np.ones((1, 16), np.float32)
+    np.testing.assert_array_equal(client.infer(F32, addsub_inputs(x, x)).as_numpy("OUTPUT__0"), 2 * x)
+    assert "Traceback" not in gdaemon.log()
+
+
 def test_asyncio_client(gdaemon) -> None:
     async def main() -> None:
         async with aioclient.InferenceServerClient(gdaemon.grpc_url) as c:

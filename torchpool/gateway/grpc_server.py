@@ -185,14 +185,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         responses written: a client that sends without reading is held by
         gRPC's flow control, not by the gateway's memory."""
         caller = self.callers.enter(context.peer())
-        ahead: asyncio.Queue = asyncio.Queue(self.stream_depth)
-        reader = asyncio.ensure_future(self._read_stream(requests, caller, ahead))
+        ahead: asyncio.Queue = asyncio.Queue()      # bounded by `room`: a put never waits
+        room = asyncio.Semaphore(self.stream_depth)
+        reader = asyncio.ensure_future(self._read_stream(requests, caller, ahead, room))
         try:
             while True:
                 answer = await ahead.get()
                 if answer is None:
                     break
                 yield await answer
+                room.release()
             await reader                    # its error (the stream's), if it had one
         finally:
             reader.cancel()
@@ -202,17 +204,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                     answer.cancel()
             self.callers.leave(caller)
 
-    async def _read_stream(self, requests: Any, caller: Caller, ahead: asyncio.Queue) -> None:
-        """Start each request of a stream as it arrives, in order; None
-        after the last."""
+    async def _read_stream(self, requests: Any, caller: Caller, ahead: asyncio.Queue,
+                           room: asyncio.Semaphore) -> None:
+        """Start each request of a stream as it arrives, in order, while
+        there is room ahead of the responses; None after the last (or when
+        the stream fails)."""
         before: Optional[asyncio.Event] = None
         try:
             async for parsed in requests:
+                await room.acquire()
                 sent = asyncio.Event()
-                await ahead.put(asyncio.ensure_future(self._stream_one(parsed, caller, before, sent)))
+                ahead.put_nowait(asyncio.ensure_future(self._stream_one(parsed, caller, before, sent)))
                 before = sent
         finally:
-            await ahead.put(None)
+            ahead.put_nowait(None)
 
     async def _stream_one(self, parsed: Any, caller: Caller, before: Optional[asyncio.Event],
                           sent: asyncio.Event) -> pb.ModelStreamInferResponse:
@@ -224,8 +229,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if before is not None:
                     await before.wait()     # in the stream's order, sent or failed
             header, chunks = await self.infer(call, caller, sent.set)
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:      # one bad request must not end the stream
             if not isinstance(exc, TorchpoolError):
                 log.exception("gRPC ModelStreamInfer failed")
