@@ -147,3 +147,7 @@ def test_a_request_is_sent_ahead_unless_it_has_a_deadline_and_goes_back_first(ar
     for r in (plain, timed, other):
         for block in r.blocks:
             arena.free(block)
+
+
+def test_a_worker_may_take_its_requests_on_a_direct_path(arena) -> None:
+    assert DirectScheduler(config(), arena, Counter()).direct_refusal() is None

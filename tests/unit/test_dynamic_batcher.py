@@ -314,3 +314,19 @@ def test_bytes_boundaries_and_truncation() -> None:
         datatypes.bytes_boundaries(data[:-1], [4])
     with pytest.raises(ValueError):
         datatypes.bytes_boundaries(data, [5])
+
+
+def test_what_keeps_a_dynamic_batchers_requests_off_direct_paths(arena: Arena) -> None:
+    """The batcher says itself what only the daemon's queue can do
+    (broker/direct.py asks it, never its class)."""
+    plain = make_config("dynamic_batching { max_queue_delay_microseconds: 100 }")
+    assert DynamicBatcher(plain, arena).direct_refusal() is None
+    levels = make_config("dynamic_batching { priority_levels: 2 default_priority_level: 1 }")
+    assert DynamicBatcher(levels, arena).direct_refusal() == \
+        "the daemon orders its queue (priority levels, queue timeouts or sizes)"
+    ragged = make_config("dynamic_batching { }",
+                         inputs='{ name: "INPUT__0" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true }')
+    assert DynamicBatcher(ragged, arena).direct_refusal() == "the daemon batches its ragged inputs"
+    held = DynamicBatcher(plain, arena, hold=SchedulerHold(queued=2))
+    assert held.direct_refusal() == \
+        "the daemon holds its batcher (TRITONSERVER_DELAY_SCHEDULER, a switch for testing)"

@@ -264,6 +264,10 @@ def test_instances_have_their_slots_from_ready_not_from_their_first_take(arena) 
     assert (h.run(b0, accumulate), h.run(b1, accumulate)) == ([1], [2])
 
 
+def test_a_sequences_requests_never_take_a_direct_path(arena) -> None:
+    assert Harness(accumulator(), arena).s.direct_refusal() == "its requests are sequenced by the daemon"
+
+
 def deque_of(*items):
     from collections import deque
     return deque(items)

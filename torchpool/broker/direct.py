@@ -38,8 +38,6 @@ from ..protocol.reports import ReportRing
 from ..protocol.validation import TensorLimits
 from ..shm.fdpass import send_with_fds
 from .registry import ModelVersion, Registry
-from .schedulers.direct import DirectScheduler
-from .schedulers.dynamic import DynamicBatcher
 from .stats import BACKEND
 from .supervisor import BUSY, DEAD, IDLE, describe_exit
 
@@ -47,19 +45,9 @@ from .supervisor import BUSY, DEAD, IDLE, describe_exit
 def refusal(mv: ModelVersion, execution_timeout: float) -> Optional[str]:
     """Why `mv` takes no direct requests (None: it does)."""
     cfg = mv.config
-    kind = mv.scheduler.__class__
-    if kind is DynamicBatcher:
-        db = cfg.dynamic_batching or {}
-        policies = [db.get("default_queue_policy") or {}, *(db.get("priority_queue_policy") or {}).values()]
-        if db.get("priority_levels", 0) > 1 or any(
-                p.get("default_timeout_microseconds") or p.get("max_queue_size") for p in policies):
-            return "the daemon orders its queue (priority levels, queue timeouts or sizes)"
-        if any(spec.allow_ragged_batch for spec in cfg.inputs):
-            return "the daemon batches its ragged inputs"
-        if mv.scheduler.hold.queued:
-            return "the daemon holds its batcher (TRITONSERVER_DELAY_SCHEDULER, a switch for testing)"
-    elif kind is not DirectScheduler:
-        return "its requests are sequenced by the daemon"
+    why = "it is not serving" if mv.scheduler is None else mv.scheduler.direct_refusal()
+    if why:
+        return why
     if cfg.batch_inputs or cfg.batch_outputs:
         return "the daemon computes its batch inputs or outputs"
     if any(spec.reshape is not None for spec in cfg.outputs):

@@ -131,6 +131,13 @@ class Scheduler(ABC):
         None when it failed (error, crash, timeout). Called before its answers
         are sent, while the outputs are still readable."""
 
+    def direct_refusal(self) -> Optional[str]:
+        """Why this policy keeps the model's requests in the daemon, so that
+        no worker may take them on a direct path (broker/direct.py asks);
+        None where a worker can apply it itself. By default the daemon
+        keeps them: a policy says otherwise only where it knows so."""
+        return "its requests are sequenced by the daemon"
+
     def instance_ready(self, instance: Any) -> None:
         """`instance` (a worker handle) is ready to run batches: at its start
         and after each restart, before it takes any. A scheduler that places

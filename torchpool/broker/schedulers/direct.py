@@ -50,6 +50,9 @@ class DirectScheduler(Scheduler):
     def admit(self, req: InferRequest, header: dict) -> None:
         pass
 
+    def direct_refusal(self) -> Optional[str]:
+        return None                 # one request at a time, in turn: a worker does the same
+
     def push(self, req: InferRequest, now: float) -> None:
         self._stage(req)
         if req.timeout_us > 0:

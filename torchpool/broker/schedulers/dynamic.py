@@ -97,6 +97,20 @@ class DynamicBatcher(Scheduler):
 
     # --- admission --------------------------------------------------------------
 
+    def direct_refusal(self) -> Optional[str]:
+        """A worker forms batches of its direct requests by the same rules
+        (protocol/batching.py), but not what needs the whole queue."""
+        db = self.cfg.dynamic_batching or {}
+        policies = [db.get("default_queue_policy") or {}, *(db.get("priority_queue_policy") or {}).values()]
+        if db.get("priority_levels", 0) > 1 or any(
+                p.get("default_timeout_microseconds") or p.get("max_queue_size") for p in policies):
+            return "the daemon orders its queue (priority levels, queue timeouts or sizes)"
+        if any(spec.allow_ragged_batch for spec in self.cfg.inputs):
+            return "the daemon batches its ragged inputs"
+        if self.hold.queued:
+            return "the daemon holds its batcher (TRITONSERVER_DELAY_SCHEDULER, a switch for testing)"
+        return None
+
     def admit(self, req: InferRequest, header: dict) -> None:
         req.level = self.level_of(header.get("priority"))
         self.check_room(req)
