@@ -297,9 +297,6 @@ class Backend:
         caller.gone = True
         await self._close_regions(caller)
 
-    def callers_with_regions(self) -> list[Caller]:
-        return list(self._with_regions)
-
     # --- health and metadata ---------------------------------------------------
 
     async def live(self) -> bool:

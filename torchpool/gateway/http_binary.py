@@ -24,14 +24,16 @@ from typing import Any, Optional
 
 from .backend import InferResponse, InputTensor, OutputRequest, bad, check_counts, check_dims, input_value
 from .chunks import CHUNK_ELEMENTS, json_values, tensor_bytes
+from .defaults import MAX_INPUT_BYTES
 from .http_bodies import body_buffer
 from .http_messages import Response
 from .offload import OFFLOAD_BYTES, Offload
 
 INFER_HEADER = "inference-header-content-length"
-# Triton's default --http-max-input-size for the JSON document: parsed into
-# Python objects it takes several times its size, so it is checked first
-MAX_JSON_BYTES = 64 << 20
+# Triton's default --http-max-input-size for the JSON document, whatever the
+# body's limit: parsed into Python objects it takes several times its size,
+# so it is checked first
+MAX_JSON_BYTES = MAX_INPUT_BYTES
 _RESERVED_PREFIX = "triton_"
 
 

@@ -72,16 +72,6 @@ def encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
-def parse_infer_request(data: bytes) -> tuple[pb.ModelInferRequest, Sequence[Any]]:
-    """A ModelInferRequest and its raw_input_contents (views of `data` when
-    the message is large)."""
-    if len(data) < SPLIT_MIN_BYTES:
-        request = pb.ModelInferRequest.FromString(data)
-        return request, request.raw_input_contents
-    rest, raws = split_infer_request(data)
-    return pb.ModelInferRequest.FromString(rest), raws
-
-
 def split_infer_request(data: bytes) -> tuple[bytes, list[memoryview]]:
     """(the message without its raw_input_contents, those as views of `data`)."""
     view = memoryview(data)
