@@ -12,7 +12,9 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from torchpool.gateway import grpc_requests, grpc_server
-from torchpool.gateway.backend import Backend
+from torchpool.gateway.backend import Backend, InferResponse
+from torchpool.gateway.grpc_peers import GrpcCallers
+from torchpool.gateway.offload import Offload
 from torchpool.gateway.proto import grpc_service_pb2 as pb
 from torchpool.gateway.proto import wire
 from torchpool.protocol.errors import TorchpoolError
@@ -169,3 +171,57 @@ def test_a_malformed_infer_request_is_invalid_argument(tmp_path) -> None:
             await backend.close()
     asyncio.run(main())
 
+
+class _HeldBackend(Backend):
+    """The daemon held: every request starts (and counts) and waits for `go`."""
+
+    def __init__(self, url: str, per_caller: int) -> None:
+        super().__init__(url, per_caller=per_caller)
+        self.started: list[str] = []
+        self.go = asyncio.Event()
+
+    async def infer(self, caller, model, version, inputs, outputs, request_id="", binary_default=False,
+                    sent=None, **options):
+        self.started.append(request_id)
+        if sent is not None:
+            sent()
+        await self.go.wait()
+        return InferResponse(model, "1", request_id, [])
+
+
+class _Peer:
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:40000"         # every stream of one HTTP/2 connection
+
+
+def test_a_callers_streams_together_read_at_most_its_share_ahead(tmp_path) -> None:
+    """Two streams of one peer that send without their answers being written:
+    the gateway starts the caller's share (3 here) of their requests in all,
+    plus one of a stream that had none (never waiting for another stream),
+    not 3 per stream; each stream's answers come in its order once the
+    daemon answers, also when one stream's answers are read only after the
+    other's; the caller goes with its streams."""
+    async def main() -> None:
+        backend = _HeldBackend(f"ipc://{tmp_path / 'nobody.sock'}", per_caller=3)
+        servicer = grpc_server.InferenceServicer(backend, GrpcCallers(0, backend.forget), Offload())
+        pulled = {"a": 0, "b": 0}
+
+        async def requests(stream: str):
+            for i in range(10):
+                pulled[stream] += 1
+                yield pb.ModelInferRequest(model_name="m", id=f"{stream}{i}"), None, []
+
+        streams = {s: servicer.ModelStreamInfer(requests(s), _Peer()) for s in pulled}
+        firsts = {s: asyncio.ensure_future(streams[s].__anext__()) for s in streams}
+        # settled: a's three, b's one of its own, and each reader holds one more it pulled
+        for _ in range(200):
+            await asyncio.sleep(0)                 # turns of the loop, no time
+        assert backend.started == ["a0", "a1", "a2", "b0"] and pulled == {"a": 4, "b": 2}
+        backend.go.set()
+        got = {s: [(await firsts[s]).infer_response.id] for s in streams}
+        for s, stream in streams.items():
+            got[s] += [r.infer_response.id async for r in stream]
+        assert got == {s: [f"{s}{i}" for i in range(10)] for s in streams}
+        assert servicer.callers.by_peer == {}      # the caller is gone with its streams
+        await backend.close()
+    asyncio.run(main())

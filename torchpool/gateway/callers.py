@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any
+from typing import Any, Callable, Optional
 
 
 class Caller:
@@ -28,7 +28,7 @@ class Caller:
     its first register)."""
 
     __slots__ = ("name", "peer", "calls", "in_flight", "waiting", "regions", "region_names",
-                 "region_lock", "gone")
+                 "region_lock", "gone", "read_ahead")
 
     def __init__(self, name: str) -> None:
         self.name = name                    # for logs: "HTTP 127.0.0.1:40312", "gRPC ipv4:..."
@@ -40,6 +40,9 @@ class Caller:
         self.region_names: set[str] = set()     # what it registered there
         self.region_lock = asyncio.Lock()
         self.gone = False
+        # gRPC: its streamed requests read ahead of their answers, all its
+        # streams together (grpc_server.py makes it on its first stream)
+        self.read_ahead: Optional[ReadAhead] = None
 
     def __repr__(self) -> str:
         return f"Caller({self.name})"
@@ -110,3 +113,30 @@ class FairShare:
 
     def waiting(self) -> int:
         return sum(len(c.waiting) for c in self._turns)
+
+
+class ReadAhead:
+    """A caller's streamed requests read and not yet answered, all its
+    streams together: a stream reads another while the caller holds fewer
+    than `limit`, or when it has none of its own waiting (so a stream whose
+    client reads its answers never waits for another stream's client)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._changed: Optional[asyncio.Future] = None
+
+    async def take(self, own: Callable[[], int]) -> None:
+        """Wait for room for one more request of a stream holding `own()`."""
+        while own() and self.held >= self.limit:
+            if self._changed is None:
+                self._changed = asyncio.get_running_loop().create_future()
+            await asyncio.wait([self._changed])      # not cancelled with this waiter
+        self.held += 1
+
+    def give(self, n: int = 1) -> None:
+        """`n` requests answered (or dropped): the waiting streams look again."""
+        self.held -= n
+        changed, self._changed = self._changed, None
+        if changed is not None and not changed.done():
+            changed.set_result(None)

@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
 from .backend import Backend, InferResponse, bad, grpc_status_name
-from .callers import Caller
+from .callers import Caller, ReadAhead
 from .chunks import tensor_bytes
 from .defaults import MAX_INPUT_BYTES
 from .grpc_peers import GrpcCallers
@@ -107,8 +107,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.backend = backend
         self.callers = callers
         self.offload = offload
-        # a stream's requests read ahead of its responses: more than its
-        # caller may have at the daemon would only wait in the gateway
+        # a caller's streamed requests read ahead of their responses: more
+        # than it may have at the daemon would only wait in the gateway
         self.stream_depth = max(1, backend.share.per_caller)
 
     # --- health and metadata
@@ -181,20 +181,27 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         time: each goes to the daemon once the one before it is on its way
         (a sequence's requests reach its scheduler in the stream's order),
         and a sequence batcher or a dynamic batch sees all of a stream's
-        requests in flight. At most `stream_depth` are read ahead of the
-        responses written: a client that sends without reading is held by
-        gRPC's flow control, not by the gateway's memory."""
+        requests in flight. A caller's requests read ahead of the responses
+        written are at most `stream_depth`, all its streams together (what
+        it may have at the daemon at once: more would only wait here), plus
+        one of each stream, so that a stream never waits for another's
+        reader: a client that sends without reading stops being read, and
+        many streams on one connection hold about what one does."""
         caller = self.callers.enter(context.peer())
+        if caller.read_ahead is None:
+            caller.read_ahead = ReadAhead(self.stream_depth)
+        room = caller.read_ahead
         ahead: asyncio.Queue = asyncio.Queue()      # bounded by `room`: a put never waits
-        room = asyncio.Semaphore(self.stream_depth)
-        reader = asyncio.ensure_future(self._read_stream(requests, caller, ahead, room))
+        own = [0]                                   # this stream's requests read and not answered
+        reader = asyncio.ensure_future(self._read_stream(requests, caller, ahead, room, own))
         try:
             while True:
                 answer = await ahead.get()
                 if answer is None:
                     break
                 yield await answer
-                room.release()
+                own[0] -= 1
+                room.give()
             await reader                    # its error (the stream's), if it had one
         finally:
             reader.cancel()
@@ -202,17 +209,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 answer = ahead.get_nowait()
                 if answer is not None:
                     answer.cancel()
+            room.give(own[0])               # the caller's other streams read on
             self.callers.leave(caller)
 
     async def _read_stream(self, requests: Any, caller: Caller, ahead: asyncio.Queue,
-                           room: asyncio.Semaphore) -> None:
-        """Start each request of a stream as it arrives, in order, while
-        there is room ahead of the responses; None after the last (or when
+                           room: ReadAhead, own: list[int]) -> None:
+        """Start each request of a stream as it arrives, in order, once the
+        caller has room ahead of its responses; None after the last (or when
         the stream fails)."""
         before: Optional[asyncio.Event] = None
         try:
             async for parsed in requests:
-                await room.acquire()
+                await room.take(lambda: own[0])
+                own[0] += 1
                 sent = asyncio.Event()
                 ahead.put_nowait(asyncio.ensure_future(self._stream_one(parsed, caller, before, sent)))
                 before = sent
