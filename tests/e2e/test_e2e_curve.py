@@ -256,6 +256,28 @@ def test_startup_refuses_unusable_options(repository: Path, keys: Keys, tmp_path
             "--curve-authorized-keys", str(keys.authorized))
 
 
+def test_a_secret_key_others_can_read_is_refused(repository: Path, keys: Keys, tmp_path: Path) -> None:
+    """As ssh refuses a private key others can read: the daemon does not
+    start, and says the command that mends the mode; group bits (a
+    Kubernetes Secret through fsGroup) start with a warning."""
+    curve = ["--listen", f"tcp://127.0.0.1:{free_tcp_port()}", "--curve-authorized-keys", str(keys.authorized)]
+    for mode in (0o644, 0o604, 0o601):
+        exposed = tmp_path / f"exposed{mode:o}.key_secret"
+        shutil.copy(keys.server_secret, exposed)
+        exposed.chmod(mode)
+        assert refused(repository, *curve, "--curve-secret-key", str(exposed)) == (
+            f"torchpool: error: {exposed}: the secret key file is accessible to every user on this host "
+            f"(mode {mode:04o}); refusing to use it: run 'chmod 600 {exposed}' and keep the key secret")
+    group = tmp_path / "group.key_secret"
+    shutil.copy(keys.server_secret, group)
+    group.chmod(0o640)
+    d = Daemon(repository, tmp_path, *curve, "--curve-secret-key", str(group)).start()
+    try:
+        assert (f"CURVE: the secret key file {group} can be read by its group (mode 0640)") in d.log()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
 def test_insecure_tcp_is_allowed_when_asked_for(repository: Path, tmp_path: Path) -> None:
     anywhere, loopback = free_tcp_port(), free_tcp_port()
     d = Daemon(repository, tmp_path, "--listen", f"tcp://0.0.0.0:{anywhere}",

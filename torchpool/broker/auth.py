@@ -178,6 +178,7 @@ def check_options(urls: Sequence[str], curve_secret_key: Optional[str],
     if not curve_secret_key:
         return None
     public, secret = read_certificate(curve_secret_key, secret=True)
+    refuse_if_others_can_read(Path(curve_secret_key))
     allowed = read_authorized_keys(curve_authorized_keys)
     return CurveAuth(public, secret, allowed, Path(curve_secret_key), Path(curve_authorized_keys))
 
@@ -250,7 +251,7 @@ class CurveAuth:
         if not self.allowed:
             log.warning("CURVE: %s holds no client key (*.key): every tcp:// client will be refused",
                         self.directory)
-        _warn_if_readable(self.key_file)
+        _warn_if_group_can_read(self.key_file)
 
     def stop(self) -> None:
         """Stop the handler (after the CURVE sockets are closed) and close
@@ -335,11 +336,26 @@ class CurveAuth:
                     f" ({quiet} more not logged)" if quiet else "")
 
 
-def _warn_if_readable(path: Path) -> None:
+def refuse_if_others_can_read(path: Path) -> None:
+    """A secret key file anyone on the host may read is no secret: refused,
+    as ssh refuses such a private key, with the command that mends it.
+    (Group bits are only warned about: a Kubernetes Secret volume reaches a
+    non-root daemon through its fsGroup, mode 0440.)"""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise SecurityError(f"{path}: cannot read the key file: {exc.strerror or exc}") from None
+    if mode & stat.S_IRWXO:
+        raise SecurityError(f"{path}: the secret key file is accessible to every user on this host "
+                            f"(mode {stat.S_IMODE(mode):04o}); refusing to use it: run 'chmod 600 {path}' "
+                            f"and keep the key secret")
+
+
+def _warn_if_group_can_read(path: Path) -> None:
     try:
         mode = path.stat().st_mode
     except OSError:
         return
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("CURVE: the secret key file %s can be read by others (mode %o); chmod 600 it",
-                    path, stat.S_IMODE(mode))
+    if mode & stat.S_IRWXG:
+        log.warning("CURVE: the secret key file %s can be read by its group (mode %04o); "
+                    "chmod 600 it unless that group is meant to hold it", path, stat.S_IMODE(mode))
