@@ -360,7 +360,10 @@ def test_malformed_infer_fields(raw: RawConnection, client: Client, case: str) -
 def test_control_calls_with_bad_fields(raw: RawConnection) -> None:
     header, _ = raw.call(raw.pack({"v": 1, "op": "model_ready", "id": 3, "model": ["x"],
                                    "version": ""}))
-    assert header["ok"] is True and header["result"] is False
+    assert error_of(header) == (errors.INVALID_ARG, "invalid model name: it must be a string, not list; a "
+                                                    "model name is a single directory name of 1 to 255 "
+                                                    "bytes with no NUL, '/' or backslash, not beginning "
+                                                    "with '.'")
     header, _ = raw.call(raw.pack({"v": 1, "op": "model_metadata", "id": 4, "model": "versioned",
                                    "version": {}}))
     assert error_of(header)[0] == errors.INVALID_ARG

@@ -404,8 +404,13 @@ def test_unknown_paths_and_methods(http_port: int) -> None:
         status, _, body = request(http_port, method, path)
         assert (status, error_of(body)) == (405, "Method Not Allowed"), (method, path)
     # a model name with characters that must be quoted in a URL
-    status, _, body = request(http_port, "GET", "/v2/models/no%20such%2Fmodel")
-    assert (status, error_of(body)) == (404, "Request for unknown model: 'no such/model' is not found")
+    status, _, body = request(http_port, "GET", "/v2/models/no%20such%20model")
+    assert (status, error_of(body)) == (404, "Request for unknown model: 'no such model' is not found")
+    # one no model can have (a '/' in a directory name) is a bad argument, not echoed
+    status, _, body = request(http_port, "GET", "/v2/models/no%2Fmodel")
+    assert (status, error_of(body)) == (400, "invalid model name: it holds a '/' after the leading one; a "
+                                             "model name is a single directory name of 1 to 255 bytes with "
+                                             "no NUL, '/' or backslash, not beginning with '.'")
 
 
 # --- model control (explicit mode) -------------------------------------------------------

@@ -332,3 +332,51 @@ def test_a_load_of_a_name_that_is_a_path_is_refused(served: Daemon) -> None:
             assert answer["ok"] is False, (name, answer)
             assert answer["error"]["code"] in ("INVALID_ARG", "UNAVAILABLE"), answer
             assert "invalid model name" in answer["error"]["message"], answer
+
+
+# --- a NUL in a model name, from each way in ----------------------------------
+
+MODEL_NAME_REFUSED = ("invalid model name: it holds a NUL byte; a model name is a single directory name of "
+                      "1 to 255 bytes with no NUL, '/' or backslash, not beginning with '.'")
+
+
+def test_a_nul_in_a_model_name_is_invalid_arg_and_never_echoed(served: Daemon) -> None:
+    """`model_ready("addsub\\0")` answered as for a model that is not ready,
+    and errors echoed the name, NUL and all: every op that names a model
+    answers INVALID_ARG with the one rule's text, over ZeroMQ, HTTP and gRPC."""
+    from torchpool.client import Client, InferenceError
+
+    pids = _pids(served)
+    name = "addsub\x00"
+    with Client(served.url, timeout=30) as c:
+        for call in (lambda: c.model_ready(name), lambda: c.model_metadata(name), lambda: c.model_config(name),
+                     lambda: c.statistics(name), lambda: c.infer(name, {"INPUT0": A, "INPUT1": A}),
+                     lambda: c.load(name), lambda: c.unload(name)):
+            with pytest.raises(InferenceError) as info:
+                call()
+            assert (info.value.code, info.value.message) == ("INVALID_ARG", MODEL_NAME_REFUSED)
+    for method, path, body in (("GET", "/v2/models/addsub%00/ready", None), ("GET", "/v2/models/addsub%00", None),
+                               ("GET", "/v2/models/addsub%00/config", None),
+                               ("GET", "/v2/models/addsub%00/stats", None),
+                               ("POST", "/v2/models/addsub%00/infer", b'{"inputs": [{"name": "INPUT0"}]}'),
+                               ("POST", "/v2/repository/models/addsub%00/load", None),
+                               ("POST", "/v2/repository/models/addsub%00/unload", None)):
+        req = urllib.request.Request(f"http://127.0.0.1:{served.http}{path}", data=body, method=method)
+        with pytest.raises(urllib.error.HTTPError) as http_info:
+            urllib.request.urlopen(req, timeout=30)
+        assert (http_info.value.code, json.loads(http_info.value.read())) == (400, {"error": MODEL_NAME_REFUSED})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc}")
+    try:
+        x = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        x.set_data_from_numpy(A)
+        for call in (lambda: client.is_model_ready(name), lambda: client.get_model_metadata(name),
+                     lambda: client.get_model_config(name), lambda: client.get_inference_statistics(name),
+                     lambda: client.infer(name, [x]), lambda: client.load_model(name),
+                     lambda: client.unload_model(name)):
+            with pytest.raises(grpcclient.InferenceServerException) as grpc_info:
+                call()
+            assert (grpc_info.value.status(), grpc_info.value.message()) == (
+                "StatusCode.INVALID_ARGUMENT", MODEL_NAME_REFUSED)
+    finally:
+        client.close()
+    assert_unharmed(served, pids)

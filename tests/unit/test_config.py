@@ -755,8 +755,13 @@ def test_load_model_entry_for_missing_or_unsafe_names(tmp_path: Path) -> None:
     missing = load_model_entry(tmp_path, "nope")
     assert missing == ModelEntry("nope", tmp_path / "nope", None, (),
                                  f"model 'nope' not found: no directory {tmp_path / 'nope'}")
-    for name in ("../escape", "..", "", "a/b", ".hidden"):
-        assert load_model_entry(tmp_path, name).error == f"invalid model name '{name}'"
+    for name, problem in (("../escape", "holds a '/' after the leading one"), ("..", "is '..'"),
+                          ("", "is empty"), ("a/b", "holds a '/' after the leading one"),
+                          (".hidden", "begins with '.'"), ("a\0b", "holds a NUL byte"),
+                          ("/abs", "begins with '/'"), ("a\\b", "holds a backslash")):
+        assert load_model_entry(tmp_path, name).error == (
+            f"invalid model name: it {problem}; a model name is a single directory name of 1 to 255 "
+            f"bytes with no NUL, '/' or backslash, not beginning with '.'")
 
 
 def test_scan_of_a_missing_repository_raises(tmp_path: Path) -> None:

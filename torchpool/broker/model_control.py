@@ -21,6 +21,7 @@ from ..config import ConfigError, load_model_entry
 from ..config.repository import model_names
 from ..protocol import errors, internal
 from ..protocol.errors import TorchpoolError
+from ..protocol.names import check_model_name
 from .registry import READY, UNLOADING, Generation, Model, ModelVersion, Registry, new_versions
 
 log = logging.getLogger("torchpool.broker")
@@ -71,8 +72,7 @@ class ModelControl:
                                  f"'{self.mode}')")
 
     def load(self, name: Any, config: Any, waiter: Waiter) -> None:
-        if not isinstance(name, str) or not name:
-            raise TorchpoolError(errors.INVALID_ARG, "load: 'model' must be a model name")
+        check_model_name(name)
         entry = load_model_entry(self.root, name, config)
         model = self.registry.models.get(name)
         if entry.error is not None:
@@ -115,6 +115,7 @@ class ModelControl:
     def unload(self, name: Any, waiter: Waiter) -> None:
         model = self.registry.models.get(name) if isinstance(name, str) else None
         if model is None or model.unloaded:
+            check_model_name(name)
             raise TorchpoolError(errors.NOT_FOUND, f"unload: model '{name}' is not loaded")
         model.unloaded = True
         model.unload_waiters.append(waiter)

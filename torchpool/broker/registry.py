@@ -10,6 +10,7 @@ from ..config import ModelConfig, ModelEntry
 from ..config.normalize import PLATFORM
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
+from ..protocol.names import check_model_name
 from .stats import VersionStats
 
 log = logging.getLogger("torchpool.broker")
@@ -124,6 +125,7 @@ class Registry:
     def model(self, name: Any) -> Model:
         model = self.models.get(name) if isinstance(name, str) else None
         if model is None:
+            check_model_name(name)      # a name no model can have is INVALID_ARG, never echoed
             raise TorchpoolError(errors.NOT_FOUND, f"Request for unknown model: '{name}' is not found")
         return model
 
@@ -182,6 +184,8 @@ class Registry:
     def model_ready(self, name: Any, version: Any) -> bool:
         """Ready means a live worker can run it now (not only that it loaded)."""
         parse_version(name, version)     # a malformed version is an error, as for every op
+        if not (isinstance(name, str) and name in self.models):
+            check_model_name(name)
         try:
             return self.resolve(name, version).serving
         except TorchpoolError:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..protocol.names import is_path_component
+from ..protocol.names import model_name_error, model_name_problem
 from .errors import ConfigError
 from .unacted import unacted_warning
 from .model_config import ModelConfig
@@ -85,8 +85,9 @@ def load_model_entry(root: Path | str, name: str, override: Any = None) -> Model
     object, Triton's `config` parameter): it replaces the model's config file.
     """
     path = Path(root) / name
-    if not _is_plain_name(name):
-        return ModelEntry(name, path, None, (), f"invalid model name '{name}'")
+    problem = model_name_problem(name)
+    if problem:
+        return ModelEntry(name, path, None, (), model_name_error(problem))
     if not path.is_dir():
         return ModelEntry(name, path, None, (), f"model '{name}' not found: no directory {path}")
     try:
@@ -100,12 +101,6 @@ def load_model_entry(root: Path | str, name: str, override: Any = None) -> Model
         return ModelEntry(name, path, config, (), str(err))
     unacted = unacted_warning(name, config.raw)
     return ModelEntry(name, path, config, versions, warnings=warnings + ((unacted,) if unacted else ()))
-
-
-def _is_plain_name(name: str) -> bool:
-    """A single path component (protocol/names.py's rule, with no leading '/'
-    or '.'): a client-supplied name must not leave the repository."""
-    return is_path_component(name) and not name.startswith((".", "/")) and "\\" not in name
 
 
 # --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from ..protocol.names import check_model_name
 from .backend import InputTensor, OutputRequest, bad, check_counts, check_dims, input_value
 from .proto import grpc_service_pb2 as pb
 
@@ -163,6 +164,7 @@ class InferCall:
 def infer_call(request: pb.ModelInferRequest, raw_count: int, convert: bool = False) -> InferCall:
     """The request (its raw_input_contents counted, not given); with
     `convert`, typed contents become tensor bytes."""
+    check_model_name(request.model_name)      # before any error that would name it
     return InferCall(request.model_name, request.model_version, request.id,
                      _inputs(request, raw_count, convert), _outputs(request),
                      _request_options(request.parameters))

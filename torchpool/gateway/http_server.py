@@ -27,6 +27,7 @@ from urllib.parse import unquote
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
+from ..protocol.names import check_model_name
 from .backend import Backend, bad, http_status
 from .callers import Caller
 from .http_binary import decompress_off_loop, decompressed_bound, encode_infer, load_json, parse_infer_off_loop
@@ -109,7 +110,8 @@ class Router:
             return self._unsupported(request, ("GET", "POST"), "the server does not support dynamic logging")
         m = _MODEL.fullmatch(path)
         if m and not (m.group(3) == "trace/setting" and m.group(2)):
-            return await self._model(request, _name(m.group(1)), m.group(2) or "", m.group(3) or "")
+            return await self._model(request, check_model_name(_name(m.group(1))), m.group(2) or "",
+                                     m.group(3) or "")
         if (m := _HEALTH.fullmatch(path)) is not None:
             return await self._health(request, m.group(1))
         if (m := _SYSTEM_SHM.fullmatch(path)) is not None:
@@ -117,7 +119,8 @@ class Router:
         if (m := _CUDA_SHM.fullmatch(path)) is not None:
             return self._cuda_shm(request, _name(m.group(1)), m.group(2))
         if (m := _REPOSITORY.fullmatch(path)) is not None:
-            return await self._repository(request, m.group(1), m.group(2), _name(m.group(3)), m.group(4))
+            model = check_model_name(_name(m.group(3))) if m.group(3) is not None else ""
+            return await self._repository(request, m.group(1), m.group(2), model, m.group(4))
         if path == "/v2/trace/setting":
             return self._unsupported(request, ("GET", "POST"), "the server does not support tracing")
         return error_response(404, "Not Found")

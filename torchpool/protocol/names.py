@@ -61,3 +61,34 @@ def check_os_name(what: str, value: Any) -> str:
                                                  f"of 1 to {MAX_NAME_BYTES} bytes with no NUL "
                                                  f"and no '/' after a leading one")
     return value[1:] if value.startswith("/") else value
+
+
+def model_name_problem(value: Any) -> str:
+    """What is wrong with `value` as a model name ('' when nothing): the same
+    rule, with no leading '/' or '.' (a model name is a directory of the
+    repository) and no backslash."""
+    problem = _problem(value)
+    if problem:
+        return problem
+    if value.startswith("/"):
+        return "begins with '/'"
+    if value.startswith("."):
+        return "begins with '.'"
+    if "\\" in value:
+        return "holds a backslash"
+    return ""
+
+
+def check_model_name(value: Any) -> str:
+    """`value` if it is a name a model can have; else INVALID_ARG saying what
+    is wrong, never echoing it (a NUL or a control byte would reach logs and
+    the caller's terminal as it is)."""
+    problem = model_name_problem(value)
+    if problem:
+        raise TorchpoolError(errors.INVALID_ARG, model_name_error(problem))
+    return value
+
+
+def model_name_error(problem: str) -> str:
+    return (f"invalid model name: it {problem}; a model name is a single directory name of 1 to "
+            f"{MAX_NAME_BYTES} bytes with no NUL, '/' or backslash, not beginning with '.'")
