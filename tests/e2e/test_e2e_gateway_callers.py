@@ -215,6 +215,42 @@ def test_only_allowed_key_prefixes_are_registered(shm_on: Daemon, segments) -> N
     assert victim.read() == SECRET
 
 
+def test_a_remote_caller_learns_nothing_of_dev_shm_from_why_a_key_failed(shm_on: Daemon, segments) -> None:
+    """The gateway opens a region's segment with the daemon's rights. It
+    used to say why that failed ("No shared memory exists", "Permission
+    denied", "Too many levels of symbolic links", "does not fit the segment's
+    8 bytes"): a remote caller could map /dev/shm under the allowed prefixes.
+    Now every key the daemon cannot use gets one answer, the broker's."""
+    small = segments(data=bytes(8))                      # exists, but is smaller than the region
+    link = Path("/dev/shm") / f"{ALLOWED}link{uuid.uuid4().hex[:8]}"
+    link.symlink_to("/etc/hostname")
+    folder = Path("/dev/shm") / f"{ALLOWED}dir{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    keys = [f"{ALLOWED}missing{uuid.uuid4().hex[:8]}", link.name, folder.name, small.key]
+    try:
+        client = http_client(shm_on)
+        try:
+            for key in keys:
+                exc = fails(client.register_system_shared_memory, "r", key, 64)
+                assert (exc.status(), exc.message()) == ("400", "region 'r': the daemon cannot open that "
+                                                                "segment"), key
+            assert client.get_system_shared_memory_status() == []
+        finally:
+            client.close()
+        with grpc_client(shm_on) as g:
+            for key in keys:
+                exc = fails(g.register_system_shared_memory, "r", key, 64)
+                assert (exc.status(), exc.message()) == ("StatusCode.INVALID_ARGUMENT",
+                                                         "region 'r': the daemon cannot open that segment"), key
+            mine = segments()                          # a key it can use still registers
+            g.register_system_shared_memory("mine", mine.key, 64)
+            assert list(g.get_system_shared_memory_status().regions) == ["mine"]
+            g.unregister_system_shared_memory()
+    finally:
+        link.unlink()
+        folder.rmdir()
+
+
 # --- item 7: regions and turns per caller ------------------------------------------------
 
 def test_each_http_connection_has_its_own_regions(shm_on: Daemon, segments) -> None:

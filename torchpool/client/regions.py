@@ -34,6 +34,14 @@ def needs_session(inputs: Mapping[str, Any], outputs: Optional[Iterable[Any]]) -
     return False
 
 
+class SegmentUnusable(InferenceError):
+    """This client could not open the region's segment or fit the region in
+    it; the message says why (the OS's reason, the segment's size). A client
+    that registers on another's behalf (the gateway) answers that caller with
+    one text for all of these instead, so nobody probes the host's
+    /dev/shm through it."""
+
+
 class RegionFlows:
     """Mixed into ClientState: uses its `exchange`, `control_flow` and `regions`."""
 
@@ -52,15 +60,15 @@ class RegionFlows:
         try:
             shm = posix_ipc.SharedMemory(_shm_key(key))
         except (posix_ipc.Error, ValueError, OSError) as exc:
-            raise InferenceError(errors.INVALID_ARG, f"region '{name}': this client cannot open "
-                                                     f"its shared-memory segment ({exc})") from None
+            raise SegmentUnusable(errors.INVALID_ARG, f"region '{name}': this client cannot open "
+                                                      f"its shared-memory segment ({exc})") from None
         fd = shm.fd
         try:
             size = os.fstat(fd).st_size
             if offset + max(byte_size, REGION_TOKEN_BYTES) > size:
-                raise InferenceError(errors.INVALID_ARG,
-                                     f"region '{name}': offset {offset} + byte size {byte_size} does "
-                                     f"not fit the segment's {size} bytes")
+                raise SegmentUnusable(errors.INVALID_ARG,
+                                      f"region '{name}': offset {offset} + byte size {byte_size} does "
+                                      f"not fit the segment's {size} bytes")
             if self.link is None and self.local_socket is not None and self.session is not None:
                 # the daemon must know who we are: attach without an arena
                 try:

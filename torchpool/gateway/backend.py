@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..client import AsyncClient, OutputRef, RawTensor, RegionOutput, SharedMemoryRef
+from ..client.regions import SegmentUnusable
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
 from .callers import Caller, FairShare
@@ -404,6 +405,11 @@ class Backend:
                 # the daemon refuses its own segments' names (broker/regions.py region_key)
                 await caller.regions.register_system_shared_memory(name, key, byte_size, offset)
                 caller.region_names.add(name)
+            except SegmentUnusable:
+                # the gateway opens the segment with the daemon's rights: why it
+                # failed (missing, forbidden, a symlink, its size) is not the
+                # caller's to learn; one answer for all, the broker's
+                raise bad(f"region '{name}': the daemon cannot open that segment") from None
             finally:
                 if not caller.region_names:
                     await self._close_regions(caller)
