@@ -1,0 +1,127 @@
+"""End to end: a gRPC client that opens many ModelStreamInfer streams, writes
+requests on them and never reads an answer (issue 39, item 1) does not
+lock out another gRPC caller, and what its connections hold is bounded.
+
+The offender (tests/support/grpc_unread_streams.py) is a process of its
+own; the new caller is tritonclient.grpc on a connection of its own. Each
+HTTP/2 connection is one caller of the gateway (gateway/callers.py): the
+gateway lets it open 2 × --gateway-max-in-flight-per-caller streams
+(grpc.max_concurrent_streams), reads its streams' requests at most its
+share ahead of their answers (callers.ReadAhead), and gives it its share
+of the daemon (callers.FairShare).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+from ..support.daemon import ROOT, Daemon, free_tcp_port, wait_for  # noqa: E402
+
+X = np.arange(16, dtype=np.float32)
+PER_CALLER = 8                  # --gateway-max-in-flight-per-caller: 16 streams a connection
+
+
+@pytest.fixture
+def daemon(small_repository: Path, tmp_path: Path) -> Iterator[Daemon]:
+    http, grpc_port = free_tcp_port(), free_tcp_port()
+    d = Daemon(small_repository, tmp_path, "--http-port", str(http), "--grpc-port", str(grpc_port),
+               "--gateway-max-in-flight-per-caller", str(PER_CALLER)).start()
+    d.http, d.grpc = http, grpc_port
+    wait_for(lambda: _answered(d, 5.0) is not None, 30, "the gRPC endpoint")
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def _count(d: Daemon) -> int:
+    """Requests `identity` has run (the daemon's statistics, over HTTP)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.http}/v2/models/identity/stats", timeout=30) as r:
+        return json.load(r)["model_stats"][0]["inference_count"]
+
+
+def _answered(d: Daemon, timeout: float) -> "float | None":
+    """A new caller's call, on a connection of its own: its seconds, or None
+    if it failed."""
+    t = grpcclient.InferInput("INPUT__0", [16], "FP32")
+    t.set_data_from_numpy(X)
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{d.grpc}",
+                                          channel_args=[("grpc.use_local_subchannel_pool", 1)]) as c:
+        started = time.perf_counter()
+        try:
+            result = c.infer("identity", [t], client_timeout=timeout)
+        except grpcclient.InferenceServerException:
+            return None
+        took = time.perf_counter() - started
+    assert result.as_numpy("OUTPUT__0").tolist() == X.tolist()
+    return took
+
+
+class Offender:
+    """tests/support/grpc_unread_streams.py, running until closed."""
+
+    def __init__(self, d: Daemon, connections: int, streams: int, requests: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.grpc_unread_streams", str(d.grpc), str(connections),
+             str(streams), str(requests), "16"],
+            cwd=ROOT, stdin=subprocess.PIPE)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        self.proc.stdin.close()                     # it cancels its streams and exits
+        assert self.proc.wait(30) == 0
+
+
+def test_a_new_caller_is_answered_beside_streams_never_read(daemon: Daemon) -> None:
+    """4 connections × 50 streams × 10 requests, no answer read: each
+    connection gets 2 × per-caller streams (16) and the others wait in the
+    offender's client; a new caller is answered while the gateway works
+    through the open streams' requests and once it is done, with the
+    offender's streams still open."""
+    base = _count(daemon)
+    offender = Offender(daemon, 4, 50, 10)
+    opened = 4 * 2 * PER_CALLER
+    try:
+        # under way: the gateway has read and run a good part of them
+        wait_for(lambda: _count(daemon) - base >= opened * 10 // 4, 60, "the offender's first requests")
+        during = _answered(daemon, 10.0)
+        assert during is not None, "a new caller got no answer beside the offender's streams"
+        # the answers are small: grpc takes them all into the offender's
+        # buffers, so the gateway runs every request of the open streams
+        wait_for(lambda: _count(daemon) - base >= opened * 10 + 1, 60, "the open streams' requests")
+        after = _answered(daemon, 10.0)
+        assert after is not None, "a new caller got no answer once the offender's requests had run"
+        assert offender.alive()
+        # the streams past each connection's limit never started
+        assert _count(daemon) - base == opened * 10 + 2
+        print(f"a new caller beside {opened} open streams never read: {during * 1e3:.1f} ms while "
+              f"their requests ran, {after * 1e3:.1f} ms after")
+    finally:
+        offender.close()
+
+
+def test_one_connection_opens_at_most_its_streams(daemon: Daemon) -> None:
+    """4 channels of one process with the same options are one connection
+    (grpc shares it): of their 4 × 50 streams the gateway opens
+    2 × per-caller (16), and a new caller on a connection of its own is
+    answered."""
+    base = _count(daemon)
+    offender = Offender(daemon, -4, 50, 10)
+    opened = 2 * PER_CALLER
+    try:
+        wait_for(lambda: _count(daemon) - base >= opened * 10, 60, "the open streams' requests")
+        assert _answered(daemon, 10.0) is not None
+        assert offender.alive()
+        assert _count(daemon) - base == opened * 10 + 1
+    finally:
+        offender.close()
