@@ -66,6 +66,32 @@ def test_a_caller_never_holds_more_than_its_share() -> None:
     assert run(scenario()) == 3
 
 
+def test_a_new_caller_takes_a_free_place_while_another_waits_at_its_share() -> None:
+    """A caller with requests waiting past its share, none of which finish
+    (a stopped or very slow model): a new caller's request takes one of the
+    free places at once. It used to queue behind the waiting caller and
+    wait for one of its requests to finish."""
+    async def scenario() -> None:
+        share = FairShare(total=10, per_caller=2)
+        greedy, other = Caller("greedy"), Caller("other")
+        never = asyncio.Event()
+
+        async def call(caller: Caller) -> None:
+            await share.enter(caller)
+            await never.wait()
+
+        stuck = [asyncio.ensure_future(call(greedy)) for _ in range(5)]
+        await asyncio.sleep(0)
+        assert (greedy.in_flight, share.waiting()) == (2, 3)
+        await asyncio.wait_for(share.enter(other), 5)      # no place is freed meanwhile
+        assert (other.in_flight, share.in_flight, share.waiting()) == (1, 3, 3)
+        for task in stuck:
+            task.cancel()
+        await asyncio.gather(*stuck, return_exceptions=True)
+
+    run(scenario())
+
+
 def test_a_cancelled_waiter_gives_its_turn_away() -> None:
     async def scenario() -> None:
         share = FairShare(total=1, per_caller=1)

@@ -59,8 +59,14 @@ class FairShare:
         self._turns: deque[Caller] = deque()    # callers with requests waiting, next first
 
     async def enter(self, caller: Caller) -> None:
-        """Wait for a place (in this caller's order); `leave` gives it back."""
-        if not self._turns and self.in_flight < self.total and caller.in_flight < self.per_caller:
+        """Wait for a place (in this caller's order); `leave` gives it back.
+
+        Every caller still waiting while places are free is at its own
+        limit (`_hand_out` runs whenever a place frees), so a caller under
+        its limit takes a free place at once: a new caller never waits for
+        another's request to finish (it did, when any caller was waiting;
+        behind a stopped or slow model that was a lock-out)."""
+        if not caller.waiting and self.in_flight < self.total and caller.in_flight < self.per_caller:
             self._take(caller)
             return
         fut = asyncio.get_running_loop().create_future()
