@@ -19,7 +19,7 @@ import torch
 from torchpool import Client, InferenceError
 
 from ..support.daemon import free_tcp_port
-from ..support.daemon import Daemon, RawConnection, alive, wait_for, worker_pids
+from ..support.daemon import Daemon, RawConnection, alive, cmdline, descendants, started_at, wait_for, worker_pids
 from ..support.model_repository import slow_iterations
 
 A = np.arange(16, dtype=np.float32).reshape(1, 16)
@@ -427,11 +427,17 @@ def test_sigterm_under_load_answers_every_accepted_request(small_repository: Pat
     for t in threads:
         t.start()
     wait_for(lambda: len(outcomes) > 50, 30, "load before the signal")
+    processes = [(pid, started_at(pid)) for pid in descendants(d.pid())]
+    assert len(processes) >= 3          # the fork server, the resource tracker, the workers
     d.proc.send_signal(signal.SIGTERM)
     signalled.set()                     # requests sent from now on are not "accepted" ones
     for t in threads:
         t.join(60)
     assert d.stop() == 0
+    # the daemon reaped every process it had before it exited: none outlives it,
+    # the fork server included (one was seen alive 3 s after SIGTERM)
+    left = [(pid, cmdline(pid)) for pid, start in processes if start is not None and started_at(pid) == start]
+    assert not left, left
     errors_ = [o for o in outcomes if o != "ok"]
     # every request sent before the signal got an answer: a result, or at most
     # one "shutting down" per thread; nothing timed out

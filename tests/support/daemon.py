@@ -62,9 +62,16 @@ class Daemon:
         except FileNotFoundError:
             return ""
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0, leaves_nothing: bool = True) -> int:
+        """Signal the daemon and wait for it; its exit status. With
+        `leaves_nothing`, every process it had (gateway, fork server,
+        resource tracker, workers, helpers) must be gone by the time it has
+        exited cleanly: it reaps them itself, so this is no guess about
+        timing."""
         if self.proc is None:
             return 0
+        children = [(pid, started_at(pid)) for pid in descendants(self.proc.pid)] \
+            if self.proc.poll() is None else []
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
@@ -75,6 +82,10 @@ class Daemon:
             raise AssertionError(f"daemon did not stop within {timeout} s:\n{self.log()}")
         finally:
             self._log.close()
+        if leaves_nothing and code == 0:            # a clean stop, not a kill
+            left = [(pid, cmdline(pid)) for pid, start in children
+                    if start is not None and started_at(pid) == start]
+            assert not left, f"the daemon exited leaving processes behind: {left}"
         return code
 
     def pid(self) -> int:
@@ -122,6 +133,25 @@ def torchpool_segments() -> list[str]:
 
 
 # --- helpers for end-to-end tests ------------------------------------------------
+
+def started_at(pid: int) -> Optional[int]:
+    """When process `pid` started (clock ticks since boot), or None when it
+    has exited (a zombie has): with the pid, names one process, not a later
+    one that took its number."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
 
 def descendants(pid: int) -> list[int]:
     """Every live descendant of `pid` (fork server, resource tracker, workers)."""
