@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import socket
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ import pytest
 from torchpool import Client
 from torchpool.broker.options import ServerOptions
 from torchpool.protocol import errors, lane, messages
+from torchpool.protocol.errors import InferenceError
 from torchpool.worker.direct import STALL_S
 
 from ..support.daemon import Daemon, cpu_ticks, daemon_segments, wait_for
@@ -172,13 +174,72 @@ def test_requests_a_direct_path_does_not_take_keep_the_lane(direct_daemon: Daemo
     with Client(direct_daemon.url, timeout=30) as c:
         c.infer("addsub", {"INPUT0": A, "INPUT1": A})                # the path is open
         before = transfer(c)
-        out = c.infer("addsub", {"INPUT0": A, "INPUT1": A}, timeout=20)        # a timeout
+        out = c.infer("addsub", {"INPUT0": A, "INPUT1": A}, priority=1)        # a priority
         np.testing.assert_array_equal(out["OUTPUT0"], A + A)
         big = np.arange(1 << 16, dtype=np.float32)                   # 256 KiB: in the arena
         np.testing.assert_array_equal(c.infer("identity", {"INPUT__0": big})["OUTPUT__0"], big)
         after = transfer(c)
         assert after.get("requests_direct", 0) == before.get("requests_direct", 0)
         assert after["requests_on_lane"] - before["requests_on_lane"] == 2     # no path asked for either
+
+
+def test_a_call_with_a_timeout_takes_the_direct_path(direct_daemon: Daemon) -> None:
+    """A per-call timeout no longer sends a call the long way round: it
+    travels with the request, on the short way and through the flow."""
+    with Client(direct_daemon.url, timeout=30) as c:
+        c.infer("addsub", {"INPUT0": A, "INPUT1": A})                # the path is open
+        before, counted = transfer(c), stats(c, "addsub")
+        for i in range(5):
+            out = c.infer("addsub", {"INPUT0": A + i, "INPUT1": A}, timeout=20)
+            np.testing.assert_array_equal(out["OUTPUT0"], A + i + A)
+        after = transfer(c)
+        assert after["requests_direct"] - before["requests_direct"] == 5
+        assert after.get("requests_on_lane", 0) == before.get("requests_on_lane", 0)
+        assert stats(c, "addsub")["inference_count"] == counted["inference_count"] + 5
+
+
+def test_a_direct_request_whose_deadline_passed_before_it_started_is_not_run(direct_daemon: Daemon) -> None:
+    """Triton's semantics on the direct path: the worker drops a request
+    whose timeout passed before it could start (counted from when the
+    client sent it), answers "Request timeout expired" and counts a
+    rejected request; nothing runs. Shown two ways: a request that says it
+    was sent a second ago with a 1 ms timeout, and a real client's call
+    with a 0.3 s timeout to a worker stopped (SIGSTOP) until the client has
+    given up on it."""
+    raw = RawPath(direct_daemon.url)
+    try:
+        with Client(direct_daemon.url, timeout=30) as c:
+            counted = stats(c, "addsub")
+            raw.request(_with(raw, 7, timeout_us=1000, sent_ns=time.monotonic_ns() - 10**9))
+            answer = raw.path_answer()
+            assert (answer["id"], answer["ok"], answer["error"]) == (
+                7, False, {"code": errors.UNAVAILABLE, "message": "Request timeout expired"})
+            raw.request(_with(raw, 8, timeout_us=10**7, sent_ns=time.monotonic_ns()))   # in time: runs
+            assert raw.path_answer()["ok"]
+            s = stats(c, "addsub")
+            assert s["inference_count"] == counted["inference_count"] + 1
+            assert s["inference_stats"]["fail"]["count"] == counted["inference_stats"]["fail"]["count"] + 1
+    finally:
+        raw.close()
+    with Client(direct_daemon.url, timeout=30) as c:
+        c.infer("addsub", {"INPUT0": A, "INPUT1": A})                # the path is open
+        counted, before = stats(c, "addsub"), transfer(c)
+        pid = worker_pid(direct_daemon, "addsub")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(InferenceError) as late:
+                c.infer("addsub", {"INPUT0": A, "INPUT1": A}, timeout=0.3)
+            assert late.value.code == errors.DEADLINE_EXCEEDED
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: stats(c, "addsub")["inference_stats"]["fail"]["count"]
+                 == counted["inference_stats"]["fail"]["count"] + 1, 30, "the expired request to be counted")
+        s = stats(c, "addsub")
+        assert s["inference_count"] == counted["inference_count"]            # it never ran
+        # the late answer (the error) comes before the next call's own: that call gets its own
+        np.testing.assert_array_equal(c.infer("addsub", {"INPUT0": A, "INPUT1": A}, timeout=20)["OUTPUT0"], A + A)
+        assert not c._state.quarantine
+        assert transfer(c)["requests_direct"] - before["requests_direct"] == 2
 
 
 @pytest.mark.parametrize("model, version, code, expected", [
@@ -242,7 +303,7 @@ def _with(raw: RawPath, rid: int, **fields: object) -> dict:
 @pytest.mark.parametrize("change, code, expected", [
     ({"op": "unload"}, errors.UNSUPPORTED, "the direct path of model 'addsub' takes only infer"),
     ({"model": "identity"}, errors.INVALID_ARG, "serves model 'addsub'"),
-    ({"timeout_us": 5}, errors.UNSUPPORTED, "goes to the daemon"),
+    ({"priority": 1}, errors.UNSUPPORTED, "goes to the daemon"),
     ({"outputs": [{"name": "OUTPUT0", "region": "r"}]}, errors.UNSUPPORTED, "by name only"),
     ({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "shm": ["x", 0, 64, 1]},
                  {"name": "INPUT1", "datatype": "FP32", "shape": [1, 16], "data": A.tobytes()}]},

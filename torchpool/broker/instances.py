@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from ..config.parameters import model_parameters
 from ..logs import LOADING_NOTICE_S, log_fields
-from ..protocol import errors, internal
+from ..protocol import errors, internal, reports
 from ..protocol.errors import TorchpoolError
 from ..shm.fdpass import close_all
 from ..shm.segment import Segment, unlink_segment
@@ -37,7 +37,7 @@ from .batch import Batch
 from .loop import Loop
 from .options import ServerOptions
 from .registry import LOADING, READY, UNAVAILABLE, UNLOADING, ModelVersion
-from .stats import BACKEND, OTHER
+from .stats import BACKEND, OTHER, REJECTED
 from .supervisor import BUSY, DEAD, IDLE, STARTING, Supervisor, WorkerHandle
 
 if TYPE_CHECKING:
@@ -286,8 +286,8 @@ class Instances:
                     session.last_seen = now      # the broker never saw it: its lease is renewed here
                 if execution is not None:
                     stats.record_execution(*execution)
-                if not ok:
-                    stats.record_failure(ns, BACKEND)
+                if ok != reports.OK:
+                    stats.record_failure(ns, REJECTED if ok == reports.TIMED_OUT else BACKEND)
                     continue
                 stats.success.add(ns)
                 stats.queue.add(queue_ns)

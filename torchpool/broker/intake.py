@@ -29,7 +29,7 @@ from .frontend import Frontend
 from .lane import Lane, lane_session
 from .model_control import ModelControl
 from .registry import ModelVersion, Registry
-from ..protocol.validation import DEFAULT_LIMITS, TensorLimits, validate_infer
+from ..protocol.validation import DEFAULT_LIMITS, TensorLimits, request_timeout_us, validate_infer
 from .requests import InferRequest, batch_layout
 from .sessions import SessionManager
 
@@ -272,9 +272,7 @@ class Intake:
         scheduler = mv.scheduler
         staged, outputs, batch_size, regions, region_outputs = validate_infer(
             header, payload, mv, session, self.sessions, limits=self.limits)
-        timeout_us = header.get("timeout_us") or 0
-        if not isinstance(timeout_us, int) or isinstance(timeout_us, bool) or timeout_us < 0:
-            timeout_us = 0
+        timeout_us = request_timeout_us(header)
         req = InferRequest(sock, identity, request_id, mv, [], outputs, [], None,
                            batch_size=batch_size, session=session, client=client, regions=regions,
                            region_outputs=region_outputs, timeout_us=timeout_us,

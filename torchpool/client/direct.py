@@ -4,7 +4,7 @@ A sync `Client` with a request lane (lane.py) asks the daemon once per model
 for a direct path (broker/direct.py): a socket to one of the model's
 instances, handed over on the side channel. Requests the daemon's scheduler
 would only pass on, run alone and answer (inputs inline, outputs by name, no
-timeout, priority or sequence) then go there, and their answers come back
+priority or sequence; a per-call timeout goes along) then go there, and their answers come back
 there, in the lane's form: two process hops where the daemon makes four.
 Everything else keeps the lane. Once a model's path is open, `Client.infer`
 sends such a request the short way (DirectRequests, below): encoded by the
@@ -73,8 +73,10 @@ class DirectSocket(LaneSocket):
 
 
 def takes_direct(header: dict) -> bool:
-    """Is this infer request one a direct path takes? (its size is checked apart)"""
-    if header.get("timeout_us") or header.get("priority") or header.get("sequence"):
+    """Is this infer request one a direct path takes? (its size is checked
+    apart) A per-call timeout travels with it: the worker drops the request
+    if its deadline passed before it could start, as the daemon would."""
+    if header.get("priority") or header.get("sequence"):
         return False
     outputs = header["outputs"]
     if outputs is not None:
@@ -155,7 +157,7 @@ class DirectRequests:
     encoding and decoding."""
 
     def direct_request(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
-                       version: Any) -> Optional[tuple]:
+                       version: Any, timeout: Optional[float] = None) -> Optional[tuple]:
         """(path, id, frames, encoded inputs, session) of a request that goes
         to the open direct path of its model, encoded as `infer_flow` encodes
         it; None when it needs the flow (no path open yet, inputs that go by
@@ -171,7 +173,7 @@ class DirectRequests:
         if path is None:
             return None
         enc = self._encode_inline(inputs)    # what encode_inputs makes of these: nothing in the arena
-        header = self._infer_header(model, version, enc, outputs, None, 0, None)
+        header = self._infer_header(model, version, enc, outputs, timeout, 0, None)
         if not takes_direct(header):
             self.finish(enc, arena, answered=True)
             return None

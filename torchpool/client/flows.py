@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import math
 import threading
+import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -345,6 +346,11 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                   "model": model, "version": "" if version is None else str(version),
                   "inputs": enc.entries, "outputs": wanted,
                   "timeout_us": int(timeout * 1e6) if timeout else 0}
+        if timeout:
+            # when it left, on the host's monotonic clock: a worker that takes
+            # it on a direct path counts its deadline from here (the daemon
+            # counts from when it received it and ignores this)
+            header["sent_ns"] = time.monotonic_ns()
         if priority:
             header["priority"] = int(priority)
         if sequence:

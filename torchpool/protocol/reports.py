@@ -15,7 +15,7 @@ worker sends its reports as SERVED messages instead.
 
 Layout (little-endian): the worker's count of records written (u64) and
 the broker's count of records read (u64), each on its own cache line, then
-SLOTS records of RECORD: ok, then the execution the request was the first
+SLOTS records of RECORD: its outcome (OK, FAILED, TIMED_OUT), then the execution the request was the first
 of (batch size, requests, input, infer and output ns; requests 0: none),
 request ns, queue ns, and its client's session token. The broker made the memory (a
 memfd, handed over with the worker's first direct path) and reads only
@@ -27,6 +27,11 @@ import mmap
 import os
 import struct
 from typing import Optional
+
+# a record's outcome (its first field)
+FAILED = 0          # the model failed (Triton's BACKEND)
+OK = 1
+TIMED_OUT = 2       # its deadline passed before it could start (Triton's REJECTED)
 
 SLOTS = 1024
 RECORD = struct.Struct("<IIqqqqqq32s")     # session tokens are 32 hex digits (sessions.py)

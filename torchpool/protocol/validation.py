@@ -9,6 +9,7 @@ rules. Every message names the model, the tensor and what was expected
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -276,3 +277,34 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
         else:
             worker_outputs.append(name)
     return worker_outputs, region_outputs
+
+
+# --- a request's own timeout ---------------------------------------------------------------
+
+# Triton's answer to a request whose timeout passed before it could start
+TIMEOUT = "Request timeout expired"
+
+
+def request_timeout_us(header: dict) -> int:
+    """A request's own timeout in microseconds (0: none); anything but a
+    non-negative integer counts as none, on every path."""
+    timeout_us = header.get("timeout_us")
+    if timeout_us.__class__ is not int or timeout_us < 0:
+        return 0
+    return timeout_us
+
+
+def start_deadline(header: dict, model: str) -> Optional[int]:
+    """When a request taken on a direct path must have started
+    (time.monotonic_ns), or None without a timeout: counted from when its
+    client sent it (`sent_ns`, on the host's monotonic clock, which a
+    worker shares with its local clients), from now when that is missing
+    or in the future. The daemon counts from when it received a request."""
+    timeout_us = request_timeout_us(header)
+    if not timeout_us:
+        return None
+    now = time.monotonic_ns()
+    sent = header.get("sent_ns")
+    if sent.__class__ is not int or sent > now:
+        sent = now
+    return sent + timeout_us * 1000

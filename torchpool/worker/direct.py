@@ -11,7 +11,10 @@ and gets its answers here.
 
 A direct request is one the broker's scheduler would have run alone, at
 once, exactly as sent: inputs inline in its one datagram, outputs by name,
-no timeout, priority or sequence. It is checked here by the broker's own
+no priority or sequence. A per-call timeout comes along: a request whose
+deadline (counted from when the client sent it) passed before it could
+start is answered "Request timeout expired" and counted as rejected,
+as the daemon's scheduler does. It is checked here by the broker's own
 rules (protocol/validation.py, their one owner), with the limits
 the broker sent; anything else gets a clear error and nothing runs. Its
 outputs travel back inline (in pieces when large).
@@ -44,9 +47,10 @@ import torch
 from ..config import ModelConfig
 from ..protocol import datatypes, errors, internal, lane, messages, tensors
 from ..protocol.errors import TorchpoolError
+from ..protocol import reports
 from ..protocol.reports import ReportRing, open_ring
 from ..protocol.spin import WORKER_SPIN_SHARE, SpinWait
-from ..protocol.validation import TensorLimits, validate_infer
+from ..protocol.validation import TIMEOUT, TensorLimits, start_deadline, validate_infer
 from ..shm.fdpass import DONTWAIT, close_all
 from .direct_batch import DirectBatcher, poll_timeout_ms
 
@@ -223,6 +227,7 @@ class DirectClients:
                 raise
             request_id = header.get("id")
             self._check_plain(header)
+            deadline = start_deadline(header, self.model.name)
             staged, requested, batch_size, _, _ = validate_infer(header, payload, self.model, limits=self.limits)
         except TorchpoolError as exc:    # not accepted: nothing ran, nothing to count
             self._answer(c, [messages.pack(messages.error_response(request_id, exc))])
@@ -232,10 +237,23 @@ class DirectClients:
                 errors.INVALID_ARG, f"malformed request for model '{self.model.name}': {exc!r}")))])
             return True
         if self.batcher is not None:
+            # a model that batches ignores a request's own timeout, as the
+            # daemon's batcher does (a queue policy that honours it keeps the
+            # model off direct paths: DynamicScheduler.direct_refusal)
             self.batcher.add(c, request_id, staged, requested, batch_size, t0)
+        elif deadline is not None and time.monotonic_ns() > deadline:
+            self._expired(c, request_id, t0)
         else:
             self._run(c, request_id, staged, requested, batch_size, t0)
         return True
+
+    def _expired(self, c: _Client, request_id: Any, t0: int) -> None:
+        """A request whose deadline passed before it could start: not run,
+        answered and counted as the daemon's scheduler does (Triton's
+        "Request timeout expired", a REJECTED failure)."""
+        self._report([[reports.TIMED_OUT, time.perf_counter_ns() - t0, 0, c.session, None]])
+        self._answer(c, [messages.pack(messages.error_response(request_id, TorchpoolError(
+            errors.UNAVAILABLE, TIMEOUT)))])
 
     def _request(self, data: memoryview) -> tuple[dict, list]:
         """The header and payload frames of one direct request; TorchpoolError
@@ -261,10 +279,10 @@ class DirectClients:
             raise TorchpoolError(errors.INVALID_ARG, f"this direct path serves model '{model}' version "
                                                      f"{self.version}, not {header.get('model')!r} "
                                                      f"version {header.get('version')!r}")
-        if header.get("timeout_us") or header.get("priority") or header.get("sequence"):
-            raise TorchpoolError(errors.UNSUPPORTED, f"a request for model '{model}' with a timeout, "
-                                                     f"priority or sequence goes to the daemon, not "
-                                                     f"the direct path")
+        if header.get("priority") or header.get("sequence"):
+            raise TorchpoolError(errors.UNSUPPORTED, f"a request for model '{model}' with a priority "
+                                                     f"or sequence goes to the daemon, not the direct "
+                                                     f"path")
         outputs = header.get("outputs")
         if outputs is not None and (outputs.__class__ is not list or
                                     not all(o.__class__ is str for o in outputs)):
@@ -295,12 +313,12 @@ class DirectClients:
                 entries.append(_output(name, value, frames))
         except Exception as exc:         # the model failed: counted, answered, the worker goes on
             failed = worker.failed(0, exc, f"direct request {request_id!r}")
-            self._report([[0, time.perf_counter_ns() - t0, 0, c.session, None]])
+            self._report([[reports.FAILED, time.perf_counter_ns() - t0, 0, c.session, None]])
             self._answer(c, [messages.pack(messages.error_response(
                 request_id, TorchpoolError(failed.code, failed.message)))])
             return
         t3 = time.perf_counter_ns()
-        self._report([[1, t3 - t0, 0, c.session, [batch_size, 1, t1 - t0, t2 - t1, t3 - t2]]])
+        self._report([[reports.OK, t3 - t0, 0, c.session, [batch_size, 1, t1 - t0, t2 - t1, t3 - t2]]])
         header = messages.ok_response(request_id, model_name=self.model.name, model_version=self.version,
                                       outputs=entries)
         self._answer(c, [messages.pack(header), *frames])

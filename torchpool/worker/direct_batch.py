@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ..config import ModelConfig
-from ..protocol import errors, messages
+from ..protocol import errors, messages, reports
 from ..protocol.batching import batch_key, batch_limits, batch_rows, select_batch
 from ..protocol.errors import TorchpoolError
 
@@ -107,13 +107,13 @@ class DirectBatcher:
         except Exception as exc:         # the model failed (or its outputs cannot be split)
             failed = worker.failed(0, exc, f"direct batch of {len(reqs)} requests")
             now = time.perf_counter_ns()
-            answer([[0, now - w.t0, t_start - w.t0, w.client.session, None] for w in reqs],
+            answer([[reports.FAILED, now - w.t0, t_start - w.t0, w.client.session, None] for w in reqs],
                    [(w.client, [messages.pack(messages.error_response(
                        w.request_id, TorchpoolError(failed.code, failed.message)))]) for w in reqs])
             return
         t3 = time.perf_counter_ns()
         execution = [items, len(reqs), t1 - t_start, t2 - t1, t3 - t2]
-        records = [[1, t3 - w.t0, t_start - w.t0, w.client.session, execution if i == 0 else None]
+        records = [[reports.OK, t3 - w.t0, t_start - w.t0, w.client.session, execution if i == 0 else None]
                    for i, w in enumerate(reqs)]
         answer(records, answers)
 

@@ -103,7 +103,8 @@ class DynamicBatcher(Scheduler):
         db = self.cfg.dynamic_batching or {}
         policies = [db.get("default_queue_policy") or {}, *(db.get("priority_queue_policy") or {}).values()]
         if db.get("priority_levels", 0) > 1 or any(
-                p.get("default_timeout_microseconds") or p.get("max_queue_size") for p in policies):
+                p.get("default_timeout_microseconds") or p.get("max_queue_size") or p.get("allow_timeout_override")
+                for p in policies):
             return "the daemon orders its queue (priority levels, queue timeouts or sizes)"
         if any(spec.allow_ragged_batch for spec in self.cfg.inputs):
             return "the daemon batches its ragged inputs"
