@@ -11,7 +11,7 @@ import pytest
 
 from torchpool.broker.options import ServerOptions
 from torchpool.broker.registry import ModelVersion
-from torchpool.protocol.validation import DEFAULT_LIMITS, TensorLimits, validate_infer
+from torchpool.rules.validation import DEFAULT_LIMITS, TensorLimits, validate_infer
 from torchpool.config import ModelConfig
 from torchpool.config.pbtxt import parse_pbtxt
 from torchpool.protocol import datatypes, errors
@@ -128,7 +128,7 @@ def _timed(call) -> float:
     return time.perf_counter() - start
 
 
-# --- the limits on BYTES inputs (protocol/validation.validate_infer) ---------
+# --- the limits on BYTES inputs (rules/validation.validate_infer) ---------
 
 def strings_model(max_batch_size: int = 0) -> ModelVersion:
     cfg = ModelConfig.from_json({**parse_pbtxt(

@@ -13,7 +13,7 @@ from torchpool.broker.answers.split import split_outputs
 from torchpool.broker.batch import Batch
 from torchpool.broker.registry import ModelVersion
 from torchpool.broker.requests import InferRequest, batch_layout
-from torchpool.protocol.validation import _requested_outputs
+from torchpool.rules.validation import _requested_outputs
 from torchpool.client import Classification
 from torchpool.config import ModelConfig
 from torchpool.config.pbtxt import parse_pbtxt

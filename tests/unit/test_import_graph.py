@@ -109,19 +109,79 @@ def test_no_import_cycles() -> None:
     assert not gone, f"these cycles are gone: delete them from ALLOWED_CYCLES: {gone}"
 
 
-def test_lower_layers_do_not_import_upper_ones() -> None:
-    """The worker never imports the broker or the CLI; protocol/, shm/,
-    config/ and logs import neither workers, broker, client nor CLI."""
+# The floors, lowest first: a module imports from its own floor or one below,
+# never one above (the wire and shared memory know nothing of models; the
+# rules know models, not who moves requests; commands sit on top). The
+# package's __init__ (the public API and __version__) is read by every floor.
+FLOORS: list[tuple[str, ...]] = [
+    ("logs", "protocol", "shm"),          # the wire, memory, logging
+    ("config",),                          # the model repository and its configs
+    ("rules",),                           # what every path checks, batches and waits by
+    ("client", "worker"),                 # who moves requests
+    ("broker", "gateway"),                # the daemon's processes (the broker starts the gateway)
+    ("perf", "cli", "examples", "__main__"),   # commands
+]
+SCRIPTS = PACKAGE.parent / "scripts"
+
+
+def floor_of(module: str) -> int:
+    """The floor of a torchpool module (the package itself: none, -1)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return -1
+    for level, names in enumerate(FLOORS):
+        if parts[1] in names:
+            return level
+    raise AssertionError(f"{module} is on no floor: add its package to FLOORS")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((m, t) for m, targets in graph.items() for t in targets
+                  if floor_of(t) > floor_of(m) >= 0)
+
+
+def test_no_module_imports_from_a_floor_above_its_own() -> None:
+    """Before the rules had a floor of their own there were three upward
+    imports: protocol.validation -> config (the rules sat in the wire's
+    package) and perf -> cli.errors, cli.urls (perf is a command)."""
+    assert upward_imports({"torchpool.protocol.validation": {"torchpool.config"},
+                           "torchpool.config.paths": {"torchpool.protocol.names"}}) == [
+        ("torchpool.protocol.validation", "torchpool.config")]
+    wrong = upward_imports(import_graph())
+    assert not wrong, wrong
+
+
+def test_the_rules_client_modules_load_nothing_of_the_servers() -> None:
+    """The client applies rules.direct and rules.spin: they (and the rules
+    package itself) import only the wire."""
     graph = import_graph()
-    upper = {"worker": ("torchpool.broker", "torchpool.cli", "torchpool.client"),
-             "protocol": ("torchpool.broker", "torchpool.worker", "torchpool.cli", "torchpool.client"),
-             "config": ("torchpool.broker", "torchpool.worker", "torchpool.cli", "torchpool.client"),
-             "shm": ("torchpool.broker", "torchpool.worker", "torchpool.cli", "torchpool.client"),
-             "logs": ("torchpool.",)}
-    wrong = sorted((m, t) for m, targets in graph.items() for t in targets
-                   for layer, banned in upper.items()
-                   if (m == f"torchpool.{layer}" or m.startswith(f"torchpool.{layer}."))
-                   and t.startswith(banned))
+    for name in ("torchpool.rules", "torchpool.rules.direct", "torchpool.rules.spin"):
+        assert {floor_of(t) for t in graph[name]} <= {0}, (name, graph[name])
+
+
+def script_imports() -> dict[str, set[str]]:
+    """The torchpool modules each file in scripts/ imports."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(SCRIPTS.glob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names.add(node.module)
+        found[path.name] = {n for n in names if n == "torchpool" or n.startswith("torchpool.")}
+    return found
+
+
+def test_scripts_use_the_public_api_and_the_commands() -> None:
+    """scripts/ sit above every floor: they drive torchpool as its users do,
+    through the package's public names, the client, the example models and
+    the commands, not the daemon's insides."""
+    public = ("torchpool", "torchpool.client", "torchpool.examples", "torchpool.cli", "torchpool.perf",
+              "torchpool.protocol")
+    wrong = {name: sorted(m for m in modules if not (m in public or m.startswith(tuple(p + "." for p in public))))
+             for name, modules in script_imports().items()}
+    wrong = {k: v for k, v in wrong.items() if v}
     assert not wrong, wrong
 
 

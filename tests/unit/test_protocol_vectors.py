@@ -84,7 +84,7 @@ def addsub():
 def daemon_answer(header: dict, mv) -> bytes:
     """What the daemon's validator makes of a request header: the error
     answer's bytes, or b"" when it accepts the request."""
-    from torchpool.protocol.validation import validate_infer
+    from torchpool.rules.validation import validate_infer
 
     try:
         validate_infer(header, [], mv)

@@ -1,4 +1,4 @@
-"""SpinWait (protocol/spin.py): a direct path's ends poll without sleeping
+"""SpinWait (rules/spin.py): a direct path's ends poll without sleeping
 only while what they wait for comes sooner than the window, and never
 longer than the window or the caller's timeout. Real sockets and poll."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from torchpool.protocol.spin import SpinWait
+from torchpool.rules.spin import SpinWait
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_a_paced_client_keeps_the_worker_asleep_but_not_the_client(pair) -> None
     window: it waits for what may not come) sleeps."""
     import threading
 
-    from torchpool.protocol.spin import WORKER_SPIN_SHARE
+    from torchpool.rules.spin import WORKER_SPIN_SHARE
 
     a, b = pair
     window_us, gap_s, n = 20_000, 0.014, 25

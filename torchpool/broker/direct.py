@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 from ..protocol import errors, internal, messages
 from ..protocol.errors import TorchpoolError
 from ..protocol.reports import ReportRing
-from ..protocol.validation import TensorLimits
+from ..rules.validation import TensorLimits
 from ..shm.fdpass import send_with_fds
 from .registry import ModelVersion, Registry
 from .stats import BACKEND
@@ -61,7 +61,7 @@ class DirectPaths:
     def __init__(self, registry: Registry, limits: TensorLimits, execution_timeout: Callable[[Any], float],
                  stopping: Callable[[], bool], spin_us: int = 0) -> None:
         self.registry = registry
-        self.spin_us = spin_us          # both ends' spin window (protocol/spin.py)
+        self.spin_us = spin_us          # both ends' spin window (rules/spin.py)
         self.stopping = stopping
         self.limits = limits
         self.execution_timeout = execution_timeout      # (mv) -> seconds, 0 for none

@@ -29,7 +29,7 @@ from .frontend import Frontend
 from .lane import Lane, lane_session
 from .model_control import ModelControl
 from .registry import ModelVersion, Registry
-from ..protocol.validation import DEFAULT_LIMITS, TensorLimits, request_timeout_us, validate_infer
+from ..rules.validation import DEFAULT_LIMITS, TensorLimits, request_timeout_us, validate_infer
 from .requests import InferRequest, batch_layout
 from .sessions import SessionManager
 

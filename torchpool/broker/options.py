@@ -7,7 +7,7 @@ from typing import Optional
 
 from ..gateway import defaults as gateway_defaults
 from ..protocol.messages import MAX_HEADER_BYTES
-from ..protocol.validation import TensorLimits
+from ..rules.validation import TensorLimits
 
 MiB = 1 << 20
 
@@ -29,7 +29,7 @@ class ServerOptions:
     busy_poll_us: int = 0
     worker_busy_poll_us: int = 0        # the same for workers, after each batch
     # A direct path's two ends poll at most this long without sleeping, while
-    # the other answers sooner (protocol/spin.py): on the 2-core VM it halves
+    # the other answers sooner (rules/spin.py): on the 2-core VM it halves
     # a tiny request's latency for about the CPU the wake-ups cost. 0: off
     direct_spin_us: int = 500
     stop_timeout: float = 10.0          # time a worker gets to exit before SIGKILL

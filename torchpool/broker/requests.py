@@ -1,7 +1,7 @@
 """Inference requests, accepted: what the broker keeps of each, staged in shm.
 
 A request is checked against its model's config before it is accepted
-(protocol/validation.py, the one owner of those rules), so a bad request
+(rules/validation.py, the one owner of those rules), so a bad request
 never reaches a worker; then its batch layout is worked out and its inline
 inputs are copied once into the broker's arena.
 """
@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from ..config import ModelConfig
 from ..protocol import errors
-from ..protocol.batching import batch_key, batch_rows
+from ..rules.batching import batch_key, batch_rows
 from ..protocol.errors import TorchpoolError
 from ..protocol.internal import InputDescriptor
 from ..shm.arena import Arena, ArenaFull, Block

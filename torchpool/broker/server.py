@@ -6,7 +6,7 @@
                        │                   │ Intake: route each request                    │
                        │                   │   control ops ─► Registry, ModelControl,      │
                        │                   │                  SessionManager               │
-                       │                   │   infer: validate (protocol/validation.py) ─► │
+                       │                   │   infer: validate (rules/validation.py) ─► │
                        │                   │   the version's Scheduler (schedulers/:       │
                        │                   │   direct, dynamic, sequence) ─► Instances     │
     [header, frames] ◄─┼───────────────────│ Answers (answers/): split per request, order, │
@@ -68,7 +68,7 @@ from .instances import InstanceEvents, Instances
 from .direct import DirectPaths
 from .intake import Intake
 from .local_channel import LocalChannel, resolve_path
-from ..protocol.validation import TensorLimits
+from ..rules.validation import TensorLimits
 from .loop import Loop
 from .gateways import GatewayProcess
 from .metrics import MetricsServer, MetricsSnapshot, configure_metrics, serve_metrics, take_snapshot

@@ -31,7 +31,7 @@ import zmq
 
 from ..protocol import errors, messages
 from ..protocol.errors import InferenceError
-from ..protocol.spin import SpinWait
+from ..rules.spin import SpinWait
 from .types import NoAnswer
 from .watch import ConnectionWatch, Mark
 
@@ -202,7 +202,7 @@ class SharedSocket:
 
     def spin(self, window_us: int) -> None:
         """Poll this long for an answer before sleeping, while answers come
-        sooner (protocol/spin.py; a direct path's daemon says how long)."""
+        sooner (rules/spin.py; a direct path's daemon says how long)."""
         self._spin = SpinWait(window_us) if window_us else None
         self._spin_poll = functools.partial(_zmq_poll, self._poll_items)   # built once, not per wait
 

@@ -27,6 +27,7 @@ import numpy as np
 from ..protocol import errors, lane, messages, tensors
 from ..protocol.errors import InferenceError
 from ..shm.fdpass import DONTWAIT, FdReceiver, close_all
+from ..rules.direct import plain_refusal
 from .lane import LaneSocket
 from .types import NoAnswer
 
@@ -73,19 +74,14 @@ class DirectSocket(LaneSocket):
 
 
 def takes_direct(header: dict) -> bool:
-    """Is this infer request one a direct path takes? (its size is checked
-    apart) A per-call timeout travels with it: the worker drops the request
-    if its deadline passed before it could start, as the daemon would."""
-    if header.get("priority") or header.get("sequence"):
+    """Is this infer request one a direct path takes? The rule the worker
+    checks (rules/direct.py), and its inputs' bytes in the header itself: a
+    payload frame means a tensor too large for a path. (A per-call timeout
+    travels with it.)"""
+    if plain_refusal(header, header["model"]) is not None:
         return False
-    outputs = header["outputs"]
-    if outputs is not None:
-        for o in outputs:
-            if o.__class__ is not str:
-                return False
     for e in header["inputs"]:
-        # bytes in the header itself: a payload frame means a tensor too large for a path
-        if tensors.location(e) != tensors.DATA or e[tensors.DATA].__class__ is not bytes:
+        if e[tensors.DATA].__class__ is not bytes:
             return False
     return True
 

@@ -200,7 +200,7 @@ class Adopt(NamedTuple):
     session: str                # the client's session token: its requests renew the session
     max_bytes_elements: int     # the broker's TensorLimits, which the worker's checks apply
     max_bytes_tensor_bytes: int
-    spin_us: int                # how long the worker may poll without sleeping (protocol/spin.py)
+    spin_us: int                # how long the worker may poll without sleeping (rules/spin.py)
     KIND = ADOPT
 
 

@@ -15,13 +15,13 @@ no priority or sequence. A per-call timeout comes along: a request whose
 deadline (counted from when the client sent it) passed before it could
 start is answered "Request timeout expired" and counted as rejected,
 as the daemon's scheduler does. It is checked here by the broker's own
-rules (protocol/validation.py, their one owner), with the limits
+rules (rules/validation.py, their one owner), with the limits
 the broker sent; anything else gets a clear error and nothing runs. Its
 outputs travel back inline (in pieces when large).
 
 The worker serves its broker first, then each direct client one request in
 turn; between turns it waits on all their sockets, polling a while first
-while they answer sooner than a window (protocol/spin.py: the broker sends
+while they answer sooner than a window (rules/spin.py: the broker sends
 the window with each path). A client that does not read its answer keeps
 that one answer waiting here, and nothing more is read from it until it
 does; after STALL_S it is closed. Each request answered is reported to the broker before its answer
@@ -49,8 +49,9 @@ from ..protocol import datatypes, errors, internal, lane, messages, tensors
 from ..protocol.errors import TorchpoolError
 from ..protocol import reports
 from ..protocol.reports import ReportRing, open_ring
-from ..protocol.spin import WORKER_SPIN_SHARE, SpinWait
-from ..protocol.validation import TIMEOUT, TensorLimits, start_deadline, validate_infer
+from ..rules.spin import WORKER_SPIN_SHARE, SpinWait
+from ..rules.direct import plain_refusal
+from ..rules.validation import TIMEOUT, TensorLimits, start_deadline, validate_infer
 from ..shm.fdpass import DONTWAIT, close_all
 from .direct_batch import DirectBatcher, poll_timeout_ms
 
@@ -279,22 +280,9 @@ class DirectClients:
             raise TorchpoolError(errors.INVALID_ARG, f"this direct path serves model '{model}' version "
                                                      f"{self.version}, not {header.get('model')!r} "
                                                      f"version {header.get('version')!r}")
-        if header.get("priority") or header.get("sequence"):
-            raise TorchpoolError(errors.UNSUPPORTED, f"a request for model '{model}' with a priority "
-                                                     f"or sequence goes to the daemon, not the direct "
-                                                     f"path")
-        outputs = header.get("outputs")
-        if outputs is not None and (outputs.__class__ is not list or
-                                    not all(o.__class__ is str for o in outputs)):
-            raise TorchpoolError(errors.UNSUPPORTED, f"the direct path of model '{model}' takes "
-                                                     f"outputs by name only")
-        entries = header.get("inputs")
-        if entries.__class__ is list:
-            for e in entries:
-                if e.__class__ is dict and tensors.location(e) != tensors.DATA:
-                    raise TorchpoolError(errors.UNSUPPORTED, f"input '{e.get('name')}' for model "
-                                                             f"'{model}': the direct path takes "
-                                                             f"inline inputs only")
+        refusal = plain_refusal(header, model)
+        if refusal is not None:
+            raise refusal
 
     def _run(self, c: _Client, request_id: Any, staged: list, requested: list, batch_size: int,
              t0: int) -> None:

@@ -4,7 +4,7 @@ A model with dynamic batching takes direct requests when its batches are
 formed by the batching rules alone (one priority level, no queue policy, no
 ragged input: broker/direct.py refuses the others). The worker then batches
 the direct requests its clients send, by the broker's own rules
-(protocol/batching.py): each turn reads one request of each client, and
+(rules/batching.py): each turn reads one request of each client, and
 more in turn while they fill a batch (the threads of a client share its
 path); the accepted ones wait here in arrival order, and a batch runs as soon as
 the rules send it (at once with no max_queue_delay_microseconds: what
@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 from ..config import ModelConfig
 from ..protocol import errors, messages, reports
-from ..protocol.batching import batch_key, batch_limits, batch_rows, select_batch
+from ..rules.batching import batch_key, batch_limits, batch_rows, select_batch
 from ..protocol.errors import TorchpoolError
 
 # answer(records for SERVED, [(client, frames of its answer), ...])

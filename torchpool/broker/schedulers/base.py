@@ -42,7 +42,7 @@ ReadOutput = Callable[[Any, int, int], memoryview]
 Refusals = list[tuple["InferRequest", TorchpoolError]]
 
 # what a request whose timeout passed before it started is answered (Triton's words)
-from ...protocol.validation import TIMEOUT  # noqa: F401  (Triton's text; the schedulers answer it)
+from ...rules.validation import TIMEOUT  # noqa: F401  (Triton's text; the schedulers answer it)
 
 DELAY_SCHEDULER = "TRITONSERVER_DELAY_SCHEDULER"
 BACKLOG_DELAY_SCHEDULER = "TRITONSERVER_BACKLOG_DELAY_SCHEDULER"

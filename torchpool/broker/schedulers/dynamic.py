@@ -5,7 +5,7 @@ A version whose config has `dynamic_batching { }` is scheduled by a
 
     scan the queues in priority order (level 1 first; within a level, the
     requests that timed out with DELAY come after the others) and form the
-    batch from them by the rules of protocol/batching.py (Triton's
+    batch from them by the rules of rules/batching.py (Triton's
     GetDynamicBatch: the same inputs with the same shapes beyond the batch
     dimension, sent at the largest preferred size reached, or when the batch
     cannot grow; once the oldest request has waited
@@ -43,7 +43,7 @@ from typing import Any, Iterator, Optional
 
 from ...config import ModelConfig
 from ...protocol import errors
-from ...protocol.batching import batch_limits, select_batch
+from ...rules.batching import batch_limits, select_batch
 from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch, stage_batch_inputs
@@ -99,7 +99,7 @@ class DynamicBatcher(Scheduler):
 
     def direct_refusal(self) -> Optional[str]:
         """A worker forms batches of its direct requests by the same rules
-        (protocol/batching.py), but not what needs the whole queue."""
+        (rules/batching.py), but not what needs the whole queue."""
         db = self.cfg.dynamic_batching or {}
         policies = [db.get("default_queue_policy") or {}, *(db.get("priority_queue_policy") or {}).values()]
         if db.get("priority_levels", 0) > 1 or any(

@@ -52,7 +52,7 @@ from typing import Any, Callable, Optional
 
 from ...config import ModelConfig
 from ...protocol import errors
-from ...protocol.batching import limits, select_batch
+from ...rules.batching import limits, select_batch
 from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch
@@ -280,7 +280,7 @@ class SequenceBatcher(Scheduler):
         return [s for s in ready if not s.queue[0].exclusive and self._key(s, s.queue[0]) == key]
 
     def _select_oldest(self, ready: list[Sequence], now: float) -> list[Sequence]:
-        """The dynamic batcher's rules (protocol/batching.py) over the front
+        """The dynamic batcher's rules (rules/batching.py) over the front
         requests of the candidate sequences, oldest first, as Triton's oldest
         strategy runs a dynamic batcher over its candidates."""
         ready = sorted(ready, key=lambda s: (s.queue[0].enqueued, s.queue[0].arrival))

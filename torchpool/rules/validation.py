@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from ..config import ModelConfig, TensorSpec
-from . import datatypes, errors, tensors
-from .errors import TorchpoolError
+from ..protocol import datatypes, errors, tensors
+from ..protocol.errors import TorchpoolError
 
 MiB = 1 << 20
 
