@@ -256,11 +256,11 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
         name = out.get("name") if isinstance(out, dict) else out
         if not isinstance(name, str):
             raise _bad(f"'outputs' for model '{model}' must be a list of output names")
+        if name in seen:            # Triton's InferenceRequest::AddOriginalRequestedOutput
+            raise _bad(f"output '{name}' already exists in request for model '{model}'")
+        seen.add(name)
         if cfg.output(name) is None:
             raise _bad(f"unexpected inference output '{name}' for model '{model}'")
-        if name in seen:
-            continue
-        seen.add(name)
         if out is name:              # a plain name
             worker_outputs.append(name)
             continue

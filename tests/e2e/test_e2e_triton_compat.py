@@ -1,0 +1,105 @@
+"""End to end: Triton-compatibility of issue 41, over ZeroMQ (torchpool's
+client and raw messages), HTTP (tritonclient.http) and gRPC
+(tritonclient.grpc) against one daemon in the default model control mode
+(none): duplicate requested outputs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from torchpool import Client, InferenceError
+from torchpool.protocol import errors
+
+from ..support.daemon import Daemon, free_tcp_port, wait_for
+from ..support.http_gateway import error_of, request
+
+httpclient = pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+A = np.arange(16, dtype=np.float32).reshape(1, 16)
+ADDSUB = {"INPUT0": A, "INPUT1": A}
+
+
+@pytest.fixture(scope="module")
+def tdaemon(small_repository: Path, tmp_path_factory: pytest.TempPathFactory):
+    http_port, grpc_port = free_tcp_port(), free_tcp_port()
+    d = Daemon(small_repository, tmp_path_factory.mktemp("compat"), "--http-port", str(http_port),
+               "--grpc-port", str(grpc_port)).start()
+    d.http_port, d.grpc_url = http_port, f"127.0.0.1:{grpc_port}"
+    with grpcclient.InferenceServerClient(d.grpc_url) as c:
+        wait_for(lambda: _live(c), 30, "the gRPC endpoint")
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def _live(c) -> bool:
+    try:
+        return c.is_server_live()
+    except InferenceServerException:
+        return False
+
+
+def http_inputs() -> list:
+    out = []
+    for name in ("INPUT0", "INPUT1"):
+        t = httpclient.InferInput(name, [1, 16], "FP32")
+        t.set_data_from_numpy(A)
+        out.append(t)
+    return out
+
+
+def grpc_inputs() -> list:
+    out = []
+    for name in ("INPUT0", "INPUT1"):
+        t = grpcclient.InferInput(name, [1, 16], "FP32")
+        t.set_data_from_numpy(A)
+        out.append(t)
+    return out
+
+
+# --- 1. duplicate requested outputs: Triton's INVALID_ARG ------------------------------
+
+DUPLICATE = "output 'OUTPUT0' already exists in request"
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_duplicate_output_names_refused_over_zeromq(tdaemon: Daemon, local: bool) -> None:
+    # local=True goes by the worker's direct path where the daemon offers one
+    with Client(tdaemon.url, local=local, timeout=60) as c:
+        for _ in range(2):          # the second one after a first, so a direct path is open
+            with pytest.raises(InferenceError) as exc:
+                c.infer("addsub", ADDSUB, outputs=["OUTPUT0", "OUTPUT1", "OUTPUT0"])
+            assert exc.value.code == errors.INVALID_ARG and DUPLICATE in exc.value.message, exc.value
+            assert set(c.infer("addsub", ADDSUB, outputs=["OUTPUT1"])) == {"OUTPUT1"}
+
+
+def test_duplicate_output_names_refused_over_http(tdaemon: Daemon) -> None:
+    with httpclient.InferenceServerClient(f"127.0.0.1:{tdaemon.http_port}") as c:
+        outputs = [httpclient.InferRequestedOutput("OUTPUT0") for _ in range(2)]
+        with pytest.raises(InferenceServerException) as exc:
+            c.infer("addsub", http_inputs(), outputs=outputs)
+        assert exc.value.status() == "400" and DUPLICATE in exc.value.message(), exc.value
+        assert c.is_server_live()
+        np.testing.assert_array_equal(c.infer("addsub", http_inputs()).as_numpy("OUTPUT0"), A + A)
+    # Triton's L0_http test, by hand: JSON outputs
+    body = {"inputs": [{"name": n, "datatype": "FP32", "shape": [1, 16], "data": A.ravel().tolist()}
+                       for n in ("INPUT0", "INPUT1")],
+            "outputs": [{"name": "OUTPUT0"} for _ in range(2)]}
+    status, _, answer = request(tdaemon.http_port, "POST", "/v2/models/addsub/infer",
+                                json.dumps(body).encode(), {"Content-Type": "application/json"})
+    assert status == 400 and DUPLICATE in error_of(answer), answer
+
+
+def test_duplicate_output_names_refused_over_grpc(tdaemon: Daemon) -> None:
+    with grpcclient.InferenceServerClient(tdaemon.grpc_url) as c:
+        outputs = [grpcclient.InferRequestedOutput("OUTPUT0") for _ in range(2)]
+        with pytest.raises(InferenceServerException) as exc:
+            c.infer("addsub", grpc_inputs(), outputs=outputs)
+        assert exc.value.status() == "StatusCode.INVALID_ARGUMENT", exc.value
+        assert DUPLICATE in exc.value.message(), exc.value
+        assert c.is_server_live()
+        np.testing.assert_array_equal(c.infer("addsub", grpc_inputs()).as_numpy("OUTPUT0"), A + A)
