@@ -1,7 +1,7 @@
 """End to end: Triton-compatibility of issue 41, over ZeroMQ (torchpool's
 client and raw messages), HTTP (tritonclient.http) and gRPC
 (tritonclient.grpc) against one daemon in the default model control mode
-(none): duplicate requested outputs."""
+(none): duplicate requested outputs, load / unload outside explicit mode."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import pytest
 from torchpool import Client, InferenceError
 from torchpool.protocol import errors
 
-from ..support.daemon import Daemon, free_tcp_port, wait_for
+from ..support.daemon import Daemon, RawConnection, free_tcp_port, wait_for
 from ..support.http_gateway import error_of, request
 
 httpclient = pytest.importorskip("tritonclient.http")
@@ -22,6 +22,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 A = np.arange(16, dtype=np.float32).reshape(1, 16)
 ADDSUB = {"INPUT0": A, "INPUT1": A}
+POLLING = "explicit model load / unload is not allowed if polling is enabled"
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,11 @@ def _live(c) -> bool:
         return c.is_server_live()
     except InferenceServerException:
         return False
+
+
+def raw_call(url: str, op: str, **fields) -> dict:
+    with RawConnection(url) as rc:
+        return rc.call(rc.pack({"v": 1, "op": op, "id": 1, **fields}), timeout=60)[0]
 
 
 def http_inputs() -> list:
@@ -103,3 +109,30 @@ def test_duplicate_output_names_refused_over_grpc(tdaemon: Daemon) -> None:
         assert DUPLICATE in exc.value.message(), exc.value
         assert c.is_server_live()
         np.testing.assert_array_equal(c.infer("addsub", grpc_inputs()).as_numpy("OUTPUT0"), A + A)
+
+
+# --- 5. load / unload outside explicit mode: Triton's UNAVAILABLE ----------------------
+
+def test_load_unload_without_explicit_mode_over_zeromq(tdaemon: Daemon) -> None:
+    for op in ("load", "unload"):
+        answer = raw_call(tdaemon.url, op, model="addsub")
+        assert answer["error"] == {"code": errors.UNAVAILABLE, "message": POLLING}, answer
+
+
+def test_load_unload_without_explicit_mode_over_http(tdaemon: Daemon) -> None:
+    with httpclient.InferenceServerClient(f"127.0.0.1:{tdaemon.http_port}") as c:
+        for call in (c.load_model, c.unload_model):
+            with pytest.raises(InferenceServerException) as exc:
+                call("addsub")
+            assert (exc.value.status(), exc.value.message()) == ("503", POLLING), exc.value
+        assert c.is_model_ready("addsub")
+
+
+def test_load_unload_without_explicit_mode_over_grpc(tdaemon: Daemon) -> None:
+    with grpcclient.InferenceServerClient(tdaemon.grpc_url) as c:
+        for call in (c.load_model, c.unload_model):
+            with pytest.raises(InferenceServerException) as exc:
+                call("addsub")
+            assert exc.value.status() == "StatusCode.UNAVAILABLE", exc.value
+            assert exc.value.message() == POLLING, exc.value
+        assert c.is_model_ready("addsub")

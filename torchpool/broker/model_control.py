@@ -67,9 +67,10 @@ class ModelControl:
 
     def check_explicit(self, op: str) -> None:
         if self.mode != EXPLICIT:
-            raise TorchpoolError(errors.UNSUPPORTED,
-                                 f"'{op}' needs --model-control-mode explicit (this daemon runs "
-                                 f"'{self.mode}')")
+            # Triton's text and code in every mode but explicit (none included):
+            # ModelRepositoryManager::LoadUnloadModel
+            raise TorchpoolError(errors.UNAVAILABLE,
+                                 "explicit model load / unload is not allowed if polling is enabled")
 
     def load(self, name: Any, config: Any, waiter: Waiter) -> None:
         check_model_name(name)
