@@ -75,6 +75,8 @@ class ModelControl:
     def load(self, name: Any, config: Any, waiter: Waiter) -> None:
         check_model_name(name)
         entry = load_model_entry(self.root, name, config)
+        for warning in entry.warnings:          # what loads anyway, as Triton logs it
+            log.warning("%s", warning)
         model = self.registry.models.get(name)
         if entry.error is not None:
             # a model of the repository that fails stays listed, with why; a name
@@ -92,8 +94,6 @@ class ModelControl:
         if not gen.versions:
             raise TorchpoolError(errors.UNAVAILABLE, f"failed to load '{name}': no version to load")
         model.pending = gen
-        for warning in entry.warnings:
-            log.warning("%s", warning)
         log.info("loading model '%s' versions %s", name, sorted(gen.versions))
         for mv in gen.versions.values():
             self.start_version(mv)
