@@ -136,3 +136,53 @@ def test_load_unload_without_explicit_mode_over_grpc(tdaemon: Daemon) -> None:
             assert exc.value.status() == "StatusCode.UNAVAILABLE", exc.value
             assert exc.value.message() == POLLING, exc.value
         assert c.is_model_ready("addsub")
+
+
+# --- 4. a version the model has but cannot serve: Triton's "is not at ready state" -----
+
+def test_version_not_ready_is_unavailable_and_only_unknown_ones_not_found(
+        test_repository: Path, tmp_path: Path) -> None:
+    """L0_lifecycle's test_dynamic_version_load_unload (libtorch): a version
+    removed from a polled repository is "not at ready state" (UNAVAILABLE),
+    as is one that failed to load; one the model never had is "not found"."""
+    import shutil
+    import signal
+
+    repo = tmp_path / "repo"
+    shutil.copytree(test_repository / "versioned_all", repo / "versioned_all")
+    shutil.copytree(test_repository / "versioned_all", repo / "half_broken")
+    (repo / "half_broken" / "config.pbtxt").write_text(
+        (repo / "half_broken" / "config.pbtxt").read_text().replace("versioned_all", "half_broken"))
+    (repo / "half_broken" / "2" / "model.pt").unlink()             # version 2 fails to load
+    http_port = free_tcp_port()
+    d = Daemon(repo, tmp_path / "d", "--model-control-mode", "poll", "--repository-poll-secs", "3600",
+               "--http-port", str(http_port)) if (tmp_path / "d").mkdir() is None else None
+    d.start()
+    x = {"INPUT0": np.ones((1, 4), np.float32)}
+    try:
+        with Client(d.url, local=False, timeout=60) as c, \
+                httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as h:
+            wait_for(lambda: h.is_server_live(), 30, "the HTTP endpoint")
+            assert c.infer("versioned_all", x, version=1)["OUTPUT0"][0, 0] == 1.0
+            shutil.rmtree(repo / "versioned_all" / "1")
+            d.proc.send_signal(signal.SIGHUP)                      # rescan now
+            wait_for(lambda: not c.model_ready("versioned_all", 1), 30, "version 1 to go")
+            assert c.model_ready("versioned_all", 2) and c.model_ready("versioned_all", 3)
+            for model, version, why in (("versioned_all", 1, "unloaded"), ("half_broken", 2, "unable to find")):
+                text = f"Request for unknown model: '{model}' version {version} is not at ready state"
+                with pytest.raises(InferenceError) as exc:
+                    c.infer(model, x, version=version)
+                assert exc.value.code == errors.UNAVAILABLE and exc.value.message.startswith(text), exc.value
+                assert why in exc.value.message, exc.value
+                t = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+                t.set_data_from_numpy(x["INPUT0"])
+                with pytest.raises(InferenceServerException) as hexc:
+                    h.infer(model, [t], model_version=str(version))
+                assert hexc.value.status() == "503" and text in hexc.value.message(), hexc.value
+            with pytest.raises(InferenceError) as exc:
+                c.infer("versioned_all", x, version=9)
+            assert (exc.value.code, exc.value.message) == (
+                errors.NOT_FOUND, "Request for unknown model: 'versioned_all' version 9 is not found")
+            assert c.infer("half_broken", x, version=3)["OUTPUT0"][0, 0] == 3.0
+    finally:
+        assert d.stop() == 0, d.log()

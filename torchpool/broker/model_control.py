@@ -124,6 +124,7 @@ class ModelControl:
             self._abandon(model, TorchpoolError(errors.UNAVAILABLE, f"model '{name}' was unloaded"))
         for mv in list(model.versions.values()):
             self.retire(mv)
+        model.former |= set(model.versions)
         model.versions = {}
         log.info("unloading model '%s'", name)
         self.progress()
@@ -147,6 +148,7 @@ class ModelControl:
                 w(TorchpoolError(errors.UNAVAILABLE, f"failed to load '{model.name}': {reasons}"))
             return
         old = list(model.versions.values())
+        model.former = (model.former | set(model.versions)) - set(gen.versions)
         model.versions = gen.versions
         model.entry, model.fingerprint, model.unloaded = gen.entry, gen.fingerprint, False
         for mv_old in old:
