@@ -186,3 +186,27 @@ def test_version_not_ready_is_unavailable_and_only_unknown_ones_not_found(
             assert c.infer("half_broken", x, version=3)["OUTPUT0"][0, 0] == 3.0
     finally:
         assert d.stop() == 0, d.log()
+
+
+# --- 2. the BYTES element bound: Triton's own 10,485,760 pass, one more does not -------
+
+def test_one_bytes_element_past_the_default_bound_is_refused_over_grpc(tdaemon: Daemon) -> None:
+    """The default --max-bytes-elements is 10,485,760, what L0_grpc's
+    python_unit_test.py sends (tests/unit/test_bytescan.py checks that many
+    pass validation); one more is refused on its shape alone."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    request = service_pb2.ModelInferRequest(model_name="strings")
+    t = request.inputs.add(name="INPUT__0", datatype="BYTES", shape=[10 * 1024 * 1024 + 1])
+    request.raw_input_contents.append(b"\1\0\0\0A" * 4)
+    with grpc.insecure_channel(tdaemon.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.ModelInfer(request, timeout=60)
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.value
+        assert exc.value.details() == ("input 'INPUT__0' for model 'strings' has 10485761 BYTES elements; this "
+                                       "server accepts at most 10485760 per tensor (--max-bytes-elements)")
+        t.shape[0] = 4                                               # the same, within the bound
+        answer = stub.ModelInfer(request, timeout=60)
+        assert list(answer.outputs[0].shape) == [4]

@@ -25,7 +25,11 @@ class TensorLimits:
     BYTES tensors cost the broker a walk over every element and the worker a
     Python object per element. A daemon's are its ServerOptions' (--max-bytes-*)."""
 
-    max_bytes_elements: int = 1 << 22            # elements of one BYTES tensor
+    # elements of one BYTES tensor: Triton's own L0_grpc test sends 10,485,760
+    # one-byte elements (10 Mi); each costs about 280 bytes at its peak in the
+    # worker (a str and a TorchScript string) and as much in the gRPC gateway's
+    # converter: about 3 GiB in each at the bound, never more
+    max_bytes_elements: int = 10 << 20
     max_bytes_tensor_bytes: int = 256 * MiB      # bytes of one BYTES tensor
 
     @classmethod
