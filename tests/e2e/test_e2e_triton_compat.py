@@ -27,10 +27,10 @@ POLLING = "explicit model load / unload is not allowed if polling is enabled"
 
 @pytest.fixture(scope="module")
 def tdaemon(small_repository: Path, tmp_path_factory: pytest.TempPathFactory):
-    http_port, grpc_port = free_tcp_port(), free_tcp_port()
+    http_port, grpc_port, metrics_port = free_tcp_port(), free_tcp_port(), free_tcp_port()
     d = Daemon(small_repository, tmp_path_factory.mktemp("compat"), "--http-port", str(http_port),
-               "--grpc-port", str(grpc_port)).start()
-    d.http_port, d.grpc_url = http_port, f"127.0.0.1:{grpc_port}"
+               "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)).start()
+    d.http_port, d.grpc_url, d.metrics_port = http_port, f"127.0.0.1:{grpc_port}", metrics_port
     with grpcclient.InferenceServerClient(d.grpc_url) as c:
         wait_for(lambda: _live(c), 30, "the gRPC endpoint")
     yield d
@@ -210,3 +210,60 @@ def test_one_bytes_element_past_the_default_bound_is_refused_over_grpc(tdaemon: 
         t.shape[0] = 4                                               # the same, within the bound
         answer = stub.ModelInfer(request, timeout=60)
         assert list(answer.outputs[0].shape) == [4]
+
+
+# --- 6. requests refused before they are queued count in no model statistic ----------
+
+def test_refused_requests_are_not_counted_as_failures(tdaemon: Daemon) -> None:
+    """Triton counts a failure against a model only once the request is queued
+    (InferenceRequest::RespondIfError: REJECTED for a queue timeout, CANCELED,
+    BACKEND, OTHER); one refused by validation (PrepareForInference, before
+    InferAsync) or a full queue (Enqueue) is answered with the error and
+    counted nowhere, and a request for an unknown model cannot be. The same
+    here: through the daemon, the worker's direct path and HTTP."""
+    import re
+    import urllib.request
+
+    def counts() -> tuple:
+        with Client(tdaemon.url, local=False, timeout=60) as c:    # first: it catches up on reports
+            inference = c.statistics("addsub")["model_stats"][0]["inference_stats"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{tdaemon.metrics_port}/metrics", timeout=10).read()
+        samples = {}
+        for m in re.finditer(r'^(nv_inference_request_(?:success|failure))\{([^}]*)\} (\S+)$', text.decode(),
+                             re.M):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            if labels.get("model") == "addsub":
+                samples[(m.group(1), labels.get("reason", ""))] = float(m.group(3))
+        return samples, inference["success"]["count"], inference["fail"]["count"]
+
+    before_samples, before_success, before_fail = counts()
+    refused = 0
+    for local in (False, True):
+        with Client(tdaemon.url, local=local, timeout=60) as c:
+            c.infer("addsub", ADDSUB)
+            for bad in ({"INPUT0": A},                                        # an input missing
+                        {"INPUT0": A, "INPUT1": A[:, :8]}):                   # a wrong shape
+                with pytest.raises(InferenceError) as exc:
+                    c.infer("addsub", bad)
+                assert exc.value.code == errors.INVALID_ARG, exc.value
+                refused += 1
+            with pytest.raises(InferenceError):
+                c.infer("addsub", ADDSUB, outputs=["OUTPUT0", "OUTPUT0"])
+            refused += 1
+    with httpclient.InferenceServerClient(f"127.0.0.1:{tdaemon.http_port}") as h:
+        with pytest.raises(InferenceServerException):
+            h.infer("addsub", http_inputs()[:1])
+        with pytest.raises(InferenceServerException):
+            h.infer("addsub", http_inputs(), outputs=[httpclient.InferRequestedOutput("OUTPUT0")] * 2)
+        refused += 2
+        h.infer("addsub", http_inputs())
+    assert refused == 8
+    # the direct path reports what it answered before it answers: the three
+    # successes are counted when the statistics call has caught up
+    samples, success, fail = counts()
+    assert (success - before_success, fail - before_fail) == (3, 0)
+    assert samples[("nv_inference_request_success", "")] - before_samples[("nv_inference_request_success", "")] \
+        == 3
+    for reason in ("REJECTED", "CANCELED", "BACKEND", "OTHER"):
+        key = ("nv_inference_request_failure", reason)
+        assert samples[key] == before_samples[key], (reason, samples)
