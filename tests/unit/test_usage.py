@@ -77,3 +77,36 @@ def test_rows_of_workers() -> None:
     gone = handle("m_2", "IDLE")
     gone.process = Closed()
     assert instance_rows([gone], {}, sampler) == []
+
+
+def test_ps_shows_the_memory_of_now_not_of_the_previous_call() -> None:
+    """`torchpool ps` (cli current_rows) asks again while a reading is older
+    than the sampler's `every`: it showed the previous call's reading."""
+    from torchpool.cli.client_commands import current_rows
+
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys; print('started', flush=True); sys.stdin.readline(); b = b'x' * (256 << 20); "
+                              "print('grown', flush=True); sys.stdin.readline()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        sampler = PssSampler(every=0.05)
+        h = SimpleNamespace(process=child, spec=SimpleNamespace(instance="m_0", device="cpu", threads=1),
+                            state="IDLE", stopping=False, started=time.monotonic())
+
+        def fetch() -> list:
+            return instance_rows([h], {}, sampler)
+
+        assert child.stdout.readline() == "started\n"
+        before = current_rows(fetch, every=0.05, wait=10)[0]
+        assert before["pss_bytes"] is not None and before["pss_age_s"] <= 0.05
+        child.stdin.write("grow\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "grown\n"
+        time.sleep(0.1)       # the reading grows older than `every` (the time passing is the test)
+        stale = fetch()[0]    # answered at once: the old reading, and its age
+        assert stale["pss_age_s"] > 0.05
+        now = current_rows(fetch, every=0.05, wait=10)[0]
+        assert now["pss_age_s"] <= 0.05 and now["pss_bytes"] > stale["pss_bytes"] + (200 << 20), (stale, now)
+    finally:
+        child.kill()
+        child.wait()

@@ -83,6 +83,13 @@ class PssSampler:
         self._thread: Optional[threading.Thread] = None
 
     def pss(self, pid: int) -> Optional[int]:
+        return self.reading(pid)[0]
+
+    def reading(self, pid: int) -> tuple[Optional[int], Optional[float]]:
+        """(PSS, seconds since it was read): (None, None) before the first
+        reading. A reading older than `every` is answered as it is, and read
+        again at once on the thread: whoever needs a current one (`torchpool
+        ps`) asks again when the age says it is old."""
         now = time.monotonic()
         with self._lock:
             self._asked[pid] = now
@@ -95,7 +102,7 @@ class PssSampler:
                 self._thread.start()
         if stale:
             self._wake.set()
-        return value
+        return value, None if read_at is None else now - read_at
 
     def _run(self) -> None:
         while True:
@@ -129,6 +136,7 @@ def instance_row(h: Any, restarts: int, now: float, sampler: PssSampler = PSS) -
     except ValueError:                # closed: reaped since the caller listed it
         return None
     usage = read_stat(pid)
+    pss, pss_age = sampler.reading(pid)
     uptime = now - h.started
     return {
         "name": h.spec.instance, "pid": pid, "device": h.spec.device, "threads": h.spec.threads,
@@ -137,7 +145,8 @@ def instance_row(h: Any, restarts: int, now: float, sampler: PssSampler = PSS) -
         "started": round(time.time() - uptime, 3), "uptime_s": round(uptime, 3),
         "cpu_s": None if usage is None else round(usage.cpu_seconds, 2),
         "rss_bytes": None if usage is None else usage.rss_bytes,
-        "pss_bytes": sampler.pss(pid),
+        "pss_bytes": pss,
+        "pss_age_s": None if pss_age is None else round(pss_age, 3),   # how old pss_bytes is
     }
 
 
