@@ -80,6 +80,7 @@ class PssSampler:
         self._asked: dict[int, float] = {}          # pid -> when it was last asked about
         self._pss: dict[int, tuple[float, Optional[int]]] = {}    # pid -> (when read, reading)
         self._due: set[int] = set()                 # pids to read now
+        self._reading: set[int] = set()             # pids the thread is reading (not asked again)
         self._thread: Optional[threading.Thread] = None
 
     def pss(self, pid: int) -> Optional[int]:
@@ -94,7 +95,8 @@ class PssSampler:
         with self._lock:
             self._asked[pid] = now
             read_at, value = self._pss.get(pid, (None, None))
-            stale = (read_at is None or now - read_at > self.every) and pid not in self._due
+            stale = (read_at is None or now - read_at > self.every) and pid not in self._due \
+                and pid not in self._reading
             if stale:
                 self._due.add(pid)
             if self._thread is None:
@@ -115,11 +117,13 @@ class PssSampler:
                         del self._asked[pid]
                         self._pss.pop(pid, None)
                 due, self._due = self._due, set()
+                self._reading = set(due)
             for pid in due:
                 value = read_pss(pid)        # the slow part, outside the lock
                 with self._lock:
                     if pid in self._asked:
                         self._pss[pid] = (time.monotonic(), value)
+                    self._reading.discard(pid)
 
 
 # One per process, as the workers it reads are the daemon's: the statistics
