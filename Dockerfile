@@ -51,22 +51,22 @@ RUN groupadd --system --gid 10001 torchpool \
 USER 10001:10001
 
 # 8000 HTTP/REST and 8001 gRPC (KServe v2, Triton's ports), 8002 metrics,
-# 8555 the ZeroMQ protocol over tcp
+# 8555 the ZeroMQ protocol over tcp when it is given with CURVE keys
 EXPOSE 8000 8001 8002 8555
 
 # Triton's strict readiness: every model loaded. Slim images have no curl.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2)"]
 
-# Every address is open inside the container; which ones the world reaches is
-# the operator's choice of published ports. The HTTP/gRPC endpoints have no
-# authentication (as in Triton's image), so --insecure-tcp exposes nothing the
-# HTTP port does not; for CURVE on tcp replace the command (docs/deploy.md).
+# HTTP/gRPC/metrics listen on every address, as in Triton's image (which ones
+# the world reaches is the operator's choice of published ports). The ZeroMQ
+# protocol, model control included, is not on tcp by default: an
+# unauthenticated listener on every interface would be open to anyone who can
+# reach it. Add it with CURVE keys (docs/deploy.md); 8555 is its port then.
 # SIGTERM drains accepted requests for --grace-period (30 s) before exiting.
 ENTRYPOINT ["torchpool", "serve"]
 CMD ["--model-repository", "/models", \
      "--listen", "ipc:///run/torchpool/torchpool.sock", \
-     "--listen", "tcp://0.0.0.0:8555", "--insecure-tcp", \
      "--http-port", "8000", "--http-host", "0.0.0.0", \
      "--grpc-port", "8001", "--grpc-host", "0.0.0.0", \
      "--metrics-port", "8002", "--metrics-host", "0.0.0.0"]

@@ -9,6 +9,11 @@ gateway lets it open 2 × --gateway-max-in-flight-per-caller streams
 (grpc.max_concurrent_streams), reads its streams' requests at most its
 share ahead of their answers (callers.ReadAhead), and gives it its share
 of the daemon (callers.FairShare).
+
+With large answers (1 MiB) the offender's unread answers fill each
+connection's HTTP/2 flow-control window, the gateway's writes on its
+streams block and it stops reading their requests: a new caller on a
+connection of its own is still answered.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from ..support.daemon import ROOT, Daemon, free_tcp_port, wait_for  # noqa: E402
 
 X = np.arange(16, dtype=np.float32)
 PER_CALLER = 8                  # --gateway-max-in-flight-per-caller: 16 streams a connection
+LARGE = 1 << 18                 # FP32 values of the offender's large requests (and answers): 1 MiB
 
 
 @pytest.fixture
@@ -68,10 +74,10 @@ def _answered(d: Daemon, timeout: float) -> "float | None":
 class Offender:
     """tests/support/grpc_unread_streams.py, running until closed."""
 
-    def __init__(self, d: Daemon, connections: int, streams: int, requests: int) -> None:
+    def __init__(self, d: Daemon, connections: int, streams: int, requests: int, elements: int = 16) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.grpc_unread_streams", str(d.grpc), str(connections),
-             str(streams), str(requests), "16"],
+             str(streams), str(requests), str(elements)],
             cwd=ROOT, stdin=subprocess.PIPE)
 
     def alive(self) -> bool:
@@ -106,6 +112,37 @@ def test_a_new_caller_is_answered_beside_streams_never_read(daemon: Daemon) -> N
         assert _count(daemon) - base == opened * 10 + 2
         print(f"a new caller beside {opened} open streams never read: {during * 1e3:.1f} ms while "
               f"their requests ran, {after * 1e3:.1f} ms after")
+    finally:
+        offender.close()
+
+
+def test_a_new_caller_is_answered_beside_unread_streams_whose_answers_fill_the_window(daemon: Daemon) -> None:
+    """4 connections × 40 streams × 10 requests of 1 MiB, no answer read:
+    the answers fill each connection's flow-control window, the gateway's
+    writes block, and it holds at most its read-ahead (per-caller + one of
+    each open stream) per connection, read and run, unwritten. A new caller
+    on a connection of its own is answered, 20 s allowed, while the
+    offender's requests run and once the gateway holds all it will read,
+    the offender's streams open all along."""
+    base = _count(daemon)
+    opened = 4 * 2 * PER_CALLER                 # streams the gateway opens: 16 a connection
+    held = 4 * (PER_CALLER + 2 * PER_CALLER)    # what its read-ahead lets it hold unwritten
+    offender = Offender(daemon, 4, 40, 10, LARGE)
+    try:
+        wait_for(lambda: _count(daemon) - base >= 4 * PER_CALLER, 120, "the offender's first requests")
+        during = _answered(daemon, 20.0)
+        assert during is not None, "a new caller got no answer beside the offender's large unread answers"
+        wait_for(lambda: _count(daemon) - base - 1 >= held, 120, "the requests the gateway holds unwritten")
+        after = _answered(daemon, 20.0)
+        assert after is not None, "a new caller got no answer once the gateway held the unwritten answers"
+        assert offender.alive()
+        ran = _count(daemon) - base - 2
+        # not every request of the open streams ran: their answers were not
+        # all written (their writes blocked), so the gateway stopped reading
+        assert ran < opened * 10, f"all {ran} of the open streams' requests ran: no write blocked"
+        print(f"a new caller beside {opened} open streams of 1 MiB answers never read: "
+              f"{during * 1e3:.1f} ms while their requests ran, {after * 1e3:.1f} ms with "
+              f"{ran} of their {opened * 10} requests run")
     finally:
         offender.close()
 

@@ -18,6 +18,7 @@ Skipped, with the reason, where network namespaces cannot be made (not root).
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -58,6 +59,7 @@ def keys(tmp_path: Path) -> dict[str, Path]:
     server.mkdir()
     clients.mkdir()
     public, secret = zmq.auth.create_certificates(server, "server")
+    os.chmod(secret, 0o600)          # the daemon refuses a secret key others can read
     client_public, client_secret = zmq.auth.create_certificates(clients, "client")
     authorized = tmp_path / "authorized"
     authorized.mkdir()

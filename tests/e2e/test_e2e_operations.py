@@ -297,7 +297,9 @@ def test_explicit_load_and_unload(small_repository: Path, tmp_path: Path) -> Non
         d.stop()
     none_mode = Daemon(small_repository, tmp_path / "none").start() if (tmp_path / "none").mkdir() is None else None
     try:
-        assert raw_call(none_mode.url, "load", model="mlp")["error"]["code"] == "UNSUPPORTED"
+        refused = raw_call(none_mode.url, "load", model="mlp")["error"]
+        assert refused == {"code": "UNAVAILABLE", "message": "explicit model load / unload is not allowed "
+                                                         "if polling is enabled"}, refused
     finally:
         none_mode.stop()
 

@@ -168,8 +168,8 @@ def register(s: Session, name: str, key: str, mm: mmap.mmap, byte_size: int, off
     ask = s.call("register_system_shared_memory", name=name, key=key, byte_size=byte_size, offset=offset)
     assert ask["ok"], ask
     nonce = ask["result"]["challenge"]
-    assert isinstance(nonce, bytes) and len(nonce) == 16
-    mm[offset:offset + 16] = nonce
+    assert isinstance(nonce, bytes) and len(nonce) == min(16, len(mm) - offset)
+    mm[offset:offset + len(nonce)] = nonce
     return s.call("register_system_shared_memory", name=name, key=key, byte_size=byte_size, offset=offset,
                   challenge=nonce)
 
@@ -543,7 +543,8 @@ def test_registration_rejections_never_echo_the_key(session: Session) -> None:
             "too big": (dict(key=key, byte_size=4097, offset=0), "exceeds"),
             "overflow": (dict(key=key, byte_size=2**64 - 1, offset=1), "not an integer"),
             "negative": (dict(key=key, byte_size=64, offset=-1), "not an integer"),
-            "smaller than a nonce": (dict(key=key, byte_size=8, offset=0), "at least 16"),
+            "no room for a nonce": (dict(key=key, byte_size=4, offset=4090),
+                                    "the segment has 6 bytes from offset 4090; the daemon needs 8 there"),
             "no challenge pending": (dict(key=key, byte_size=4096, offset=0, challenge=secrets.token_bytes(16)),
                                      "no challenge is pending"),
         }
@@ -591,6 +592,49 @@ def test_registration_rejections_never_echo_the_key(session: Session) -> None:
         mm.close()
         posix_ipc.unlink_shared_memory("/" + key)
     assert not (Path("/dev/shm") / key).exists()     # the test unlinked it, not the daemon
+
+
+def test_keys_with_tritons_reserved_prefix_are_refused(session: Session) -> None:
+    """Triton refuses keys beginning with its Python backend's prefix,
+    leading slashes or not (qa/L0_shared_memory test_register_reserved_names),
+    with this text."""
+    prefix = "triton_python_backend_shm_region_"
+    for key in (f"{prefix}_my_test_shm_key", f"/{prefix}_my_test_shm_key", f"///{prefix}_my_test_shm_key"):
+        ans = session.call("register_system_shared_memory", name="my_test_shm_name", key=key, byte_size=10000,
+                           offset=0)
+        assert (ans["ok"], ans["error"]) == (False, {"code": "INVALID_ARG", "message": (
+            f"cannot register shared memory region 'my_test_shm_name' with key '{key}' as the key contains "
+            f"the reserved prefix '{prefix}'")}), key
+
+
+def test_regions_smaller_than_the_nonce_register(session: Session, shm_daemon: Daemon) -> None:
+    """Triton takes regions of any size (L0_shared_memory registers 8-byte
+    ones); torchpool refused those under 16 bytes, falsely saying they did
+    not fit their segment. The nonce is as long as the segment allows from
+    the region's offset (at least 8 bytes), and the client puts back what it
+    overwrote."""
+    tiny, tiny_mm = _make_segment(8)                 # the whole segment is 8 bytes
+    big, big_mm = _make_segment(4096)
+    try:
+        ok = register(session, "tiny", tiny, tiny_mm, 8)
+        assert ok["ok"] and ok["result"] is True, ok
+        ok = register(session, "four", big, big_mm, 4, offset=64)      # a 4-byte region: a 16-byte nonce
+        assert ok["ok"] and ok["result"] is True, ok
+        status = {r["name"]: r for r in session.call("get_system_shared_memory_status", name=None)["result"]}
+        assert (status["tiny"]["byte_size"], status["four"]["byte_size"]) == (8, 4)
+        assert session.call("unregister_system_shared_memory", name=None)["ok"]
+        from torchpool.client import Client
+        tiny_mm[:] = bytes(8)
+        with Client(shm_daemon.url, timeout=30) as c:    # the client library puts back what the nonce overwrote
+            c.register_system_shared_memory("tiny", tiny, 8)
+            assert [r["byte_size"] for r in c.get_system_shared_memory_status()] == [8]
+            assert bytes(tiny_mm) == bytes(8)
+            c.unregister_system_shared_memory()
+    finally:
+        tiny_mm.close()
+        big_mm.close()
+        posix_ipc.unlink_shared_memory("/" + tiny)
+        posix_ipc.unlink_shared_memory("/" + big)
 
 
 def test_status_shows_the_key_as_registered(session: Session) -> None:

@@ -8,19 +8,26 @@ with MONOTONIC_USEC on SIGHUP and READY=1 when the reload's loads settled
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
+import sysconfig
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from torchpool.broker.systemd import EXTEND_BY
 from torchpool.cli import errors
 
-from ..support.daemon import ROOT, Daemon
+from torchpool.client import Client
+
+from ..support.daemon import ROOT, Daemon, free_tcp_port, wait_for
 
 # imported by the worker before the model (TORCHPOOL_PYTHON_MODULES): a load
 # that lasts until the test creates the file GATE names (outside the model's
@@ -164,9 +171,60 @@ def test_the_unit_file() -> None:
     unit = unit_settings()
     assert unit["Type"] == ["notify-reload"] and unit["NotifyAccess"] == ["main"]
     assert unit["EnvironmentFile"] == ["-/etc/default/torchpool"]
-    assert unit["ExecStart"][0].startswith("/opt/torchpool/.venv/bin/torchpool serve ")
+    assert unit["ExecStart"][0].startswith("/opt/torchpool/bin/torchpool serve ")
     assert unit["ExecStart"][0].endswith(" $TORCHPOOL_ARGS")
     assert "ExecReload" not in unit                  # notify-reload sends SIGHUP itself
     assert int(unit["TimeoutStartSec"][0]) > EXTEND_BY
     assert sorted(map(int, unit["RestartPreventExitStatus"][0].split())) == \
         [errors.USAGE, errors.REPOSITORY, errors.MODEL_LOAD]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="hiding the checkout takes a mount namespace of our own (root)")
+def test_the_service_install_is_self_contained(small_repository: Path, tmp_path: Path) -> None:
+    """The README's recipe: the service's own venv and a non-editable
+    install. The unit's ExecStart (its paths put under tmp_path) then runs
+    with the checkout's code and its .venv's programs hidden, as
+    ProtectHome= hides a checkout under /home: before, the recipe copied
+    the checkout with its editable .venv, whose torchpool was the original
+    tree's. (The dependencies are the suite's, by a .pth into its
+    site-packages, instead of being installed again: torch alone is 750 MB.)"""
+    prefix, dist = tmp_path / "opt-torchpool", tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(dist), str(ROOT)], check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "venv", str(prefix)], check=True, timeout=600)
+    (wheel,) = dist.glob("torchpool-*.whl")
+    subprocess.run([str(prefix / "bin" / "pip"), "install", "-q", "--no-deps", str(wheel)], check=True,
+                   capture_output=True, timeout=600)
+    dependencies = sysconfig.get_paths()["purelib"]
+    own = subprocess.run([str(prefix / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    Path(own, "suite-dependencies.pth").write_text(dependencies + "\n")
+    assert (prefix / "bin" / "torchpool").read_text().splitlines()[0].startswith(f"#!{prefix / 'bin' / 'python'}")
+
+    socket_path, metrics = tmp_path / "torchpool.sock", free_tcp_port()
+    (command,) = unit_settings()["ExecStart"]
+    argv = [a.replace("/opt/torchpool", str(prefix)).replace("/srv/models", str(small_repository))
+            .replace("ipc:///run/torchpool/torchpool.sock", f"ipc://{socket_path}")
+            for a in command.split() if a != "$TORCHPOOL_ARGS"]
+    argv[argv.index("--metrics-port") + 1] = str(metrics)
+    hidden = [ROOT / "torchpool", Path(sys.executable).parent.resolve()]     # the code, the suite venv's programs
+    script = " && ".join(f"mount -t tmpfs none {p}" for p in hidden) + ' && exec "$@"'
+    log = open(tmp_path / "service.log", "wb")
+    proc = subprocess.Popen(["unshare", "-m", "sh", "-c", script, "sh", *argv], cwd=tmp_path, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: b"torchpool ready" in (tmp_path / "service.log").read_bytes() or proc.poll() is not None,
+                 120, "the installed daemon to be ready")
+        assert proc.poll() is None, (tmp_path / "service.log").read_text()
+        with Client(f"ipc://{socket_path}", timeout=30) as c:
+            a = np.arange(16, dtype=np.float32).reshape(1, 16)
+            np.testing.assert_array_equal(c.infer("addsub", {"INPUT0": a, "INPUT1": a})["OUTPUT0"], a + a)
+        # what it runs is the install's, and nothing of the checkout
+        maps = Path(f"/proc/{proc.pid}/maps").read_text() + Path(f"/proc/{proc.pid}/cmdline").read_text()
+        assert str(prefix) in maps and str(ROOT / "torchpool") not in maps
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        log.close()
+    assert code == 0, (tmp_path / "service.log").read_text()

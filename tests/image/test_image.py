@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -220,6 +221,34 @@ def run_app_until_its_first_line(socket_dir: Path, app: dict, uid: int) -> str:
 
 
 # --- KServe's layout --------------------------------------------------------------------
+
+def test_the_default_container_refuses_an_unauthenticated_zeromq_tcp_client(pod_network, example_models: Path) -> None:
+    """The image run as docs/deploy.md's `docker run` runs it, with its own
+    command: KServe v2 over HTTP and gRPC from the network, and no ZeroMQ on
+    tcp (its default once listened on tcp://0.0.0.0:8555 with --insecure-tcp:
+    model control open to anyone who could reach it). A ZeroMQ tcp client
+    gets no answer; the port refuses the connection."""
+    (info,) = json.loads(podman.podman("image", "inspect", IMAGE).stdout)
+    command = info["Config"]["Cmd"]
+    assert "--insecure-tcp" not in command and not any(a.startswith("tcp://") for a in command), command
+    container = podman.run(IMAGE, podman.unique("tp-default"), {}, {}, {}, network_of(pod_network),
+                           extra_flags=["--shm-size", "1g", "--volume", f"{example_models}:/models:ro"])
+    ip = pod_network.address(0)
+    try:
+        wait_for(lambda: http_status(f"http://{ip}:8000/v2/health/ready") == 200 or not container.running(),
+                 READY_TIMEOUT, "the default container's models to load")
+        assert container.running(), container.logs()
+        infer_addsub_over_http_and_grpc(ip, 8000, 8001)
+        with Client(f"tcp://{ip}:8555", timeout=3, local=False) as c:
+            with pytest.raises(NoAnswer) as refused:
+                c.infer("addsub", {"INPUT0": A, "INPUT1": A})
+            assert refused.value.code == errors.UNAVAILABLE
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((ip, 8555), timeout=10).close()
+        assert container.stop(45) == 0, container.logs()
+    finally:
+        container.remove()
+
 
 def test_the_kserve_runtime_serves_mnt_models_over_http_and_grpc(pod_network, example_models: Path) -> None:
     runtime = manifest("deploy/kserve/cluster-serving-runtime.yaml", "ClusterServingRuntime")["spec"]

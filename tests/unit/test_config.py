@@ -718,6 +718,35 @@ def test_specific_version_without_directory_is_a_warning(tmp_path: Path) -> None
                               f"present in {tmp_path / 'm'}; serving versions 1, 4",)
 
 
+def test_ignored_version_directories_are_warnings(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Triton logs each subdirectory it ignores as a version, in these words
+    (model_lifecycle.cc); its warmup, initial_state and configs folders are
+    not versions and no warning."""
+    import logging
+
+    from torchpool.broker.registry import Registry
+
+    model_dir = write_model(tmp_path, "m", io_pbtxt(),
+                            ("1", "003", "abc", "0", "warmup", "initial_state", "configs"))
+    (model_dir / "notes").write_text("")                      # a file: not looked at
+    entry = load_model_entry(tmp_path, "m")
+    assert entry.error is None and entry.versions == (1,)
+    where = f"(model directory {model_dir})"
+    expected = (f"ignore version directory '0' which is not a positive integer {where}",
+                f"ignore version directory '003' which contains leading zeros in its directory name {where}",
+                f"ignore version directory 'abc' which fails to convert to integral number {where}")
+    assert entry.warnings == expected
+    with caplog.at_level(logging.WARNING):
+        Registry([entry])                                     # the daemon's load logs them
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == list(expected)
+    # no version left: the model fails, and the log still says what was ignored
+    write_model(tmp_path, "none", io_pbtxt(), ("abc",))
+    entry = load_model_entry(tmp_path, "none")
+    assert entry.error.startswith("model 'none' has no version directories")
+    assert entry.warnings == (f"ignore version directory 'abc' which fails to convert to integral number "
+                              f"(model directory {tmp_path / 'none'})",)
+
+
 def test_fields_torchpool_does_not_act_on_are_one_warning_per_model(tmp_path: Path) -> None:
     """They load, as in Triton, and the log says what is not there."""
     extra = ("response_cache { enable: true }\n"

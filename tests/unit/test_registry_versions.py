@@ -81,3 +81,19 @@ def test_parse_version() -> None:
     assert [row["version"] for row in registry().statistics("m", "3")["model_stats"]] == ["3"]
     with pytest.raises(TorchpoolError):
         registry().statistics("", "3")           # a version needs its model
+
+
+@pytest.mark.parametrize("state, reason", [("LOADING", ""), ("UNAVAILABLE", "unable to find 'x'"),
+                                           ("UNLOADING", "unloaded")])
+def test_a_version_the_model_has_but_cannot_serve_is_not_at_ready_state(state: str, reason: str) -> None:
+    """Triton's model_lifecycle.cc: UNAVAILABLE "... is not at ready state" for a
+    version that exists in any state but READY; NOT_FOUND only for one that does not."""
+    reg = registry()
+    mv = reg.models["m"].versions[3]
+    mv.state, mv.reason = state, reason
+    with pytest.raises(TorchpoolError) as exc:
+        reg.resolve("m", 3)
+    assert exc.value.code == errors.UNAVAILABLE
+    assert exc.value.message == ("Request for unknown model: 'm' version 3 is not at ready state "
+                                 f"({state}{': ' + reason if reason else ''})")
+    assert reg.resolve("m", None).version == 1 and reg.model_ready("m", 3) is False

@@ -14,13 +14,12 @@ from ..support.daemon import cpu_ticks, wait_for
 
 
 def test_stat_and_pss_of_a_process() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import sys; b = b\"x\" * (64 << 20); sys.stdin.read()"],
-                             stdin=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; b = b\"x\" * (64 << 20); print('filled', "
+                              "flush=True); sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
-        def touched() -> bool:
-            usage = read_stat(child.pid)
-            return usage is not None and usage.rss_bytes > 64 << 20
-        wait_for(touched, 30, "the child to touch its 64 MiB")
+        # it says when its 64 MiB are written (RSS past 64 MiB came before the
+        # last of them, on a loaded machine)
+        assert child.stdout.readline() == b"filled\n"
         usage = read_stat(child.pid)
         assert abs(usage.cpu_seconds - cpu_ticks(child.pid) / os.sysconf("SC_CLK_TCK")) < 0.1
         pss = read_pss(child.pid)
@@ -77,3 +76,36 @@ def test_rows_of_workers() -> None:
     gone = handle("m_2", "IDLE")
     gone.process = Closed()
     assert instance_rows([gone], {}, sampler) == []
+
+
+def test_ps_shows_the_memory_of_now_not_of_the_previous_call() -> None:
+    """`torchpool ps` (cli current_rows) asks again while a reading is older
+    than the sampler's `every`: it showed the previous call's reading."""
+    from torchpool.cli.client_commands import current_rows
+
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys; print('started', flush=True); sys.stdin.readline(); b = b'x' * (256 << 20); "
+                              "print('grown', flush=True); sys.stdin.readline()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        sampler = PssSampler(every=0.05)
+        h = SimpleNamespace(process=child, spec=SimpleNamespace(instance="m_0", device="cpu", threads=1),
+                            state="IDLE", stopping=False, started=time.monotonic())
+
+        def fetch() -> list:
+            return instance_rows([h], {}, sampler)
+
+        assert child.stdout.readline() == "started\n"
+        before = current_rows(fetch, every=0.05, wait=10)[0]
+        assert before["pss_bytes"] is not None and before["pss_age_s"] <= 0.05
+        child.stdin.write("grow\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "grown\n"
+        time.sleep(0.1)       # the reading grows older than `every` (the time passing is the test)
+        stale = fetch()[0]    # answered at once: the old reading, and its age
+        assert stale["pss_age_s"] > 0.05
+        now = current_rows(fetch, every=0.05, wait=10)[0]
+        assert now["pss_age_s"] <= 0.05 and now["pss_bytes"] > stale["pss_bytes"] + (200 << 20), (stale, now)
+    finally:
+        child.kill()
+        child.wait()

@@ -67,13 +67,16 @@ class ModelControl:
 
     def check_explicit(self, op: str) -> None:
         if self.mode != EXPLICIT:
-            raise TorchpoolError(errors.UNSUPPORTED,
-                                 f"'{op}' needs --model-control-mode explicit (this daemon runs "
-                                 f"'{self.mode}')")
+            # Triton's text and code in every mode but explicit (none included):
+            # ModelRepositoryManager::LoadUnloadModel
+            raise TorchpoolError(errors.UNAVAILABLE,
+                                 "explicit model load / unload is not allowed if polling is enabled")
 
     def load(self, name: Any, config: Any, waiter: Waiter) -> None:
         check_model_name(name)
         entry = load_model_entry(self.root, name, config)
+        for warning in entry.warnings:          # what loads anyway, as Triton logs it
+            log.warning("%s", warning)
         model = self.registry.models.get(name)
         if entry.error is not None:
             # a model of the repository that fails stays listed, with why; a name
@@ -91,8 +94,6 @@ class ModelControl:
         if not gen.versions:
             raise TorchpoolError(errors.UNAVAILABLE, f"failed to load '{name}': no version to load")
         model.pending = gen
-        for warning in entry.warnings:
-            log.warning("%s", warning)
         log.info("loading model '%s' versions %s", name, sorted(gen.versions))
         for mv in gen.versions.values():
             self.start_version(mv)
@@ -123,6 +124,7 @@ class ModelControl:
             self._abandon(model, TorchpoolError(errors.UNAVAILABLE, f"model '{name}' was unloaded"))
         for mv in list(model.versions.values()):
             self.retire(mv)
+        model.former |= set(model.versions)
         model.versions = {}
         log.info("unloading model '%s'", name)
         self.progress()
@@ -146,6 +148,7 @@ class ModelControl:
                 w(TorchpoolError(errors.UNAVAILABLE, f"failed to load '{model.name}': {reasons}"))
             return
         old = list(model.versions.values())
+        model.former = (model.former | set(model.versions)) - set(gen.versions)
         model.versions = gen.versions
         model.entry, model.fingerprint, model.unloaded = gen.entry, gen.fingerprint, False
         for mv_old in old:

@@ -25,8 +25,8 @@ import posix_ipc
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
-from ..protocol.messages import REGION_TOKEN_BYTES
-from ..protocol.names import check_os_name
+from ..protocol.messages import REGION_TOKEN_MIN_BYTES, region_token_bytes
+from ..protocol.names import check_os_name, is_path_component
 from ..shm import guard
 from ..shm.naming import PREFIX
 
@@ -149,8 +149,18 @@ class Challenge:
     given_key: str = ""
 
 
+# Triton's own segments (its Python backend's), refused as Triton refuses them
+TRITON_RESERVED_PREFIX = "triton_python_backend_shm_region_"
+
+
 def region_key(name: str, key: Any) -> str:
     """The shm_open name a register call gives, checked (without the leading '/')."""
+    bare = key.lstrip("/") if isinstance(key, str) else None
+    if bare is not None and bare.startswith(TRITON_RESERVED_PREFIX) and is_path_component(bare):
+        # leading slashes do not get round it (Triton's test); the key is a
+        # plain name past them, so showing it shows nothing raw
+        raise bad(f"cannot register shared memory region '{name}' with key '{key}' as the key contains "
+                  f"the reserved prefix '{TRITON_RESERVED_PREFIX}'")
     key = check_os_name(f"region '{name}': 'key'", key)
     if key.startswith(PREFIX):
         raise bad(f"region '{name}': that key is reserved for the daemon's own segments "
@@ -176,12 +186,15 @@ def open_challenge(peer: Peer, name: str, key: str, offset: Any, byte_size: Any,
         if not peer.may_write(st):
             raise bad(f"region '{name}': the daemon cannot open that segment")
         check_range(f"region '{name}'", offset, byte_size, st.st_size)
-        if byte_size < REGION_TOKEN_BYTES:
-            raise bad(f"region '{name}': byte size must be at least {REGION_TOKEN_BYTES}")
+        token_bytes = region_token_bytes(st.st_size, offset)
+        if token_bytes < REGION_TOKEN_MIN_BYTES:
+            raise bad(f"region '{name}': the segment has {st.st_size - offset} bytes from offset {offset}; "
+                      f"the daemon needs {REGION_TOKEN_MIN_BYTES} there for the proof that the client "
+                      f"can write it")
     except BaseException:
         os.close(fd)
         raise
-    return Challenge(key, offset, byte_size, secrets.token_bytes(REGION_TOKEN_BYTES), fd, st.st_ino,
+    return Challenge(key, offset, byte_size, secrets.token_bytes(token_bytes), fd, st.st_ino,
                      time.monotonic() + CHALLENGE_TTL_S, given_key or key)
 
 
@@ -191,7 +204,7 @@ def answer_challenge(c: Challenge, name: str, answer: Any) -> Region:
     try:
         st = os.fstat(c.fd)
         if (answer != c.nonce or st.st_ino != c.ino or c.offset + c.byte_size > st.st_size
-                or os.pread(c.fd, REGION_TOKEN_BYTES, c.offset) != c.nonce):
+                or os.pread(c.fd, len(c.nonce), c.offset) != c.nonce):
             raise bad(f"region '{name}': ownership proof failed (the challenge is not at the "
                       f"region's offset); the daemon maps only segments the client shows "
                       f"it can write")

@@ -77,6 +77,9 @@ class Model:
     unloaded: bool = False
     fingerprint: str = ""
     unload_waiters: list = field(default_factory=list)
+    # versions it had that a reload or an unload took away: Triton keeps them
+    # (UNAVAILABLE), so a request naming one is "not at ready state", not "not found"
+    former: set = field(default_factory=set)
 
     @property
     def error(self) -> Optional[str]:
@@ -133,9 +136,12 @@ class Registry:
         """The version a request names, checked the same way for every op
         (infer, model_ready, model_metadata, model_config, statistics): None
         for "the highest ready one"; INVALID_ARG when it is not a version
-        number; NOT_FOUND when the model has no such version."""
+        number; NOT_FOUND when the model never had such a version; UNAVAILABLE
+        (Triton's "not at ready state") for one it had that was unloaded."""
         wanted = parse_version(model.name, version)
         if wanted is not None and wanted not in model.versions:
+            if wanted in model.former:
+                raise not_ready(model.name, wanted, "unloaded")
             raise TorchpoolError(errors.NOT_FOUND,
                                  f"Request for unknown model: '{model.name}' version {wanted} is not found")
         return wanted
@@ -146,7 +152,7 @@ class Registry:
         wanted = parse_version(name, version)   # malformed: INVALID_ARG before anything else
         if model.error:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
-        if model.unloaded:
+        if model.unloaded and wanted is None:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is unloaded")
         if wanted is None:
             best = None      # the highest ready version (a loop: this runs for every request)
@@ -159,12 +165,10 @@ class Registry:
                 raise TorchpoolError(errors.UNAVAILABLE,
                                      f"model '{name}' has no ready version ({reasons})")
             return best
-        self.version_of(model, version)         # NOT_FOUND when the model has no such version
+        self.version_of(model, version)         # NOT_FOUND when the model never had such a version
         mv = model.versions[wanted]
-        if mv.state != READY:
-            why = f": {mv.reason}" if mv.reason else ""
-            raise TorchpoolError(errors.UNAVAILABLE,
-                                 f"model '{name}' version {wanted} is not ready ({mv.state}){why}")
+        if mv.state != READY:                   # loading, failed or unloading
+            raise not_ready(name, wanted, f"{mv.state}: {mv.reason}" if mv.reason else mv.state)
         return mv
 
     # --- control calls --------------------------------------------------------
@@ -239,6 +243,13 @@ class Registry:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
         self.version_of(model, version)
         return model.entry.config.raw
+
+
+def not_ready(name: str, version: int, why: str) -> TorchpoolError:
+    """A version the model has (or had) that cannot serve: Triton's UNAVAILABLE
+    and its text (model_lifecycle.cc), then torchpool's state and reason."""
+    return TorchpoolError(errors.UNAVAILABLE, f"Request for unknown model: '{name}' version {version} "
+                                              f"is not at ready state ({why})")
 
 
 def parse_version(name: Any, version: Any) -> Optional[int]:

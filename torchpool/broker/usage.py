@@ -80,14 +80,23 @@ class PssSampler:
         self._asked: dict[int, float] = {}          # pid -> when it was last asked about
         self._pss: dict[int, tuple[float, Optional[int]]] = {}    # pid -> (when read, reading)
         self._due: set[int] = set()                 # pids to read now
+        self._reading: set[int] = set()             # pids the thread is reading (not asked again)
         self._thread: Optional[threading.Thread] = None
 
     def pss(self, pid: int) -> Optional[int]:
+        return self.reading(pid)[0]
+
+    def reading(self, pid: int) -> tuple[Optional[int], Optional[float]]:
+        """(PSS, seconds since it was read): (None, None) before the first
+        reading. A reading older than `every` is answered as it is, and read
+        again at once on the thread: whoever needs a current one (`torchpool
+        ps`) asks again when the age says it is old."""
         now = time.monotonic()
         with self._lock:
             self._asked[pid] = now
             read_at, value = self._pss.get(pid, (None, None))
-            stale = (read_at is None or now - read_at > self.every) and pid not in self._due
+            stale = (read_at is None or now - read_at > self.every) and pid not in self._due \
+                and pid not in self._reading
             if stale:
                 self._due.add(pid)
             if self._thread is None:
@@ -95,7 +104,7 @@ class PssSampler:
                 self._thread.start()
         if stale:
             self._wake.set()
-        return value
+        return value, None if read_at is None else now - read_at
 
     def _run(self) -> None:
         while True:
@@ -108,11 +117,13 @@ class PssSampler:
                         del self._asked[pid]
                         self._pss.pop(pid, None)
                 due, self._due = self._due, set()
+                self._reading = set(due)
             for pid in due:
                 value = read_pss(pid)        # the slow part, outside the lock
                 with self._lock:
                     if pid in self._asked:
                         self._pss[pid] = (time.monotonic(), value)
+                    self._reading.discard(pid)
 
 
 # One per process, as the workers it reads are the daemon's: the statistics
@@ -129,6 +140,7 @@ def instance_row(h: Any, restarts: int, now: float, sampler: PssSampler = PSS) -
     except ValueError:                # closed: reaped since the caller listed it
         return None
     usage = read_stat(pid)
+    pss, pss_age = sampler.reading(pid)
     uptime = now - h.started
     return {
         "name": h.spec.instance, "pid": pid, "device": h.spec.device, "threads": h.spec.threads,
@@ -137,7 +149,8 @@ def instance_row(h: Any, restarts: int, now: float, sampler: PssSampler = PSS) -
         "started": round(time.time() - uptime, 3), "uptime_s": round(uptime, 3),
         "cpu_s": None if usage is None else round(usage.cpu_seconds, 2),
         "rss_bytes": None if usage is None else usage.rss_bytes,
-        "pss_bytes": sampler.pss(pid),
+        "pss_bytes": pss,
+        "pss_age_s": None if pss_age is None else round(pss_age, 3),   # how old pss_bytes is
     }
 
 

@@ -16,8 +16,9 @@ import os
 import socket
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
+from ..broker.usage import PSS_EVERY_S
 from .errors import FAILURE, CliError
 from .inputs import input_value, output_row, parse_specs
 from .preflight import reason
@@ -143,11 +144,7 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def run_ps(args: argparse.Namespace) -> int:
     with connected(args) as client:
-        rows = instance_rows(client.statistics(args.model, args.version))
-        deadline = time.monotonic() + PSS_WAIT_S
-        while any(row["pss_bytes"] is None for row in rows) and time.monotonic() < deadline:
-            time.sleep(0.1)
-            rows = instance_rows(client.statistics(args.model, args.version))
+        rows = current_rows(lambda: instance_rows(client.statistics(args.model, args.version)))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -158,6 +155,22 @@ def run_ps(args: argparse.Namespace) -> int:
                   duration(r["uptime_s"]), "-" if r["cpu_s"] is None else f"{r['cpu_s']:.2f} s",
                   size(r["pss_bytes"])) for r in rows]))
     return 0
+
+
+def current_rows(fetch: Callable[[], list[dict]], every: float = PSS_EVERY_S,
+                 wait: float = PSS_WAIT_S) -> list[dict]:
+    """`fetch()`'s rows once each has a PSS reading at most `every` seconds
+    old (from a daemon that gives no age: any reading), or after `wait`.
+    The daemon answers a worker's last reading at once and reads it again
+    when it is older than `every`: without asking again, `ps` showed the
+    reading the previous `ps` had caused, however long ago."""
+    deadline = time.monotonic() + wait
+    rows = fetch()
+    while not all(row["pss_bytes"] is not None and (row.get("pss_age_s") or 0) <= every for row in rows) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+        rows = fetch()
+    return rows
 
 
 def instance_rows(stats: dict) -> list[dict]:

@@ -12,7 +12,8 @@ from typing import Any, Iterable, Mapping, Optional
 
 from ..protocol import errors
 from ..protocol.errors import InferenceError, TorchpoolError
-from ..protocol.messages import OP_REGISTER, OP_SHM_STATUS, OP_UNREGISTER, REGION_TOKEN_BYTES
+from ..protocol.messages import (OP_REGISTER, OP_SHM_STATUS, OP_UNREGISTER, REGION_TOKEN_BYTES,
+                                 REGION_TOKEN_MIN_BYTES)
 from ..protocol.names import check_os_name
 from .local import LocalLink
 from .types import Flow, OutputRef, SharedMemoryRef
@@ -65,7 +66,7 @@ class RegionFlows:
         fd = shm.fd
         try:
             size = os.fstat(fd).st_size
-            if offset + max(byte_size, REGION_TOKEN_BYTES) > size:
+            if offset + byte_size > size:
                 raise SegmentUnusable(errors.INVALID_ARG,
                                       f"region '{name}': offset {offset} + byte size {byte_size} does "
                                       f"not fit the segment's {size} bytes")
@@ -82,9 +83,9 @@ class RegionFlows:
             header, _ = yield from self.exchange(OP_REGISTER, timeout, fields)
             result = header.get("result")
             nonce = result.get("challenge") if isinstance(result, dict) else None
-            if not isinstance(nonce, bytes) or len(nonce) != REGION_TOKEN_BYTES:
+            if not isinstance(nonce, bytes) or not REGION_TOKEN_MIN_BYTES <= len(nonce) <= REGION_TOKEN_BYTES:
                 raise InferenceError(errors.INTERNAL, f"region '{name}': the daemon sent no challenge")
-            saved = os.pread(fd, REGION_TOKEN_BYTES, offset)
+            saved = os.pread(fd, len(nonce), offset)
             os.pwrite(fd, nonce, offset)
             try:
                 yield from self.exchange(OP_REGISTER, timeout, {**fields, "challenge": nonce})

@@ -4,7 +4,9 @@
     <repo>/<model>/<version>/model.pt   both exist, as in Triton)
 
 A version directory is named by a positive integer without leading zeros;
-other subdirectories (and names starting with 0) are ignored, as Triton does.
+other subdirectories (and names starting with 0) are ignored with a warning
+naming each, as Triton does (its warmup, initial_state and configs folders
+without one).
 `version_policy` selects among them: `latest { num_versions: N }` the N
 highest, `all {}` every one, `specific { versions: [...] }` the listed ones
 that exist: as in Triton, a listed version without its directory is a
@@ -47,7 +49,8 @@ class ModelEntry:
     config: Optional[ModelConfig]   # None when the config failed
     versions: tuple[int, ...]       # versions selected by version_policy, ascending
     error: Optional[str] = None     # why the whole model is UNAVAILABLE (bad config, no version directory, ...)
-    warnings: tuple[str, ...] = ()  # what loads anyway but deserves a log line (a missing specific version)
+    warnings: tuple[str, ...] = ()  # what deserves a log line at load (a missing specific version,
+                                    # an ignored version directory)
 
     def model_file(self, version: int) -> Path:
         """`<path>/<version>/<default_model_filename>` (it may not exist)."""
@@ -94,13 +97,16 @@ def load_model_entry(root: Path | str, name: str, override: Any = None) -> Model
         config = _load_config(path, name) if override is None else _override_config(path, name, override)
     except ConfigError as err:
         return ModelEntry(name, path, None, (), str(err))
+    ignored: tuple[str, ...] = ()
     try:
-        versions, warnings = select_versions(path, config)
+        available, ignored = version_directories(path)
+        versions, warnings = select_versions(path, config, available)
         check_version_paths(path, config, versions)
     except ConfigError as err:
-        return ModelEntry(name, path, config, (), str(err))
+        return ModelEntry(name, path, config, (), str(err), warnings=ignored)
     unacted = unacted_warning(name, config.raw)
-    return ModelEntry(name, path, config, versions, warnings=warnings + ((unacted,) if unacted else ()))
+    return ModelEntry(name, path, config, versions,
+                      warnings=ignored + warnings + ((unacted,) if unacted else ()))
 
 
 # --------------------------------------------------------------------------
@@ -165,23 +171,47 @@ def _override_config(model_dir: Path, name: str, override: Any) -> ModelConfig:
 # Versions
 # --------------------------------------------------------------------------
 
-def version_directories(model_dir: Path) -> list[int]:
+# subdirectories of a model that are no versions and no reason to warn (Triton's
+# warmup data, initial state and per-model config folders)
+NOT_VERSIONS = frozenset({"warmup", "initial_state", "configs"})
+
+
+def version_directories(model_dir: Path) -> tuple[list[int], tuple[str, ...]]:
     """Numeric subdirectories, ascending; "0", "01" and non-numbers are ignored
-    (Triton's rule), so `str(version)` is always the directory name."""
+    (Triton's rule), so `str(version)` is always the directory name. With the
+    warnings naming each ignored directory, in Triton's words
+    (model_lifecycle.cc VersionsToLoad)."""
     try:
-        children = list(model_dir.iterdir())
+        children = sorted(model_dir.iterdir())
     except OSError as err:
         raise ConfigError(f"cannot list {model_dir}: {err.strerror or err}") from None
-    return sorted(int(child.name) for child in children
-                  if child.name.isascii() and child.name.isdigit()
-                  and not child.name.startswith("0") and child.is_dir())
+    versions, ignored = [], []
+    for child in children:
+        name = child.name
+        if name in NOT_VERSIONS or not child.is_dir():
+            continue
+        if name.isascii() and name.isdigit():
+            if len(name) > 1 and name.startswith("0"):
+                why = "which contains leading zeros in its directory name"
+            elif name == "0":
+                why = "which is not a positive integer"
+            else:
+                versions.append(int(name))
+                continue
+        else:
+            why = "which fails to convert to integral number"
+        ignored.append(f"ignore version directory {name!r} {why} (model directory {model_dir})")
+    return sorted(versions), tuple(ignored)
 
 
-def select_versions(model_dir: Path, config: ModelConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def select_versions(model_dir: Path, config: ModelConfig, available: Optional[list[int]] = None
+                    ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The versions the policy selects, ascending, and the warnings about
-    listed versions that have no directory; `ConfigError` when none can be served."""
+    listed versions that have no directory; `ConfigError` when none can be served.
+    `available`: version_directories(model_dir)'s versions when already read."""
     name = config.name
-    available = version_directories(model_dir)
+    if available is None:
+        available, _ = version_directories(model_dir)
     if not available:
         raise ConfigError(f"model '{name}' has no version directories in {model_dir} (at least one "
                           f"version must be available under the version policy of model '{name}')")

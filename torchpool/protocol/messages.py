@@ -56,9 +56,19 @@ OP_STATISTICS = "statistics"
 OP_LOAD = "load"
 OP_UNLOAD = "unload"
 
-# The ownership proof of a registered region: this many random bytes the
-# client writes at the region's offset for the daemon to read back.
+# The ownership proof of a registered region: random bytes the client writes
+# at the region's offset for the daemon to read back: REGION_TOKEN_BYTES, or
+# as many as the segment has from that offset when fewer, but never under
+# REGION_TOKEN_MIN_BYTES (a shorter nonce could be guessed). A region may be
+# smaller than the nonce: the client puts back what it overwrote.
 REGION_TOKEN_BYTES = 16
+REGION_TOKEN_MIN_BYTES = 8
+
+
+def region_token_bytes(segment_size: int, offset: int) -> int:
+    """How long the ownership nonce of a region at `offset` of a segment of
+    `segment_size` bytes is (under REGION_TOKEN_MIN_BYTES: no proof fits)."""
+    return min(REGION_TOKEN_BYTES, segment_size - offset)
 
 OP_HELLO = "hello"
 OP_GOODBYE = "goodbye"

@@ -26,7 +26,11 @@ class TensorLimits:
     BYTES tensors cost the broker a walk over every element and the worker a
     Python object per element. A daemon's are its ServerOptions' (--max-bytes-*)."""
 
-    max_bytes_elements: int = 1 << 22            # elements of one BYTES tensor
+    # elements of one BYTES tensor: Triton's own L0_grpc test sends 10,485,760
+    # one-byte elements (10 Mi); each costs about 280 bytes at its peak in the
+    # worker (a str and a TorchScript string) and as much in the gRPC gateway's
+    # converter: about 3 GiB in each at the bound, never more
+    max_bytes_elements: int = 10 << 20
     max_bytes_tensor_bytes: int = 256 * MiB      # bytes of one BYTES tensor
 
     @classmethod
@@ -257,11 +261,11 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
         name = out.get("name") if isinstance(out, dict) else out
         if not isinstance(name, str):
             raise _bad(f"'outputs' for model '{model}' must be a list of output names")
+        if name in seen:            # Triton's InferenceRequest::AddOriginalRequestedOutput
+            raise _bad(f"output '{name}' already exists in request for model '{model}'")
+        seen.add(name)
         if cfg.output(name) is None:
             raise _bad(f"unexpected inference output '{name}' for model '{model}'")
-        if name in seen:
-            continue
-        seen.add(name)
         if out is name:              # a plain name
             worker_outputs.append(name)
             continue
