@@ -64,16 +64,16 @@ def assert_nothing_left(d: Daemon, pids: list[int]) -> None:
 def start_in_flight(client_url: str, n: int, worker: int,
                     through_broker: bool = False) -> tuple[threading.Thread, dict]:
     """Send `slow` with n iterations from a thread; return once the worker
-    computes it. `through_broker`: with a timeout, so that it does not go on
-    the client's direct path to the worker (the broker then knows it runs)."""
+    computes it. `through_broker`: from a client without a local session
+    (local=False), so that it does not go on a direct path to the worker
+    (the broker then knows it runs)."""
     outcome: dict = {}
     before = cpu_ticks(worker)
 
     def run() -> None:
-        with Client(client_url, timeout=60) as c:
+        with Client(client_url, timeout=60, local=False if through_broker else None) as c:
             try:
-                outcome["result"] = c.infer("slow", {"INPUT__0": np.array([n])},
-                                            timeout=60 if through_broker else None)
+                outcome["result"] = c.infer("slow", {"INPUT__0": np.array([n])})
             except InferenceError as exc:
                 outcome["error"] = exc
 

@@ -508,9 +508,10 @@ c = Client({url!r}, timeout=60)
 held = c.infer("identity", {{"INPUT__0": np.arange(1 << 18, dtype=np.float32)}})     # 1 MiB, lent
 assert c.is_local and held["OUTPUT__0"][7] == 7
 print("holding", flush=True)
-# with a timeout: through the daemon, which holds the session while it runs (a
-# direct path to the worker would end the session with the client at once)
-c.infer("slow", {{"INPUT__0": np.array([{n}], np.int64)}}, timeout=60)
+# with a priority: through the daemon (a model without batching ignores it), which
+# holds the session while it runs (a direct path to the worker would end the
+# session with the client at once)
+c.infer("slow", {{"INPUT__0": np.array([{n}], np.int64)}}, priority=1)
 print("finished", flush=True)
 """
 

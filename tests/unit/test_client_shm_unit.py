@@ -534,7 +534,7 @@ class FakeDaemon:
         name = h["name"]
         if "challenge" not in h:
             if self.hello == "short-challenge":
-                return {"challenge": b"8 bytes!"}          # not a 16-byte nonce
+                return {"challenge": b"4 B!"}              # shorter than any nonce the daemon makes
             nonce = secrets.token_bytes(16)
             self.pending[(token, name)] = (h["key"], h["offset"], nonce)
             return {"challenge": nonce}
@@ -745,7 +745,7 @@ def test_register_proves_access_with_the_daemons_challenge(fake_daemon, prefix) 
         assert len(d.proved["r"]) == 16 and second["challenge"] == d.proved["r"]   # read back from the segment
         assert bytes(region.buf[256:272]) == b"user data: 16 B."                  # put back
         assert st.regions == {"r": (region.name, 1024, 256)}
-        # a daemon whose challenge is not a 16-byte nonce: nothing registered, the bytes untouched
+        # a daemon whose challenge is under 8 bytes: nothing registered, the bytes untouched
         d.hello = "short-challenge"
         with pytest.raises(InferenceError) as exc:
             run(st.register_flow("r2", region.name, 1024, 512, 5), d)
