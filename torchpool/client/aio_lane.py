@@ -1,0 +1,240 @@
+"""The request lane and direct paths, from an event loop (the AsyncClient's).
+
+What lane.py's `LaneSocket` and direct.py's `DirectSocket` are to the sync
+`Client`, on asyncio: the same datagrams on the same unix sockets, the same
+errors, but no thread waits. The socket's reader is the event loop's
+(`loop.add_reader`, registered while the socket is open): each answer is
+handed to the future of the call it answers, by request id, so any number
+of calls may be in flight on one socket at once. A send the socket has no
+room for (the far end has not read this client's earlier requests) waits
+for writability in the loop, until the call's own deadline; answers are
+read meanwhile. Nothing spins: the loop sleeps in its selector.
+
+- An answer nobody waits for any more (a call that timed out or was
+  cancelled) goes to `on_late`, which gives back what its request held.
+- The socket closing (the daemon stopped or ended the session; a path's
+  worker stopped) fails every call sent on it at once with UNAVAILABLE
+  (`NoAnswer.sent` True); a call not sent yet fails with `sent` False, so
+  its caller may send it elsewhere (aio.py, flows.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any, Callable, Optional
+
+from ..protocol import errors, lane, messages
+from ..protocol.errors import InferenceError
+from ..shm.fdpass import DONTWAIT
+from .direct import _DirectLink
+from .types import NoAnswer
+
+Reply = tuple[dict, list]
+_READS_PER_WAKE = 64        # answers read per wake-up before the loop runs others
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
+
+
+class AsyncLane:
+    """A local session's request lane, read by the event loop."""
+
+    zmq_fallback = True         # a call it could not send goes over ZeroMQ (aio.py)
+
+    def __init__(self, link: Any, url: str, on_late: Callable[[Any], None]) -> None:
+        self._link = link
+        self._url = url
+        self._on_late = on_late
+        self.fd = link.sock.fileno()
+        self.lost = False                  # closed by the far end: nothing more comes
+        self._closed = False               # closed by us
+        self._pieces: list[bytes] = []     # of an answer that came in several datagrams
+        self._pending: dict[Any, asyncio.Future] = {}
+        self._writable: list[asyncio.Future] = []      # sends waiting for room
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        try:
+            self._attach(asyncio.get_running_loop())   # read from now on: fds come ahead of answers
+        except RuntimeError:
+            pass                           # no loop running: the first request registers
+
+    # -- the event loop's reader
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._detach()
+        if self.lost or self._closed:
+            return
+        loop.add_reader(self.fd, self._on_readable)
+        self._loop = loop
+
+    def _detach(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self.fd)
+            if self._writable:
+                loop.remove_writer(self.fd)
+        self._wake_writers()
+
+    def _on_readable(self) -> None:
+        link = self._link
+        for _ in range(_READS_PER_WAKE):
+            try:
+                data, fds = link.recv()
+            except BlockingIOError:
+                return
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                self._lose()
+                return
+            kind = data[0]
+            if kind == lane.MORE:
+                self._pieces.append(bytes(data[1:]))     # the receive buffer is reused
+                continue
+            if kind != lane.LAST:
+                link.keep(data, fds)           # segments handed over, ahead of the answer naming them
+                continue
+            if self._pieces:
+                self._pieces.append(data[1:])
+                frames = lane.decode(b"".join(self._pieces))
+                self._pieces = []
+                payload = list(frames[1:])
+            else:
+                frames = lane.decode(data[1:])
+                payload = [bytes(f) for f in frames[1:]]   # out of the reused buffer
+            header = messages.unpack(frames[0])
+            fut = self._pending.pop(header.get("id"), None) if header.__class__ is dict else None
+            if fut is not None and not fut.done():
+                fut.set_result((header, payload))
+            else:
+                self._on_late(header)          # the late answer of a call that timed out
+
+    def _lose(self) -> None:
+        """The far end closed: every call sent on it fails now."""
+        self.lost = True
+        self._detach()
+        self._fail_all(lambda: self._lost_error(sent=True))
+
+    def _fail_all(self, error: Callable[[], BaseException]) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(error())
+
+    # -- writability
+    def _on_writable(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_writer(self.fd)
+        self._wake_writers()
+
+    def _wake_writers(self) -> None:
+        waiting, self._writable = self._writable, []
+        for w in waiting:
+            if not w.done():
+                w.set_result(None)
+
+    async def _room(self, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
+        """Wait until the socket may take a datagram, or `answer` is done
+        (its deadline passed, the socket was lost or closed)."""
+        w = loop.create_future()
+        if not self._writable:
+            loop.add_writer(self.fd, self._on_writable)
+        self._writable.append(w)
+        await asyncio.wait((w, answer), return_when=asyncio.FIRST_COMPLETED)
+
+    # -- a call
+    async def request(self, frames: list, rid: Any, timeout: float,
+                      sent: Optional[Callable[[], None]] = None) -> Reply:
+        """Send `frames` (one datagram: the caller checked lane.fits) and
+        return the answer to `rid`; NoAnswer when none comes within
+        `timeout` s, or the socket says none will. `sent()` once it is sent."""
+        if self._closed:
+            raise InferenceError(errors.CANCELLED, "client closed")
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._attach(loop)
+        if self.lost:
+            raise self._lost_error(sent=False)
+        fut = loop.create_future()
+        self._pending[rid] = fut
+        timer = loop.call_later(timeout, _expire, fut)
+        try:
+            datagram = lane.request(frames)
+            sock = self._link.sock
+            while True:
+                try:
+                    sock.sendmsg(datagram, (), DONTWAIT)
+                    break
+                except BlockingIOError:
+                    await self._room(loop, fut)
+                    if fut.done():             # not sent: in time, or at all
+                        if self._closed:
+                            raise InferenceError(errors.CANCELLED, "client closed") from None
+                        if self.lost:
+                            raise self._lost_error(sent=False) from None
+                        raise NoAnswer(errors.DEADLINE_EXCEEDED,
+                                       f"torchpool at {self._url} did not take the request in time "
+                                       f"(it has not read this client's earlier ones)", sent=False) from None
+                except OSError:
+                    self._lose()
+                    raise self._lost_error(sent=False) from None
+            if sent is not None:
+                sent()
+            try:
+                return await fut
+            except asyncio.TimeoutError:
+                raise self._no_answer(timeout) from None
+        finally:
+            timer.cancel()
+            if self._pending.get(rid) is fut:
+                del self._pending[rid]
+
+    # -- errors
+    def _lost_error(self, sent: bool) -> NoAnswer:
+        return NoAnswer(errors.UNAVAILABLE, f"torchpool at {self._url} closed this client's local "
+                                            f"side channel (it stopped, or ended the session)", sent=sent)
+
+    def _no_answer(self, timeout: float) -> NoAnswer:
+        return NoAnswer(errors.DEADLINE_EXCEEDED, f"torchpool at {self._url} did not answer within "
+                                                  f"{timeout:g} s (it is reachable: the request may "
+                                                  f"still run)")
+
+    # -- the end
+    def close(self, wait: float = 0) -> None:
+        """Calls in flight fail with CANCELLED; the loop stops reading the
+        socket (the caller closes it). `wait`: as LaneSocket.close's, unused:
+        nothing here reads on another thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._detach()
+        self._fail_all(lambda: InferenceError(errors.CANCELLED, "client closed"))
+
+
+class AsyncDirect(AsyncLane):
+    """A direct path (direct.py's DirectSocket), read by the event loop."""
+
+    zmq_fallback = False        # a call it did not take goes over the lane (flows.py)
+
+    def __init__(self, sock: socket.socket, model: str, url: str, on_late: Callable[[Any], None]) -> None:
+        sock.setblocking(False)
+        self.model = model
+        self.name = ""                  # the daemon's name of the path (for ended_flow)
+        self.version: Any = None        # the model version it serves (as the daemon said)
+        super().__init__(_DirectLink(sock), url, on_late)
+
+    def spin(self, window_us: int) -> None:
+        """The daemon's polling window: this end waits in the event loop instead."""
+
+    def lost_error(self) -> InferenceError:
+        return InferenceError(errors.UNAVAILABLE, self._lost_error(True).message)
+
+    def _lost_error(self, sent: bool) -> NoAnswer:
+        return NoAnswer(errors.UNAVAILABLE, f"the instance of model '{self.model}' that torchpool at "
+                                            f"{self._url} serves this client directly closed its path "
+                                            f"(it stopped, crashed or was unloaded, or the session "
+                                            f"ended)", sent=sent)
+
+    def shut(self) -> None:
+        self.close()             # calls still on it fail with CANCELLED
+        self._link.sock.close()
