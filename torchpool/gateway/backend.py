@@ -9,6 +9,7 @@ error code gets, each caller's share and regions: callers.py) is here, once.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -44,6 +45,10 @@ EXTENSIONS = ["classification", "sequence", "model_repository", "model_repositor
 
 LOAD_TIMEOUT = 3600.0      # a load may compile and warm a model: wait as long as the daemon does
 CONTROL_TIMEOUT = 60.0
+# How long a model's config serves raw binary requests before it is asked
+# again, and how many models' configs are kept at most
+CONFIG_TTL = 1.0
+MAX_CONFIGS = 1024
 # Requests sent to the daemon at once, kept below its per-client limit
 # (--max-in-flight-per-client, 1024): more wait here instead of being refused.
 MAX_IN_FLIGHT = 960
@@ -286,6 +291,7 @@ class Backend:
         self.shm = shm
         self.share = FairShare(MAX_IN_FLIGHT, per_caller)
         self._latest: dict[str, str] = {}       # model -> the version an unversioned request runs
+        self._configs: dict[tuple[str, str], tuple[float, dict]] = {}   # (model, version) -> (when, config)
         self._with_regions: set[Caller] = set()
 
     async def close(self) -> None:
@@ -321,6 +327,26 @@ class Backend:
     async def model_config(self, name: str, version: str = "") -> dict:
         return await self.client.model_config(name, version or None)
 
+    async def recent_config(self, name: str, version: str = "") -> dict:
+        """The model's config as asked at most CONFIG_TTL ago (what each raw
+        binary request needs). Dropped when this gateway loads or unloads
+        the model and when a request that used it fails; a load elsewhere
+        (the CLI, a polled repository) shows within CONFIG_TTL."""
+        key = (name, version)
+        now = time.monotonic()
+        hit = self._configs.get(key)
+        if hit is not None and now - hit[0] < CONFIG_TTL:
+            return hit[1]
+        config = await self.model_config(name, version)
+        if len(self._configs) >= MAX_CONFIGS:
+            self._configs.clear()
+        self._configs[key] = (now, config)
+        return config
+
+    def forget_config(self, name: str) -> None:
+        for key in [k for k in self._configs if k[0] == name]:
+            del self._configs[key]
+
     async def statistics(self, name: str = "", version: str = "") -> dict:
         return await self.client.statistics(name or None, version or None)
 
@@ -335,11 +361,19 @@ class Backend:
             raise TorchpoolError(errors.UNSUPPORTED, f"load of model '{name}': file overrides "
                                                      f"({', '.join(sorted(files))}) are not supported")
         self._latest.pop(name, None)
-        await self.client.load(name, config, timeout=LOAD_TIMEOUT)
+        self.forget_config(name)
+        try:
+            await self.client.load(name, config, timeout=LOAD_TIMEOUT)
+        finally:
+            self.forget_config(name)
 
     async def unload(self, name: str) -> None:
         self._latest.pop(name, None)
-        await self.client.unload(name, timeout=LOAD_TIMEOUT)
+        self.forget_config(name)
+        try:
+            await self.client.unload(name, timeout=LOAD_TIMEOUT)
+        finally:
+            self.forget_config(name)
 
     # --- inference ----------------------------------------------------------------
 

@@ -11,18 +11,25 @@ part that runs there, `parse_infer` the whole parse. A response is JSON,
 then the binary outputs in output order, written from the worker's shared
 memory; `Inference-Header-Content-Length` says where the JSON ends; large
 outputs are converted a chunk per turn of the event loop (chunks.py).
+A raw binary request (`Inference-Header-Content-Length: 0`, or an empty body
+without that header) is the model's one input and nothing else: `raw_call`
+makes it from the model's config as Triton's core does (its
+InferenceRequest::Normalize), and every output comes back binary.
 Messages follow Triton's http_server.cc wording.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import secrets
+import struct
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..protocol import datatypes
 from .backend import InferResponse, InputTensor, OutputRequest, bad, check_counts, check_dims, input_value
 from .chunks import CHUNK_ELEMENTS, json_values, tensor_bytes
 from .defaults import MAX_INPUT_BYTES
@@ -183,20 +190,74 @@ def load_json(data: Any, what: str = "request") -> Any:
 # --- the request ---------------------------------------------------------------
 
 def header_length(headers: dict, body_size: int) -> Optional[int]:
-    """Where the JSON ends: None if the whole body is JSON."""
+    """Where the JSON ends: None if the whole body is JSON, 0 for a raw
+    binary request (Triton's GetInferenceHeaderLength: without the header
+    the length is the body's, so an empty body is a raw request too)."""
     text = headers.get(INFER_HEADER)
     if text is None:
-        return None
+        return 0 if body_size == 0 else None
     try:
         value = int(text.strip())
     except ValueError:
         raise bad(f"Unable to parse Inference-Header-Content-Length, got: {text[:40]}") from None
     if value < 0 or value > body_size:
         raise bad(f"inference header size should be in range (0, {body_size}), got: {text[:40]}")
-    if value == 0:
-        raise bad("a raw binary request (Inference-Header-Content-Length: 0, the whole body one "
-                  "input) is not supported: send the JSON header and binary_data_size")
     return value
+
+
+def is_raw(headers: dict, body_size: int) -> bool:
+    """Whether the body is a raw binary request (the header checked first)."""
+    return header_length(headers, body_size) == 0
+
+
+# Triton's name for the input of a raw request until its config names it: its
+# core's byte-size check still says this name (the request's map key)
+RAW_INPUT = "raw_input"
+_BYTES_LENGTH = struct.Struct("<I")
+
+
+def raw_call(body: Any, config: dict, model: str) -> InferCall:
+    """A raw binary request: the whole body is the model's one input, its
+    name, datatype and shape the config's (Triton's core, Normalize):
+    batch dimension 1 when max_batch_size is not 0; one variable-size
+    dimension at most, deduced from the body's size; BYTES only for a
+    one-element input, the body being that one string (its length is
+    prepended). No id, no parameters; every output, binary."""
+    inputs = config.get("input") or []
+    if len(inputs) != 1:
+        raise bad(f"Raw request must only have 1 input (found 1) to be deduced but got {len(inputs)} "
+                  f"inputs in '{model}' model configuration")
+    spec = inputs[0]
+    name = str(spec.get("name", ""))
+    datatype = datatypes.config_to_wire(str(spec.get("data_type", "")))
+    if datatype not in datatypes.WIRE_DATATYPES:
+        raise bad(f"invalid datatype '{datatype}' of input '{name}' for model '{model}'")
+    shape = [1] if int(config.get("max_batch_size", 0) or 0) != 0 else []
+    variable, count = None, 1
+    for dim in (int(d) for d in spec.get("dims", ()) or ()):
+        if dim == -1:
+            if variable is not None:
+                raise bad(f"The shape of the raw input '{name}' can not be deduced because there are "
+                          f"more than one variable-sized dimension")
+            variable = len(shape)
+        else:
+            count *= dim
+        shape.append(dim)
+    size = len(body)
+    if datatype == "BYTES":
+        if variable is not None or count != 1:
+            raise bad(f"For BYTE datatype raw input '{name}', the model must have input shape [1]")
+        data: Any = _BYTES_LENGTH.pack(size) + bytes(body)
+    else:
+        item = datatypes.element_size(datatype)
+        if variable is not None:
+            shape[variable] = size // count // item if count else 0
+        expected = math.prod(shape) * item
+        if expected != size:
+            raise bad(f"input byte size mismatch for input '{RAW_INPUT}' for model '{model}'. "
+                      f"Expected {expected}, got {size}")
+        data = memoryview(body)
+    return InferCall([InputTensor(name, datatype, shape, raw=data)], None, binary_default=True)
 
 
 def parse_infer(body: Any, headers: dict, model: str) -> InferCall:

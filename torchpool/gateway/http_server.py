@@ -30,7 +30,8 @@ from ..protocol.errors import TorchpoolError
 from ..protocol.names import check_model_name
 from .backend import Backend, bad, http_status
 from .callers import Caller
-from .http_binary import decompress_off_loop, decompressed_bound, encode_infer, load_json, parse_infer_off_loop
+from .http_binary import (decompress_off_loop, decompressed_bound, encode_infer, is_raw, load_json,
+                          parse_infer_off_loop, raw_call)
 from .http_bodies import BodyBudget
 from .http_messages import Handler, Limits, Request, Response, error_response, head
 from .http_protocol import SCRATCH_BYTES, HttpConnection
@@ -175,7 +176,18 @@ class Router:
         elif encoding not in ("", "identity"):
             raise _ErrorWithHeaders(errors.UNSUPPORTED, "Unsupported compression type",
                                     (("Accept-Encoding", "gzip, deflate"),))
-        call = await parse_infer_off_loop(body, request.headers, model, self.offload)
+        if not is_raw(request.headers, len(body)):
+            call = await parse_infer_off_loop(body, request.headers, model, self.offload)
+        else:
+            # a raw binary request: the model's config says what the body is
+            try:
+                call = raw_call(body, await self.backend.recent_config(model, version), model)
+                result = await self.backend.infer(request.caller, model, version, call.inputs, None,
+                                                  binary_default=True)
+            except TorchpoolError:
+                self.backend.forget_config(model)       # it may have changed: ask again next time
+                raise
+            return await encode_infer(result, request.headers.get("accept-encoding"))
         result = await self.backend.infer(request.caller, model, version, call.inputs, call.outputs,
                                           call.id, call.binary_default, **call.params)
         return await encode_infer(result, request.headers.get("accept-encoding"))
