@@ -81,6 +81,36 @@ def measure(call, n: int, pids: dict[str, int], latencies: Optional[list] = None
     return out
 
 
+WAYS = (("local", True, {}), ("local_timeout", True, {"timeout": 30.0}), ("inline", False, {}))
+WAY_TITLES = {"local": "local shared-memory path", "local_timeout": "local, timeout=30 on each call",
+              "inline": "inline frames (local=False)", "async": "AsyncClient, one call at a time"}
+
+
+def measure_async(url: str, inputs: dict, n: int, pids: dict[str, int], latencies: list) -> dict:
+    """`measure` for AsyncClient.infer, awaited one at a time in one event loop."""
+    import asyncio
+
+    from torchpool.client import AsyncClient
+
+    async def run() -> dict:
+        async with AsyncClient(url) as c:
+            for _ in range(min(200, n // 10)):
+                await c.infer("addsub", inputs, copy=True)
+            clock = time.perf_counter_ns
+            took = []
+            before = {name: cpu_ns(pid) for name, pid in pids.items()}
+            for _ in range(n):
+                t0 = clock()
+                await c.infer("addsub", inputs, copy=True)
+                took.append(clock() - t0)
+            after = {name: cpu_ns(pid) for name, pid in pids.items()}
+        latencies.extend(t / 1000 for t in took)
+        return {name: {t: (after[name].get(t, 0) - before[name].get(t, 0)) / n / 1000 for t in after[name]}
+                for name in pids}
+
+    return asyncio.run(run())
+
+
 def bench_echo(work: Path, n: int) -> dict:
     url = f"ipc://{work}/echo.sock"
     proc = mp.get_context("spawn").Process(target=echo_server, args=(url,))
@@ -119,15 +149,19 @@ def bench_torchpool(work: Path, n: int, options: list[str]) -> dict:
             time.sleep(0.05)
         worker = next(p for p in descendants(daemon.pid) if "addsub" in title(p))
         a = np.ones((1, 16), np.float32)
+        inputs = {"INPUT0": a, "INPUT1": a}
+        pids = {"client": os.getpid(), "broker": daemon.pid, "worker": worker}
         out = {}
-        for local in (True, False):
+        # the ways of calling (issue 40): plain, with a per-call timeout, as a
+        # client on another host gets it (no shared memory), and asyncio
+        for way, local, options in WAYS:
             with Client(url, local=local) as c:
-                inputs = {"INPUT0": a, "INPUT1": a}
                 took: list[float] = []
-                res = out["local" if local else "inline"] = measure(
-                    lambda: c.infer("addsub", inputs, copy=True), n,
-                    {"client": os.getpid(), "broker": daemon.pid, "worker": worker}, took)
+                res = out[way] = measure(lambda: c.infer("addsub", inputs, copy=True, **options), n, pids, took)
                 res["p50_us"] = statistics.median(took)
+        took = []
+        res = out["async"] = measure_async(url, inputs, n, pids, took)
+        res["p50_us"] = statistics.median(took)
         return out
     finally:
         daemon.terminate()
@@ -183,9 +217,8 @@ def render_cpu(r: dict) -> list[str]:
     for label, title_, _ in CONFIGS:
         if label not in r:               # (a result file from before the configuration existed)
             continue
-        for path in ("local", "inline"):
-            res = r[label][path]
-            lines += _block(f"torchpool, {title_}, {'local shared-memory path' if path == 'local' else 'inline frames'}"
+        for path, res in r[label].items():
+            lines += _block(f"torchpool, {title_}, {WAY_TITLES.get(path, path)}"
                             f" ({_total(res) / echo:.1f}x the echo)", res)
     return lines
 
