@@ -57,7 +57,6 @@ class DirectSocket(LaneSocket):
         sock.setblocking(False)
         self.model = model
         self.name = ""                  # the daemon's name of the path (for ended_flow)
-        self.version: Any = None        # the model version it serves (as the daemon said)
         super().__init__(_DirectLink(sock), url, on_late)
 
     def lost_error(self) -> InferenceError:
@@ -93,7 +92,6 @@ class DirectPaths:
     def __init__(self) -> None:
         # (model, version) -> its DirectSocket, or when to ask again after a refusal
         self._paths: dict[tuple[str, str], Any] = {}
-        self._asking: set[tuple[str, str]] = set()      # keys whose path is being asked for
 
     def open_path(self, model: str, version: str) -> Optional["DirectSocket"]:
         """The path to `model` if one is open and not lost (asks nothing)."""
@@ -112,25 +110,8 @@ class DirectPaths:
             if not path.lost:
                 return path
             path.shut()                  # its instance stopped: ask for another
-        # The daemon keeps one path per session and model version: asking
-        # again replaces (closes) the one open, failing the calls on it. An
-        # unversioned key may name the same version as a numbered one, so
-        # while one of them has a path (or asks for one) the other shares it
-        # when it is the same version, or takes the lane when that is unknown.
-        for (m, v), other in self._paths.items():
-            if m != model or v == version or (v and version):
-                continue
-            if (m, v) in self._asking:
-                return None
-            if other.__class__ is not float and not other.lost:
-                if version and str(other.version) == version:
-                    self._paths[key] = other
-                    return other
-                if not version:
-                    return None
         # asked once: the calls of other threads meanwhile take the lane
         self._paths[key] = time.monotonic() + ASK_S
-        self._asking.add(key)
         try:
             header, _ = yield from state.exchange(messages.OP_DIRECT, timeout,
                                                   {"model": model, "version": version}, lane=True)
@@ -143,11 +124,8 @@ class DirectPaths:
         except BaseException:            # no answer, the session lost: ask again next time
             self._paths.pop(key, None)
             raise
-        finally:
-            self._asking.discard(key)
         path = self._paths[key] = state.direct_factory(socket.socket(fileno=fd), model)
         path.name = header["result"]["direct"]
-        path.version = header["result"].get("version")     # the version it serves
         spin_us = header["result"].get("spin_us")
         path.spin(spin_us if spin_us.__class__ is int else 0)
         return path
@@ -165,9 +143,8 @@ class DirectPaths:
     def close(self) -> None:
         for path in self._paths.values():
             if path.__class__ is not float:
-                path.shut()              # (a path two keys share: twice, harmlessly)
+                path.shut()
         self._paths.clear()
-        self._asking.clear()
 
 
 class DirectRequests:
