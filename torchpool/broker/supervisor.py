@@ -64,30 +64,29 @@ def stop_fork_helpers(timeout: float) -> None:
 
     deadline = time.monotonic() + timeout
     server = forkserver._forkserver
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is not None:
-        _close(server, "_forkserver_alive_fd")
-        _reap(pid, deadline)
-        server._forkserver_pid = None
+    if _end(server, "_forkserver_pid", "_forkserver_alive_fd", deadline):
         address = getattr(server, "_forkserver_address", None)
         if address and not util.is_abstract_socket_namespace(address):
             with contextlib.suppress(OSError):
                 os.unlink(address)
         server._forkserver_address = None
-    tracker = resource_tracker._resource_tracker
-    pid = getattr(tracker, "_pid", None)
-    if pid is not None:
-        _close(tracker, "_fd")
-        _reap(pid, deadline)
-        tracker._pid = None
+    _end(resource_tracker._resource_tracker, "_pid", "_fd", deadline)
 
 
-def _close(owner: Any, attribute: str) -> None:
-    fd = getattr(owner, attribute, None)
+def _end(helper: object, pid_attribute: str, fd_attribute: str, deadline: float) -> bool:
+    """Close `helper`'s pipe (its way to stop) and reap its process; False
+    when it has none running."""
+    pid = getattr(helper, pid_attribute, None)
+    if pid is None:
+        return False
+    fd = getattr(helper, fd_attribute, None)
     if fd is not None:
         with contextlib.suppress(OSError):
             os.close(fd)
-        setattr(owner, attribute, None)
+        setattr(helper, fd_attribute, None)
+    _reap(pid, deadline)
+    setattr(helper, pid_attribute, None)
+    return True
 
 
 def _reap(pid: int, deadline: float) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -153,7 +153,7 @@ class DirectRequests:
     encoding and decoding."""
 
     def direct_request(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
-                       version: Any, timeout: Optional[float] = None) -> Optional[tuple]:
+                       version: Optional[Union[int, str]], timeout: Optional[float] = None) -> Optional[tuple]:
         """(path, id, frames, encoded inputs, session) of a request that goes
         to the open direct path of its model, encoded as `infer_flow` encodes
         it; None when it needs the flow (no path open yet, inputs that go by

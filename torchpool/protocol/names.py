@@ -63,12 +63,12 @@ def check_os_name(what: str, value: Any) -> str:
     return value[1:] if value.startswith("/") else value
 
 
-def model_name_problem(value: Any) -> str:
+def model_name_problem(value: object) -> str:
     """What is wrong with `value` as a model name ('' when nothing): the same
     rule, with no leading '/' or '.' (a model name is a directory of the
     repository) and no backslash."""
     problem = _problem(value)
-    if problem:
+    if problem or not isinstance(value, str):      # (_problem says what a non-string is)
         return problem
     if value.startswith("/"):
         return "begins with '/'"
@@ -79,12 +79,12 @@ def model_name_problem(value: Any) -> str:
     return ""
 
 
-def check_model_name(value: Any) -> str:
+def check_model_name(value: object) -> str:
     """`value` if it is a name a model can have; else INVALID_ARG saying what
     is wrong, never echoing it (a NUL or a control byte would reach logs and
     the caller's terminal as it is)."""
     problem = model_name_problem(value)
-    if problem:
+    if problem or not isinstance(value, str):
         raise TorchpoolError(errors.INVALID_ARG, model_name_error(problem))
     return value
 

@@ -248,7 +248,7 @@ class DirectClients:
             self._run(c, request_id, staged, requested, batch_size, t0)
         return True
 
-    def _expired(self, c: _Client, request_id: Any, t0: int) -> None:
+    def _expired(self, c: _Client, request_id: object, t0: int) -> None:
         """A request whose deadline passed before it could start: not run,
         answered and counted as the daemon's scheduler does (Triton's
         "Request timeout expired", a REJECTED failure)."""
