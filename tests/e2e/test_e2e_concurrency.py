@@ -274,7 +274,7 @@ def test_concurrent_batch_probe_rows_come_back_to_their_request(url: str) -> Non
 def test_a_request_waits_for_the_instance_that_frees_first_not_behind_a_long_one(
         url: str, long_iterations: int) -> None:
     """A busy instance of a model with several is sent its next request ahead
-    only while the model's executions average under 2 ms (AHEAD_MAX_MEAN_NS);
+    only while the model's executions average under 2 ms (rules/ahead.py);
     slow_x2's are far longer, so with both instances busy (long, medium) the
     tiny request stays queued and runs on the one that frees first, not
     behind the long one."""

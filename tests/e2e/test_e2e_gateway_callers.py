@@ -328,7 +328,21 @@ def pending(d: Daemon, model: str) -> int:
     return int(float(m.group(1)))
 
 
-def test_one_callers_thousand_calls_do_not_hold_back_another(plain: Daemon) -> None:
+@pytest.fixture
+def queued(small_repository: Path, tmp_path: Path) -> Iterator[Daemon]:
+    """A daemon whose gateway's requests all go through its queue (no direct
+    paths): the queue is what the fairness test below reads. With direct
+    paths (the default) the gateway's plain requests wait in its path to the
+    worker instead, in the order sent (the worker reads a client's requests
+    in turn), where no metric shows them."""
+    metrics = free_tcp_port()
+    d = start(small_repository, tmp_path, "--metrics-port", str(metrics), "--no-direct-paths")
+    d.metrics = metrics
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def test_one_callers_thousand_calls_do_not_hold_back_another(queued: Daemon) -> None:
     """A caller with 1,000 calls in flight to a model: before, they all
     went to the daemon's queue (960 at once) and another caller's call
     waited behind all of them. Now one caller has at most its share there
@@ -347,7 +361,7 @@ def test_one_callers_thousand_calls_do_not_hold_back_another(plain: Daemon) -> N
     from torchpool.gateway.defaults import MAX_IN_FLIGHT_PER_CALLER as SHARE
 
     n = np.array([1], dtype=np.int64)
-    with Client(plain.url, timeout=30) as c:
+    with Client(queued.url, timeout=30) as c:
         (row,) = c.statistics("slow")["model_stats"][0]["instances"]
     worker = row["pid"]
     order: list[str] = []                 # who was answered, in the order the answers came
@@ -359,8 +373,8 @@ def test_one_callers_thousand_calls_do_not_hold_back_another(plain: Daemon) -> N
             order.append(who)
         return done
 
-    offender = grpc_client(plain)
-    honest = grpc_client(plain)
+    offender = grpc_client(queued)
+    honest = grpc_client(queued)
     # connected first: streams opened before the server's SETTINGS arrive may
     # pass its max_concurrent_streams and be refused (RST_STREAM 7, UNAVAILABLE)
     assert offender.is_server_live() and honest.is_server_live()
@@ -371,9 +385,9 @@ def test_one_callers_thousand_calls_do_not_hold_back_another(plain: Daemon) -> N
         for _ in range(1000):
             offender.async_infer("slow", [t], answered("offender"), client_timeout=300)
         # the daemon holds the offender's share: one given to the stopped worker, the rest queued
-        wait_for(lambda: pending(plain, "slow") == SHARE - 1, 120, "the offender's share at the daemon")
+        wait_for(lambda: pending(queued, "slow") == SHARE - 1, 120, "the offender's share at the daemon")
         honest.async_infer("slow", [t], answered("honest"), client_timeout=300)
-        wait_for(lambda: pending(plain, "slow") == SHARE, 60, "the other caller's call at the daemon")
+        wait_for(lambda: pending(queued, "slow") == SHARE, 60, "the other caller's call at the daemon")
         assert order == [], results          # nothing ran: the worker is stopped
     finally:
         os.kill(worker, signal.SIGCONT)
@@ -388,7 +402,7 @@ def test_one_callers_thousand_calls_do_not_hold_back_another(plain: Daemon) -> N
     finally:
         offender.close()
         honest.close()
-    wait_for(lambda: request(plain.http, "GET", "/v2/health/ready")[0] == 200, 30, "the gateway to serve")
+    wait_for(lambda: request(queued.http, "GET", "/v2/health/ready")[0] == 200, 30, "the gateway to serve")
 
 
 # --- item 9: low ----------------------------------------------------------------------------

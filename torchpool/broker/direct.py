@@ -20,8 +20,9 @@ What stays with the broker, and why a model may take direct requests:
   with this daemon's TensorLimits) and reports each answered one in the
   report ring handed over with its first path (protocol/reports.py), so the
   model's statistics count them;
-- one path per session and model version: asking again replaces it; the
-  session's end closes them all (FORGET), the instance's end closes its
+- one path per session and model version, or one to each of its instances
+  (asked with "all", for a caller with many calls in flight); asking again
+  replaces them; the session's end closes them all (FORGET), the instance's end closes its
   own (its socket ends go with it) and the client then asks again or uses
   its lane.
 """
@@ -69,17 +70,45 @@ class DirectPaths:
         self._turn = itertools.count()
 
     def open(self, session: Any, header: dict) -> dict:
-        """A direct path to the model `header` names, for a session attached
-        with a lane: the fd is on its side channel when this returns."""
+        """Direct paths to the model `header` names, for a session attached
+        with a lane: their fds are on its side channel when this returns.
+
+        One path, to the instances in turn, unless `"all": true` asks for one
+        to each running instance: a caller with many calls in flight at once
+        (an AsyncClient) then sends each to an instance that is free, as the
+        daemon's scheduler would. A model with dynamic batching gets none
+        such: its worker would batch only the requests on its own paths,
+        where the daemon batches everyone's across its instances."""
         mv = self.registry.resolve(header.get("model"), header.get("version"))
         why = refusal(mv, self.execution_timeout(mv))
+        every = header.get("all") is True
+        if not why and every and mv.config.dynamic_batching is not None:
+            why = "the daemon forms its batches from every caller's requests (dynamic batching)"
         if why:
             raise TorchpoolError(errors.UNSUPPORTED, f"{mv.label} takes no direct requests: {why}")
         instances = [h for h in mv.workers if h.state in (IDLE, BUSY) and not h.stopping]
         if not instances:
             raise TorchpoolError(errors.UNAVAILABLE, f"{mv.label} has no running instance")
-        h = instances[next(self._turn) % len(instances)]      # clients spread over instances
+        if not every:
+            instances = [instances[next(self._turn) % len(instances)]]      # clients spread over instances
         self.close(session, mv)
+        paths: list[tuple[str, Any]] = []
+        session.direct[mv] = paths
+        for h in instances:
+            try:
+                paths.append((self._hand_over(session, h), h))
+            except TorchpoolError:
+                self.close(session, mv)         # the ones handed over already
+                raise
+        names = [name for name, _ in paths]
+        answer: dict[str, Any] = {"direct": names[0], "version": mv.version, "spin_us": self.spin_us}
+        if every:
+            answer["paths"] = names
+        return answer
+
+    def _hand_over(self, session: Any, h: Any) -> str:
+        """A new path between `session` and the instance `h`: the worker's end
+        adopted by it, the client's end on the session's side channel. Its name."""
         name = next(self._names)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         ring, ring_fd = (None, -1) if h.reports is not None else ReportRing.create()
@@ -105,8 +134,7 @@ class DirectPaths:
                 os.close(ring_fd)
             if ring is not None:        # not handed over
                 ring.close()
-        session.direct[mv] = (name, h)
-        return {"direct": name, "version": mv.version, "spin_us": self.spin_us}
+        return name
 
     def why_ended(self, session: Any, name: Any) -> TorchpoolError:
         """The error of a request a client's path `name` had when it closed:
@@ -114,7 +142,8 @@ class DirectPaths:
         counted once per path as the model's failure), else the path was closed."""
         if self.stopping():           # the broker's words for a request it refuses now
             return TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
-        h = next((h for n, h in (session.direct.values() if session is not None else ()) if n == name), None)
+        h = next((h for paths in (session.direct.values() if session is not None else ())
+                  for n, h in paths if n == name), None)
         if h is None:
             return TorchpoolError(errors.INVALID_ARG, f"this session has no direct path {name!r}")
         if h.stopping:                # its version was unloaded or replaced
@@ -134,10 +163,8 @@ class DirectPaths:
         return TorchpoolError(errors.INTERNAL, f"{h.label} {how} with this request on its direct path")
 
     def close(self, session: Any, mv: ModelVersion) -> None:
-        """The session's path to `mv`, if any, is closed (the worker closes its end)."""
-        old = session.direct.pop(mv, None)
-        if old is not None:
-            name, h = old
+        """The session's paths to `mv`, if any, are closed (the workers close their ends)."""
+        for name, h in session.direct.pop(mv, ()):
             session.direct_failed.discard(name)
             try:
                 h.send(internal.Forget([name]))
@@ -150,9 +177,10 @@ class DirectPaths:
         direct request it ran."""
         for session in list(sessions):
             for mv in list(session.direct):
-                h = session.direct[mv][1]
+                workers = [h for _, h in session.direct[mv]]
                 self.close(session, mv)
-                h.closing_paths = h.state != DEAD
+                for h in workers:
+                    h.closing_paths = h.state != DEAD
 
 
 def _at_eof(sock: socket.socket) -> bool:

@@ -30,6 +30,7 @@ from ..config.parameters import model_parameters
 from ..logs import LOADING_NOTICE_S, log_fields
 from ..protocol import errors, internal, reports
 from ..protocol.errors import TorchpoolError
+from ..rules.ahead import may_send_ahead
 from ..shm.fdpass import close_all
 from ..shm.segment import Segment, unlink_segment
 from .answers import Answers, Executed
@@ -45,9 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("torchpool.broker")
 
-# a model of several instances gets batches sent ahead only while its mean
-# execution (per request) is shorter than this
-AHEAD_MAX_MEAN_NS = 2_000_000
 # While workers have report rings they are read this often: how stale the
 # metrics of direct requests may be (statistics calls read them first).
 REPORTS_EVERY_S = 0.1
@@ -148,10 +146,9 @@ class Instances:
         up first. With one instance it would wait anyway; with several, only
         quick models gain enough to take that risk (the broker's turn is a
         large share of a short execution), and the wait is then short."""
-        if len(mv.workers) > 1:
-            infer = mv.stats.compute_infer
-            if not infer.count or infer.ns > AHEAD_MAX_MEAN_NS * infer.count:
-                return
+        infer = mv.stats.compute_infer
+        if not may_send_ahead(len(mv.workers), infer.ns / infer.count if infer.count else None):
+            return
         for worker in mv.workers:
             if worker.state == BUSY and worker.ahead is None and not worker.stopping:
                 batch = mv.scheduler.take_ahead(worker, now)

@@ -70,7 +70,7 @@ class Session:
     regions: dict[str, Region] = field(default_factory=dict)
     challenges: dict[str, Challenge] = field(default_factory=dict)
     in_flight: int = 0
-    direct: dict = field(default_factory=dict)   # model version -> (direct path name, worker): direct.py
+    direct: dict = field(default_factory=dict)   # model version -> [(direct path name, worker)]: direct.py
     direct_failed: set = field(default_factory=set)   # its paths whose instance's death is counted
     lend_id: int = 0              # names its lending areas in the workers (worker/lending.py)
 
@@ -264,7 +264,7 @@ class SessionManager:
         for challenge in session.challenges.values():
             os.close(challenge.fd)
         session.challenges.clear()
-        forgotten = list(session.arena) + [name for name, _ in session.direct.values()]
+        forgotten = list(session.arena) + [name for paths in session.direct.values() for name, _ in paths]
         if session.local:         # the workers' lending areas of it go (worker/lending.py)
             forgotten.append(lend_ref(session.lend_id))
         session.direct.clear()

@@ -14,9 +14,10 @@ from ..protocol.errors import InferenceError
 from .arena import DEFAULT_ARENA_CAP
 from .common import (DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control,
                      error_of, send_goodbye_and_close)
-from .flows import SessionLost, run_async, sequence_field
+from .aio_lane import AsyncDirect, AsyncLane, AsyncPaths
+from .flows import SessionLost, is_session_error, run_async, sequence_field
 from .regions import needs_session
-from .types import Call
+from .types import Call, NoAnswer
 from .types import InferResult
 from .watch import Mark
 
@@ -32,7 +33,12 @@ class AsyncClient(ClientBase):
     `server_key` / `client_key`: CURVE over tcp://, as for `Client`; the
     same errors when no answer comes (DEADLINE_EXCEEDED, UNAVAILABLE, at
     once for a missing ipc:// socket file or a lost connection). One event
-    loop at a time: use it from that loop's thread."""
+    loop at a time: use it from that loop's thread.
+
+    On the daemon's host, as a sync `Client` does, it sends its requests on
+    the session's request lane and its small, plain ones on direct paths
+    to the models' workers (aio_lane.py: read by the event loop, any number
+    of calls in flight on each)."""
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, local: Optional[bool] = None,
                  arena_cap: int = DEFAULT_ARENA_CAP, server_key: Optional[ServerKey] = None,
@@ -44,6 +50,11 @@ class AsyncClient(ClientBase):
         self._watcher: Optional[asyncio.Task] = None
         self._watched: Optional[tuple] = None       # (loop, fd) the watcher waits on
         self._hello_lock: Optional[asyncio.Lock] = None
+        self._asking: dict[tuple[str, str], asyncio.Future] = {}    # direct paths asked for
+        state = self._state
+        state.lane_factory = lambda link: AsyncLane(link, url, state.late_reply)
+        state.direct_factory = lambda sock, model: AsyncDirect(sock, model, url, state.late_reply)
+        state.direct_group = AsyncPaths          # many calls in flight: a path to each instance
 
     async def _read_replies(self) -> None:
         while True:
@@ -112,8 +123,26 @@ class AsyncClient(ClientBase):
             raise error_of(header)
         return header, payload
 
-    def _send(self, call: Call) -> Any:
-        return self._call(call.frames, call.rid, call.timeout)
+    async def _send(self, call: Call, sent: Optional[Callable[[], None]] = None) -> tuple[dict, list]:
+        """One call of a flow: on its channel (the lane, a direct path) if it
+        has one, else over ZeroMQ (as sync.py's Client._send)."""
+        if self._state.direct.wanted:
+            self._ask_for_paths()
+        channel = call.channel
+        if channel is None:
+            return await self._call(call.frames, call.rid, call.timeout, sent)
+        limit = self.timeout if call.timeout is None else call.timeout
+        try:
+            header, payload = await channel.request(call.frames, call.rid, limit, sent)
+        except NoAnswer as exc:
+            if exc.sent or not channel.lost or not channel.zmq_fallback:
+                raise
+            # the lane was closed before it was sent: the daemon ended the session
+            # (or stopped), which it says over ZeroMQ; the flow then says hello again
+            return await self._call(call.frames, call.rid, call.timeout, sent)
+        if not header.get("ok"):
+            raise error_of(header)
+        return header, payload
 
     async def _perform(self, make_flow: Callable, timeout: Optional[float], session: bool = False,
                        sent: Optional[Callable[[], None]] = None) -> Any:
@@ -121,7 +150,7 @@ class AsyncClient(ClientBase):
         send = self._send
         if sent is not None:
             def send(call: Call) -> Any:
-                return self._call(call.frames, call.rid, call.timeout, sent if call.request else None)
+                return self._send(call, sent if call.request else None)
         for attempt in range(2):
             if st.needs_hello(session):
                 if self._hello_lock is None:
@@ -188,9 +217,72 @@ class AsyncClient(ClientBase):
         is on its way to the daemon, before its answer: a caller that must
         keep its requests in order (a gRPC stream's) sends the next then."""
         seq = sequence_field(sequence_id, sequence_start, sequence_end)
+        if not priority and seq is None:
+            short = self._state.direct_request(model, inputs, outputs, version, timeout)
+            if short is not None:
+                result = await self._direct_infer(short, copy, timeout, sent)
+                if result is not None:
+                    return result
         return await self._perform(
             lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy, priority, seq),
             timeout, needs_session(inputs, outputs), sent)
+
+    def _ask_for_paths(self) -> None:
+        """Ask the daemon for the direct paths the flows wanted (client/direct.py),
+        beside the calls: a call and those made meanwhile take the lane, in the
+        order they were made (asked in a call's flow, the others would overtake it)."""
+        st = self._state
+        wanted = st.direct.wanted
+        while wanted:
+            model, version = key = wanted.pop()
+            if key in self._asking or not st.direct_allowed() or not st.direct.due(model, version):
+                continue
+
+            async def ask(model: str = model, version: str = version, key: tuple = key) -> None:
+                try:
+                    await run_async(st.direct.path_flow(st, model, version, None), self._send)
+                except InferenceError:
+                    pass                     # no session now: a later call asks again
+                finally:
+                    self._asking.pop(key, None)
+
+            self._asking[key] = asyncio.ensure_future(ask())
+
+    async def _direct_infer(self, short: tuple, copy: bool, timeout: Optional[float],
+                            sent: Optional[Callable[[], None]]) -> Optional[InferResult]:
+        """A plain request on its model's open direct path, without the flow
+        (sync.py's Client._direct_infer, awaited). None when the session was
+        lost: then the flow says hello again and sends it."""
+        st = self._state
+        path, rid, frames, enc, token = short
+        answered = False
+        try:
+            try:
+                header, payload = await path.request(frames, rid, self.timeout if timeout is None else timeout,
+                                                     sent)
+            except NoAnswer as exc:
+                lost = exc.path or path    # (one of the model's paths)
+                if exc.sent and not lost.lost:
+                    raise                  # maybe still running: finish() keeps its id
+                if exc.sent:               # the path closed with it: the daemon says why
+                    raise (await run_async(st.direct.ended_flow(st, lost, None), self._send)) from None
+                # it closed before it took the request: the lane takes it (as in infer_flow)
+                header, payload = await self._send(Call(rid, frames, timeout, st.open_lane()), sent)
+            answered = True
+            if not header.get("ok"):
+                raise error_of(header)
+            return st.direct_answered(header, payload, copy, token, enc)
+        except InferenceError as exc:
+            if isinstance(exc, NoAnswer) and not answered:
+                raise
+            answered = True
+            if not is_session_error(exc):
+                raise
+            st.session_lost(token)
+            return None
+        finally:
+            if not answered:
+                st.finish(enc, st.arena, False, rid, token)
 
     async def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:
         """As `Client.empty` (a coroutine: the first call may say hello)."""
@@ -208,10 +300,11 @@ class AsyncClient(ClientBase):
         return await self._perform(lambda: self._state.status_flow(name, None), None, True)
 
     def _stop(self) -> None:
-        for task in (self._reader, self._watcher):
+        for task in (self._reader, self._watcher, *self._asking.values()):
             if task is not None:
                 task.cancel()
         self._reader = self._watcher = None
+        self._asking.clear()
         if self._watched is not None:       # now: the fd closes with the watch, before the task ends
             loop, fd = self._watched
             self._watched = None

@@ -57,6 +57,7 @@ class DirectSocket(LaneSocket):
         sock.setblocking(False)
         self.model = model
         self.name = ""                  # the daemon's name of the path (for ended_flow)
+        self.version: Any = None        # the model version it serves (as the daemon said)
         super().__init__(_DirectLink(sock), url, on_late)
 
     def lost_error(self) -> InferenceError:
@@ -92,16 +93,34 @@ class DirectPaths:
     def __init__(self) -> None:
         # (model, version) -> its DirectSocket, or when to ask again after a refusal
         self._paths: dict[tuple[str, str], Any] = {}
+        self._asking: set[tuple[str, str]] = set()      # keys whose path is being asked for
+        self.wanted: set[tuple[str, str]] = set()       # keys to ask for, not asked in a flow
 
     def open_path(self, model: str, version: str) -> Optional["DirectSocket"]:
         """The path to `model` if one is open and not lost (asks nothing)."""
         path = self._paths.get((model, version))
         return path if path.__class__ is not float and path is not None and not path.lost else None
 
-    def path_flow(self, state: Any, model: str, version: str, timeout: Optional[float]) -> Any:
-        """The open path to `model`, asking the daemon for one when due; None
-        when there is none. (A flow: `yield from` it.)"""
+    def due(self, model: str, version: str) -> bool:
+        """Would `path_flow` ask the daemon now? (no path open, none being
+        asked for, no refusal still standing)"""
+        path = self._paths.get((model, version))
+        if path is None:
+            return True
+        if path.__class__ is float:
+            return time.monotonic() >= path
+        return bool(path.lost)
+
+    def path_flow(self, state: Any, model: str, version: str, timeout: Optional[float],
+                  ask: bool = True) -> Any:
+        """The open path to `model`, asking the daemon for one when due
+        (unless not `ask`); None when there is none. (A flow: `yield from` it.)"""
         key = (model, version)
+        if not ask:
+            path = self.open_path(model, version)
+            if path is None and self.due(model, version):
+                self.wanted.add(key)     # the caller asks beside its calls (aio.py)
+            return path
         path = self._paths.get(key)
         if path.__class__ is float:
             if time.monotonic() < path:
@@ -110,13 +129,37 @@ class DirectPaths:
             if not path.lost:
                 return path
             path.shut()                  # its instance stopped: ask for another
+        # The daemon keeps one path per session and model version: asking
+        # again replaces (closes) the one open, failing the calls on it. An
+        # unversioned key may name the same version as a numbered one, so
+        # while one of them has a path (or asks for one) the other shares it
+        # when it is the same version, or takes the lane when that is unknown.
+        for (m, v), other in self._paths.items():
+            if m != model or v == version or (v and version):
+                continue
+            if (m, v) in self._asking:
+                return None
+            if other.__class__ is not float and not other.lost:
+                if version and str(other.version) == version:
+                    self._paths[key] = other
+                    return other
+                if not version:
+                    return None
         # asked once: the calls of other threads meanwhile take the lane
         self._paths[key] = time.monotonic() + ASK_S
+        self._asking.add(key)
+        ask = {"model": model, "version": version}
+        if state.direct_group is not None:
+            ask["all"] = True                # a path to each instance (broker/direct.py)
+        fds: list[int] = []
         try:
-            header, _ = yield from state.exchange(messages.OP_DIRECT, timeout,
-                                                  {"model": model, "version": version}, lane=True)
-            fd = state.link.take(header["result"]["direct"])
+            header, _ = yield from state.exchange(messages.OP_DIRECT, timeout, ask, lane=True)
+            result = header["result"]
+            names = result.get("paths") or [result["direct"]]
+            for name in names:
+                fds.append(state.link.take(name))
         except (InferenceError, KeyError, TypeError, AttributeError):
+            close_all(fds)
             # not for this model (or not now): the lane takes its requests, and says
             # what is wrong with them if anything is
             self._paths[key] = time.monotonic() + RETRY_S
@@ -124,10 +167,17 @@ class DirectPaths:
         except BaseException:            # no answer, the session lost: ask again next time
             self._paths.pop(key, None)
             raise
-        path = self._paths[key] = state.direct_factory(socket.socket(fileno=fd), model)
-        path.name = header["result"]["direct"]
-        spin_us = header["result"].get("spin_us")
-        path.spin(spin_us if spin_us.__class__ is int else 0)
+        finally:
+            self._asking.discard(key)
+        spin_us = result.get("spin_us")
+        members = []
+        for name, fd in zip(names, fds):
+            member = state.direct_factory(socket.socket(fileno=fd), model)
+            member.name = name
+            member.version = result.get("version")     # the version it serves
+            member.spin(spin_us if spin_us.__class__ is int else 0)
+            members.append(member)
+        path = self._paths[key] = members[0] if state.direct_group is None else state.direct_group(members)
         return path
 
     def ended_flow(self, state: Any, path: "DirectSocket", timeout: Optional[float]) -> Any:
@@ -143,8 +193,10 @@ class DirectPaths:
     def close(self) -> None:
         for path in self._paths.values():
             if path.__class__ is not float:
-                path.shut()
+                path.shut()              # (a path two keys share: twice, harmlessly)
         self._paths.clear()
+        self._asking.clear()
+        self.wanted.clear()
 
 
 class DirectRequests:
@@ -158,13 +210,9 @@ class DirectRequests:
         to the open direct path of its model, encoded as `infer_flow` encodes
         it; None when it needs the flow (no path open yet, inputs that go by
         shared memory, lent outputs to give back, ...). Under `lock`."""
-        arena = self.arena
-        if arena is None or not self.local or not self.direct_allowed():
+        if not self.local or not self.direct_allowed() or not self.inline_inputs(inputs):
             return None
-        for value in inputs.values():        # inline for sure: small arrays not built by empty()
-            if type(value) is not np.ndarray or tensors.worth_descriptor(value.nbytes) or \
-                    (arena.user_blocks and arena.lookup(value) is not None):
-                return None
+        arena = self.arena
         path = self.direct.open_path(model, "" if version is None else str(version))
         if path is None:
             return None
@@ -179,6 +227,18 @@ class DirectRequests:
             self.finish(enc, arena, answered=True)
             return None
         return path, header["id"], frames, enc, token
+
+    def inline_inputs(self, inputs: Mapping[str, Any]) -> bool:
+        """Do these inputs go inline for sure, as a direct path takes them?
+        (small arrays not built by empty(); False without an arena)"""
+        arena = self.arena
+        if arena is None:
+            return False
+        for value in inputs.values():
+            if type(value) is not np.ndarray or tensors.worth_descriptor(value.nbytes) or \
+                    (arena.user_blocks and arena.lookup(value) is not None):
+                return False
+        return True
 
     def direct_allowed(self) -> bool:
         """May this session's requests go on direct paths now? (a lane is open,

@@ -78,6 +78,11 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         self.lane_factory: Optional[Callable[[LocalLink], Any]] = None
         # makes a direct path's socket (client/direct.py); None: none are asked for
         self.direct_factory: Optional[Callable[[Any, str], Any]] = None
+        # a caller with many calls in flight asks for a path to each of a
+        # model's instances and holds them as one (aio_lane.AsyncPaths); it
+        # asks beside its calls, not in one's flow: the calls sent meanwhile
+        # would overtake that one (aio.py)
+        self.direct_group: Optional[Callable[[list], Any]] = None
         self.direct = DirectPaths()
         self.local_socket: Optional[str] = None  # where it is (regions attach without an arena)
         self.outputs = OutputMaps()
@@ -308,7 +313,8 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         header = self._infer_header(model, version, enc, outputs, timeout, priority, sequence)
         direct = None
         if self.direct_allowed() and takes_direct(header):
-            direct = yield from self.direct.path_flow(self, model, header["version"], timeout)
+            direct = yield from self.direct.path_flow(self, model, header["version"], timeout,
+                                                      ask=self.direct_group is None)
         if direct is not None:
             token = header["session"] = self.session    # releases wait for a request to the daemon
         else:
@@ -373,10 +379,11 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
             try:
                 return (yield Call(rid, frames, timeout, direct, request=True))
             except NoAnswer as exc:
-                if exc.sent and not direct.lost:
+                path = exc.path or direct       # (one of several standing as one)
+                if exc.sent and not path.lost:
                     raise
                 if exc.sent:      # the path closed with it: the daemon says why
-                    raise (yield from self.direct.ended_flow(self, direct, timeout)) from None
+                    raise (yield from self.direct.ended_flow(self, path, timeout)) from None
                 # the path closed before it took the request: the lane takes it
         return (yield Call(rid, frames, timeout, lane, request=True))
 

@@ -149,11 +149,14 @@ class NoAnswer(InferenceError):
     still be running) or UNAVAILABLE (no daemon reached, or the connection
     was lost while waiting). `sent` is False when the request never left
     this process (nothing was there to take it), so sending it elsewhere
-    cannot run it twice."""
+    cannot run it twice. `path`: the direct path it was sent on, where
+    several stand as one (aio_lane.AsyncPaths), for the daemon to say why
+    that one closed."""
 
     def __init__(self, code: str, message: str, sent: bool = True) -> None:
         super().__init__(code, message)
         self.sent = sent
+        self.path: Any = None
 
 
 class Call:

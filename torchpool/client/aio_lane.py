@@ -1,0 +1,353 @@
+"""The request lane and direct paths, from an event loop (the AsyncClient's).
+
+What lane.py's `LaneSocket` and direct.py's `DirectSocket` are to the sync
+`Client`, on asyncio: the same datagrams on the same unix sockets, the same
+errors, but no thread waits. The socket's reader is the event loop's
+(`loop.add_reader`, registered while the socket is open): each answer is
+handed to the future of the call it answers, by request id, so any number
+of calls may be in flight on one socket at once. A send the socket has no
+room for (the far end has not read this client's earlier requests) waits
+for writability in the loop, until the call's own deadline; answers are
+read meanwhile. Nothing spins: the loop sleeps in its selector.
+
+- An answer nobody waits for any more (a call that timed out or was
+  cancelled) goes to `on_late`, which gives back what its request held.
+- The socket closing (the daemon stopped or ended the session; a path's
+  worker stopped) fails every call sent on it at once with UNAVAILABLE
+  (`NoAnswer.sent` True); a call not sent yet fails with `sent` False, so
+  its caller may send it elsewhere (aio.py, flows.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import socket
+import time
+from typing import Any, Callable, Optional
+
+from ..protocol import errors, lane, messages
+from ..protocol.errors import InferenceError
+from ..rules.ahead import may_send_ahead
+from ..shm.fdpass import DONTWAIT
+from .direct import _DirectLink
+from .types import NoAnswer
+
+Reply = tuple[dict, list]
+_READS_PER_WAKE = 64        # answers read per wake-up before the loop runs others
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(asyncio.TimeoutError())
+
+
+class AsyncLane:
+    """A local session's request lane, read by the event loop."""
+
+    zmq_fallback = True         # a call it could not send goes over ZeroMQ (aio.py)
+
+    def __init__(self, link: Any, url: str, on_late: Callable[[Any], None]) -> None:
+        self._link = link
+        self._url = url
+        self._on_late = on_late
+        self.fd = link.sock.fileno()
+        self.lost = False                  # closed by the far end: nothing more comes
+        self._closed = False               # closed by us
+        self._pieces: list[bytes] = []     # of an answer that came in several datagrams
+        self._pending: dict[Any, asyncio.Future] = {}
+        self._writable: list[asyncio.Future] = []      # sends waiting for room
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        try:
+            self._attach(asyncio.get_running_loop())   # read from now on: fds come ahead of answers
+        except RuntimeError:
+            pass                           # no loop running: the first request registers
+
+    # -- the event loop's reader
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._detach()
+        if self.lost or self._closed:
+            return
+        loop.add_reader(self.fd, self._on_readable)
+        self._loop = loop
+
+    def _detach(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self.fd)
+            if self._writable:
+                loop.remove_writer(self.fd)
+        self._wake_writers()
+
+    def _on_readable(self) -> None:
+        link = self._link
+        for _ in range(_READS_PER_WAKE):
+            try:
+                data, fds = link.recv()
+            except BlockingIOError:
+                return
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                self._lose()
+                return
+            kind = data[0]
+            if kind == lane.MORE:
+                self._pieces.append(bytes(data[1:]))     # the receive buffer is reused
+                continue
+            if kind != lane.LAST:
+                link.keep(data, fds)           # segments handed over, ahead of the answer naming them
+                continue
+            if self._pieces:
+                self._pieces.append(data[1:])
+                frames = lane.decode(b"".join(self._pieces))
+                self._pieces = []
+                payload = list(frames[1:])
+            else:
+                frames = lane.decode(data[1:])
+                payload = [bytes(f) for f in frames[1:]]   # out of the reused buffer
+            header = messages.unpack(frames[0])
+            fut = self._pending.pop(header.get("id"), None) if header.__class__ is dict else None
+            if fut is not None and not fut.done():
+                fut.set_result((header, payload))
+            else:
+                self._on_late(header)          # the late answer of a call that timed out
+
+    def _lose(self) -> None:
+        """The far end closed: every call sent on it fails now."""
+        self.lost = True
+        self._detach()
+        self._fail_all(lambda: self._lost_error(sent=True))
+
+    def _fail_all(self, error: Callable[[], BaseException]) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(error())
+
+    # -- writability
+    def _on_writable(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_writer(self.fd)
+        self._wake_writers()
+
+    def _wake_writers(self) -> None:
+        waiting, self._writable = self._writable, []
+        for w in waiting:
+            if not w.done():
+                w.set_result(None)
+
+    async def _room(self, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
+        """Wait until the socket may take a datagram, or `answer` is done
+        (its deadline passed, the socket was lost or closed)."""
+        w = loop.create_future()
+        if not self._writable:
+            loop.add_writer(self.fd, self._on_writable)
+        self._writable.append(w)
+        await asyncio.wait((w, answer), return_when=asyncio.FIRST_COMPLETED)
+
+    # -- a call
+    async def request(self, frames: list, rid: Any, timeout: float,
+                      sent: Optional[Callable[[], None]] = None) -> Reply:
+        """Send `frames` (one datagram: the caller checked lane.fits) and
+        return the answer to `rid`; NoAnswer when none comes within
+        `timeout` s, or the socket says none will. `sent()` once it is sent."""
+        if self._closed:
+            raise InferenceError(errors.CANCELLED, "client closed")
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._attach(loop)
+        if self.lost:
+            raise self._lost_error(sent=False)
+        fut = loop.create_future()
+        self._pending[rid] = fut
+        timer = loop.call_later(timeout, _expire, fut)
+        try:
+            datagram = lane.request(frames)
+            sock = self._link.sock
+            while True:
+                try:
+                    sock.sendmsg(datagram, (), DONTWAIT)
+                    break
+                except BlockingIOError:
+                    await self._room(loop, fut)
+                    if fut.done():             # not sent: in time, or at all
+                        if self._closed:
+                            raise InferenceError(errors.CANCELLED, "client closed") from None
+                        if self.lost:
+                            raise self._lost_error(sent=False) from None
+                        raise NoAnswer(errors.DEADLINE_EXCEEDED,
+                                       f"torchpool at {self._url} did not take the request in time "
+                                       f"(it has not read this client's earlier ones)", sent=False) from None
+                except OSError:
+                    self._lose()
+                    raise self._lost_error(sent=False) from None
+            if sent is not None:
+                sent()
+            try:
+                return await fut
+            except asyncio.TimeoutError:
+                raise self._no_answer(timeout) from None
+        finally:
+            timer.cancel()
+            if self._pending.get(rid) is fut:
+                del self._pending[rid]
+
+    # -- errors
+    def _lost_error(self, sent: bool) -> NoAnswer:
+        return NoAnswer(errors.UNAVAILABLE, f"torchpool at {self._url} closed this client's local "
+                                            f"side channel (it stopped, or ended the session)", sent=sent)
+
+    def _no_answer(self, timeout: float) -> NoAnswer:
+        return NoAnswer(errors.DEADLINE_EXCEEDED, f"torchpool at {self._url} did not answer within "
+                                                  f"{timeout:g} s (it is reachable: the request may "
+                                                  f"still run)")
+
+    # -- the end
+    def close(self, wait: float = 0) -> None:
+        """Calls in flight fail with CANCELLED; the loop stops reading the
+        socket (the caller closes it). `wait`: as LaneSocket.close's, unused:
+        nothing here reads on another thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._detach()
+        self._fail_all(lambda: InferenceError(errors.CANCELLED, "client closed"))
+
+
+class AsyncDirect(AsyncLane):
+    """A direct path (direct.py's DirectSocket), read by the event loop."""
+
+    zmq_fallback = False        # a call it did not take goes over the lane (flows.py)
+
+    def __init__(self, sock: socket.socket, model: str, url: str, on_late: Callable[[Any], None]) -> None:
+        sock.setblocking(False)
+        self.model = model
+        self.name = ""                  # the daemon's name of the path (for ended_flow)
+        self.version: Any = None        # the model version it serves (as the daemon said)
+        super().__init__(_DirectLink(sock), url, on_late)
+
+    def spin(self, window_us: int) -> None:
+        """The daemon's polling window: this end waits in the event loop instead."""
+
+    def lost_error(self) -> InferenceError:
+        return InferenceError(errors.UNAVAILABLE, self._lost_error(True).message)
+
+    def _lost_error(self, sent: bool) -> NoAnswer:
+        return NoAnswer(errors.UNAVAILABLE, f"the instance of model '{self.model}' that torchpool at "
+                                            f"{self._url} serves this client directly closed its path "
+                                            f"(it stopped, crashed or was unloaded, or the session "
+                                            f"ended)", sent=sent)
+
+    def shut(self) -> None:
+        self.close()             # calls still on it fail with CANCELLED
+        self._link.sock.close()
+
+
+class AsyncPaths:
+    """Direct paths to each instance of a model, standing as one path.
+
+    An AsyncClient has many calls in flight at once; on one path they would
+    all queue at one instance. Holding a path to each (the daemon opens them
+    together: broker/direct.py), each call goes to an instance with nothing
+    in flight, else ahead to a busy one where the daemon's rule allows that
+    (rules/ahead.py: one instance, or executions that average under 2 ms),
+    else waits here, in order, for the first that frees: as the daemon's
+    scheduler places requests on its instances.
+
+    A path whose instance stopped leaves the others serving; once none is
+    left, or the lost ones are and nothing is in flight, the paths count as
+    lost and the client asks for new ones (client/direct.py).
+    """
+
+    zmq_fallback = False        # a call it did not take goes over the lane (flows.py)
+    _EWMA = 8                   # the mean execution follows about the last 8 calls
+
+    def __init__(self, members: list[AsyncDirect]) -> None:
+        self.members = members
+        self.model = members[0].model
+        self.name = members[0].name
+        self.version = members[0].version
+        self._in_flight = [0] * len(members)
+        self._mean_ns: Optional[float] = None       # of calls that found their instance idle
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+
+    @property
+    def lost(self) -> bool:
+        live = [m for m in self.members if not m.lost]
+        return not live or (len(live) < len(self.members) and not any(self._in_flight))
+
+    def spin(self, window_us: int) -> None:
+        """The daemon's polling window: these wait in the event loop instead."""
+
+    def _place(self) -> int:
+        """The member a call goes to now; -1 when it must wait."""
+        live = [i for i, m in enumerate(self.members) if not m.lost]
+        for i in live:
+            if not self._in_flight[i]:
+                return i
+        if may_send_ahead(len(live), self._mean_ns):
+            for i in live:
+                if self._in_flight[i] == 1:
+                    return i
+        return -1
+
+    def _freed(self) -> None:
+        """A call ended: the first waiting call (all of them when a path was
+        lost: they may have nowhere to go now) looks again."""
+        wake_all = any(m.lost for m in self.members)
+        while self._waiting:
+            w = self._waiting.popleft()
+            if not w.done():
+                w.set_result(None)
+                if not wake_all:
+                    return
+
+    async def request(self, frames: list, rid: Any, timeout: float,
+                      sent: Optional[Callable[[], None]] = None) -> Reply:
+        """As AsyncLane.request, on the member `_place` chooses."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            i = self._place()
+            if i >= 0:
+                break
+            if self.lost and all(m.lost for m in self.members):
+                raise self.members[0]._lost_error(sent=False)
+            turn = loop.create_future()
+            self._waiting.append(turn)
+            try:
+                await asyncio.wait_for(turn, max(0.0, deadline - loop.time()))
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():
+                    self._freed()           # its turn passes on to the next
+                raise
+            except asyncio.TimeoutError:
+                # never sent: an error, not a NoAnswer (nothing may still run)
+                raise InferenceError(errors.DEADLINE_EXCEEDED,
+                                     f"no instance of model '{self.model}' was free within "
+                                     f"{timeout:g} s (this client's earlier calls were running)") from None
+        member = self.members[i]
+        alone = not self._in_flight[i]
+        self._in_flight[i] += 1
+        start = time.perf_counter_ns()
+        try:
+            reply = await member.request(frames, rid, max(0.0, deadline - loop.time()), sent)
+        except NoAnswer as exc:
+            exc.path = member
+            raise
+        finally:
+            self._in_flight[i] -= 1
+            self._freed()
+        if alone:
+            took = time.perf_counter_ns() - start
+            mean = self._mean_ns
+            self._mean_ns = took if mean is None else mean + (took - mean) / self._EWMA
+        return reply
+
+    def lost_error(self) -> InferenceError:
+        return self.members[0].lost_error()
+
+    def shut(self) -> None:
+        for member in self.members:
+            member.shut()
+        self._freed()
