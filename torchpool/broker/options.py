@@ -32,7 +32,7 @@ class ServerOptions:
     # the other answers sooner (rules/spin.py): on the 2-core VM it halves
     # a tiny request's latency for about the CPU the wake-ups cost. 0: off
     direct_spin_us: int = 500
-    stop_timeout: float = 10.0          # time a worker gets to exit before SIGKILL
+    stop_timeout: float = 10.0          # time a worker gets to exit at stop before SIGABRT, then SIGKILL
     max_restarts: int = 5               # crashes in a row, no batch done in between: UNAVAILABLE
     client_shm_size: int = 64 * MiB     # a local client's arena segment
     client_shm_limit: int = 1024 * MiB  # a local client's arena, all segments

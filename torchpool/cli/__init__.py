@@ -303,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace-period", type=float, default=_default("grace_period"),
                        help="seconds SIGTERM waits for accepted requests "
                             f"(default {_shown(_default('grace_period'))})")
+    serve.add_argument("--stop-timeout", type=float, default=_default("stop_timeout"),
+                       help="at shutdown, after the grace period, seconds a worker gets to exit; "
+                            "one still running is sent SIGABRT (its Python stack goes to the log), "
+                            f"then SIGKILL (default {_shown(_default('stop_timeout'))})")
     serve.add_argument("--busy-poll-us", type=int, default=_default("busy_poll_us"),
                        help="after activity, poll without sleeping this long: trades the broker's "
                             "CPU for latency where waking a process is slow; 0 disables "

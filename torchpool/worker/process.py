@@ -19,6 +19,7 @@ tensor the worker holds until that release.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import gc
 import logging
@@ -26,6 +27,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import time
 from typing import Any, Optional
 
@@ -61,6 +63,12 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     """Entry point in the forked child (a multiprocessing target)."""
     tie_to_the_broker()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the broker's to handle
+    # A worker the broker finds hung (execution or load timeout, no exit at
+    # stop) gets SIGABRT before SIGKILL: faulthandler then writes every
+    # thread's Python stack into the stderr inherited from the daemon, its
+    # log, so the operator sees where the model was stuck (it also reports
+    # a segfault's stack). The shm guard's SIGBUS handler chains to it.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     # the daemon's level and format, into the stderr inherited from it
     setup_logging(spec.log_level, spec.log_format)
     Worker(spec, sock).serve()
