@@ -27,6 +27,7 @@ from ..config.parameters import model_parameters
 from ..protocol import internal
 from ..shm.fdpass import DONTWAIT, FdReceiver, send_with_fds
 from ..shm.segment import Segment
+from ..worker.capture_size import DEFAULT_MIB
 from ..worker.entry import run_worker
 from ..worker.spec import WorkerSpec
 from .registry import ModelVersion
@@ -234,7 +235,8 @@ def instance_devices(group: InstanceGroup, gpus: list[int]) -> list[str]:
 class Supervisor:
     def __init__(self, segment_prefix: str, arena_chunk: int, arena_limit: int, log_level: int,
                  busy_poll_us: int = 0, log_format: str = "text",
-                 cpu_instances: Callable[[], int] = lambda: 1) -> None:
+                 cpu_instances: Callable[[], int] = lambda: 1, output_capture_mib: int = DEFAULT_MIB,
+                 stream_copy_bytes: int = 0) -> None:
         self.segment_prefix = segment_prefix
         # the CPUs the daemon may use, shared among the CPU instances of every
         # version it serves or loads (cpu_instances: their number, now)
@@ -246,6 +248,8 @@ class Supervisor:
         self.arena_chunk = arena_chunk
         self.arena_limit = arena_limit
         self.log_level = log_level
+        self.output_capture_mib = output_capture_mib
+        self.stream_copy_bytes = stream_copy_bytes
         self.workers: dict[int, WorkerHandle] = {}       # by sentinel fd
         self._serial = itertools.count()
         self.gpus = visible_gpus()
@@ -282,7 +286,8 @@ class Supervisor:
                           arena_limit=self.arena_limit, log_level=self.log_level,
                           busy_poll_us=self.busy_poll_us, log_format=self.log_format,
                           shared_weights=self.weights_segment(mv) if shares_weights(mv) else "",
-                          threads=threads)
+                          threads=threads, output_capture_mib=self.output_capture_mib,
+                          stream_copy_bytes=self.stream_copy_bytes)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = _fork_context().Process(target=run_worker, args=(spec, theirs), daemon=False,
