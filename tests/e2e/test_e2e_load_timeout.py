@@ -4,6 +4,7 @@ version fails to load with the reason, and the daemon still becomes ready
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,11 @@ def test_a_worker_stuck_loading_fails_its_version_and_the_daemon_serves_the_rest
                                                 "(--load-timeout) and was killed")
             got = c.infer("good", {"INPUT__0": np.array([1, 2], np.float32)})["OUTPUT__0"]
             assert got.tolist() == [2, 4]
-        assert "did not finish loading within 2 s; killing it" in d.log()
+        log = d.log()
+        assert "did not finish loading within 2 s; killing it" in log
+        # SIGABRT first: the worker's faulthandler logged where the load was stuck
+        stack = log[log.index("did not finish loading within 2 s"):]
+        assert "Fatal Python error: Aborted" in stack, log
+        assert re.search(r'File ".*/stuck/hang\.py", line 2 in <module>\n', stack), log
     finally:
         assert d.stop() == 0, d.log()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -236,6 +237,13 @@ def test_a_hung_worker_is_replaced_after_the_execution_timeout(small_repository:
             assert time.monotonic() - started < 8
             assert exc.value.code == "INTERNAL" and "exceeded the execution timeout of 1 s" in exc.value.message
             wait_for(lambda: len(worker_pids(d.log(), "slow")) == 2, 30, "a new slow worker")
+            # SIGABRT before SIGKILL: the worker's faulthandler wrote where it was stuck
+            # (in the call of the TorchScript model) into the daemon's log, then died of it
+            log = d.log()
+            stack = log[log.index("exceeded the execution timeout of 1 s; killing it"):]
+            assert "Fatal Python error: Aborted" in stack and "Current thread" in stack, log
+            assert re.search(r'File ".*torchpool/worker/binding\.py", line \d+ in run\n', stack), log
+            assert "was killed by signal SIGABRT (6); restarting it" in stack, log
             small = slow_iterations(0.05)
             for _ in range(3):        # the profiling executor's first calls of a new worker are slower
                 assert int(c.infer("slow", {"INPUT__0": np.array([small])})["OUTPUT__0"][0]) == small
@@ -447,3 +455,38 @@ def test_sigterm_under_load_answers_every_accepted_request(small_repository: Pat
     for exc in errors_:
         assert exc.code == "UNAVAILABLE" and "shutting down" in exc.message, exc
     assert "torchpool stopped" in d.log()
+
+
+def test_a_worker_stuck_at_shutdown_logs_its_stack_before_it_is_killed(small_repository: Path,
+                                                                         tmp_path: Path) -> None:
+    """After the grace period and --stop-timeout, a worker still running is
+    sent SIGABRT (its faulthandler logs where it is) before SIGKILL; its
+    request is answered and the daemon exits cleanly, leaving nothing."""
+    d = Daemon(small_repository, tmp_path, "--grace-period", "0.5", "--stop-timeout", "1").start()
+    answers: list = []
+
+    def long_request() -> None:
+        with Client(d.url, timeout=60, local=False) as c:
+            try:
+                c.infer("slow", {"INPUT__0": np.array([slow_iterations(0.3) * 100])})   # ~30 s of work
+                answers.append("ok")
+            except InferenceError as exc:
+                answers.append(exc)
+
+    caller = threading.Thread(target=long_request)
+    caller.start()
+    try:
+        with Client(d.url, timeout=30, local=False) as c:
+            wait_for(lambda: [r["state"] for r in c.statistics("slow")["model_stats"][0]["instances"]] == ["BUSY"],
+                     30, "the slow worker running the long request")
+    finally:
+        assert d.stop() == 0, d.log()
+    caller.join(30)
+    assert not caller.is_alive()
+    assert len(answers) == 1 and isinstance(answers[0], InferenceError), answers
+    assert answers[0].code == "UNAVAILABLE" and "server is shutting down" in answers[0].message
+    log = d.log()
+    stack = log[log.index("instance 'slow_0' did not stop within 1 s; aborting it"):]
+    assert "Fatal Python error: Aborted" in stack, log
+    assert re.search(r'File ".*torchpool/worker/binding\.py", line \d+ in run\n', stack), log
+    assert "did not exit 2 s after SIGABRT" not in log

@@ -6,9 +6,10 @@ worker (torchpool.worker.lending), the only worker memory lent to it.
 A local client sees where each output was lent: the memfd its array lies
 in (a lending area is named `...w<n>.l<i>`); an output it was not lent
 comes as bytes (an array of its own). Real daemons: one with the default
-region, one whose regions hold only 16 MiB (what does not fit is copied and
-sent as bytes), and one with capture turned off (outputs are copied into
-the area, then lent).
+region, one whose regions hold only 16 MiB (--output-capture-mib 16: what
+does not fit is copied and sent as bytes), one sized by the environment
+variable that came before the flag, and one with capture turned off
+(outputs are copied into the area, then lent).
 """
 from __future__ import annotations
 
@@ -84,9 +85,9 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_repository(tmp_path_factory.mktemp("capture_repository"))
 
 
-def start(repository: Path, workdir: Path, region_mib: Optional[int]) -> Daemon:
-    env = {} if region_mib is None else {"TORCHPOOL_OUTPUT_CAPTURE_MIB": str(region_mib)}
-    return Daemon(repository, workdir, tcp_port=free_tcp_port(), env=env).start()
+def start(repository: Path, workdir: Path, region_mib: Optional[int], env: Optional[dict] = None) -> Daemon:
+    flags = [] if region_mib is None else ["--output-capture-mib", str(region_mib)]
+    return Daemon(repository, workdir, *flags, tcp_port=free_tcp_port(), env=env).start()
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +243,26 @@ def test_a_client_that_keeps_its_outputs_does_not_wedge_the_worker(small_region:
                 np.testing.assert_array_equal(out["OUTPUT__0"], x)
                 last = lent_from(out["OUTPUT__0"])
         assert last == "area"
+
+
+def test_the_environment_variable_still_sizes_the_region_and_the_flag_wins(repository: Path,
+                                                                            tmp_path: Path) -> None:
+    """TORCHPOOL_OUTPUT_CAPTURE_MIB is --output-capture-mib's default: 16 MiB
+    holds no 20 MiB output (bytes); the flag given too wins (256 MiB: lent)."""
+    x = ramp(5 * MiB, 8.0)                 # 20 MiB
+    where = {}
+    for flag in (None, 256):
+        workdir = tmp_path / f"flag{flag}"
+        workdir.mkdir()
+        d = start(repository, workdir, flag, env={"TORCHPOOL_OUTPUT_CAPTURE_MIB": "16"})
+        try:
+            with Client(d.url, timeout=60) as c:
+                with c.infer("times_one", {"INPUT__0": x}) as out:
+                    np.testing.assert_array_equal(out["OUTPUT__0"], x)
+                    where[flag] = lent_from(out["OUTPUT__0"])
+        finally:
+            assert d.stop() == 0, d.log()
+    assert where == {None: "bytes", 256: "area"}
 
 
 def test_with_capture_off_outputs_are_copied_as_before(repository: Path, tmp_path: Path) -> None:

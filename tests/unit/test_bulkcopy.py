@@ -17,9 +17,23 @@ def test_the_streaming_extension_is_built_and_off_by_default(monkeypatch: pytest
     # TORCHPOOL_STREAM_COPY_BYTES would silently do nothing, so a missing build must fail here
     assert bulkcopy._streamcopy is not None
     monkeypatch.delenv("TORCHPOOL_STREAM_COPY_BYTES", raising=False)
-    assert bulkcopy._stream_threshold() == 0
+    assert bulkcopy.stream_bytes_from_environment() == 0
     monkeypatch.setenv("TORCHPOOL_STREAM_COPY_BYTES", str(STREAM_AT))
-    assert bulkcopy._stream_threshold() == STREAM_AT
+    assert bulkcopy.stream_bytes_from_environment() == STREAM_AT
+    assert bulkcopy.stream_bytes_from_environment({"TORCHPOOL_STREAM_COPY_BYTES": "lots"}) == 0
+    assert bulkcopy.stream_bytes_from_environment({"TORCHPOOL_STREAM_COPY_BYTES": "-5"}) == 0
+
+
+def test_the_threshold_set_at_start_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """set_stream_threshold: what the daemon and its workers do with --stream-copy-bytes."""
+    monkeypatch.setattr(bulkcopy, "STREAMING", bulkcopy.STREAMING)      # put back afterwards
+    monkeypatch.setattr(bulkcopy, "STREAM_BYTES", bulkcopy.STREAM_BYTES)
+    bulkcopy.set_stream_threshold(STREAM_AT)
+    assert bulkcopy.streams(STREAM_AT) and not bulkcopy.streams(STREAM_AT - 1)
+    bulkcopy.set_stream_threshold(0)
+    assert not bulkcopy.streams(1 << 40)
+    bulkcopy.set_stream_threshold(-1)
+    assert not bulkcopy.streams(1 << 40)
 
 
 @pytest.fixture(params=["ordinary", "streamed from 12 MiB"])

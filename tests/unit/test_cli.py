@@ -26,8 +26,7 @@ from torchpool.logs import setup_logging
 from torchpool.protocol.datatypes import WIRE_DATATYPES
 
 # ServerOptions fields with no command-line flag (set by code or tests only)
-NOT_ON_THE_COMMAND_LINE = {"model_repository", "listen", "worker_shm_limit", "stop_timeout",
-                           "max_restarts", "load_models"}
+NOT_ON_THE_COMMAND_LINE = {"model_repository", "listen", "worker_shm_limit", "max_restarts", "load_models"}
 
 
 def test_serve_defaults_are_the_server_options_defaults() -> None:
@@ -40,10 +39,37 @@ def test_serve_defaults_are_the_server_options_defaults() -> None:
             assert args[f.name] is None and f.default_factory() == []   # repeatable flags
         elif f.name == "log_level":
             assert getattr(logging, args["log_level"].upper()) == f.default
+        elif f.default is dataclasses.MISSING:     # a default read from the environment
+            assert args[f.name] == f.default_factory(), f.name
         else:
             assert args[f.name] == f.default, f.name
         checked += 1
     assert checked == len(dataclasses.fields(ServerOptions)) - len(NOT_ON_THE_COMMAND_LINE)
+
+
+def test_the_knobs_that_were_environment_only_are_flags_with_the_environment_as_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchpool.cli.serve import server_options
+
+    def options(*flags: str) -> ServerOptions:
+        return server_options(build_parser().parse_args(["serve", "--model-repository", "repo", *flags]),
+                              logging.INFO)
+
+    monkeypatch.delenv("TORCHPOOL_OUTPUT_CAPTURE_MIB", raising=False)
+    monkeypatch.delenv("TORCHPOOL_STREAM_COPY_BYTES", raising=False)
+    plain = options()
+    assert (plain.output_capture_mib, plain.stream_copy_bytes) == (256, 0)
+    flagged = options("--output-capture-mib", "0", "--stream-copy-bytes", "12M")
+    assert (flagged.output_capture_mib, flagged.stream_copy_bytes) == (0, 12 << 20)
+    # an operator's environment still works, as the default; a flag wins over it
+    monkeypatch.setenv("TORCHPOOL_OUTPUT_CAPTURE_MIB", "16")
+    monkeypatch.setenv("TORCHPOOL_STREAM_COPY_BYTES", str(8 << 20))
+    from_env = options()
+    assert (from_env.output_capture_mib, from_env.stream_copy_bytes) == (16, 8 << 20)
+    both = options("--output-capture-mib", "64", "--stream-copy-bytes", "0")
+    assert (both.output_capture_mib, both.stream_copy_bytes) == (64, 0)
+    with pytest.raises(SystemExit):
+        options("--output-capture-mib", "-1")
 
 
 def test_json_logging_carries_the_traceback(capsys) -> None:

@@ -8,6 +8,7 @@ child, not pytest) that prints JSON.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -137,7 +138,7 @@ HOOKED = textwrap.dedent("""
     MiB = 1 << 20
     seen = {}
     announced = []
-    capture = OutputCapture.create("capture-unit-test", announced.append, {"TORCHPOOL_OUTPUT_CAPTURE_MIB": "30"})
+    capture = OutputCapture.create("capture-unit-test", announced.append, 30 * MiB)
     buf_size = capture.size
 
     def inside(t):
@@ -290,7 +291,10 @@ HOOKED = textwrap.dedent("""
 def hooked(tmp_path_factory: pytest.TempPathFactory) -> dict:
     script = tmp_path_factory.mktemp("capture") / "hooked.py"
     script.write_text(HOOKED)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    # a script's own directory comes first on its path, not the cwd: this checkout's
+    # torchpool, not the one the virtual environment installed
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, f"the child failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -348,21 +352,22 @@ def test_install_is_once_and_a_forked_child_never_captures(hooked: dict) -> None
     assert hooked["fork"] == {"child_ok": True, "parent": [4 * MiB, 1]}
 
 
-def test_the_environment_sizes_or_turns_off_the_region() -> None:
-    from torchpool.worker.capture import DEFAULT_MIB, region_bytes
+def test_the_environment_gives_the_default_size_or_turns_capture_off() -> None:
+    """TORCHPOOL_OUTPUT_CAPTURE_MIB: the default of --output-capture-mib (compatibility)."""
+    from torchpool.worker.capture_size import DEFAULT_MIB, capture_mib_from_environment
 
-    assert region_bytes({}) == DEFAULT_MIB * MiB
-    assert region_bytes({"TORCHPOOL_OUTPUT_CAPTURE_MIB": "0"}) == 0
-    assert region_bytes({"TORCHPOOL_OUTPUT_CAPTURE_MIB": " 32 "}) == 32 * MiB
-    assert region_bytes({"TORCHPOOL_OUTPUT_CAPTURE_MIB": "lots"}) == DEFAULT_MIB * MiB
-    assert region_bytes({"TORCHPOOL_OUTPUT_CAPTURE_MIB": "-1"}) == DEFAULT_MIB * MiB
+    assert capture_mib_from_environment({}) == DEFAULT_MIB
+    assert capture_mib_from_environment({"TORCHPOOL_OUTPUT_CAPTURE_MIB": "0"}) == 0
+    assert capture_mib_from_environment({"TORCHPOOL_OUTPUT_CAPTURE_MIB": " 32 "}) == 32
+    assert capture_mib_from_environment({"TORCHPOOL_OUTPUT_CAPTURE_MIB": "lots"}) == DEFAULT_MIB
+    assert capture_mib_from_environment({"TORCHPOOL_OUTPUT_CAPTURE_MIB": "-1"}) == DEFAULT_MIB
 
 
 def test_without_the_extension_or_with_capture_off_there_is_no_region(monkeypatch: pytest.MonkeyPatch) -> None:
     from torchpool.worker import capture
 
     announced: list = []
-    assert capture.OutputCapture.create("off", announced.append, {"TORCHPOOL_OUTPUT_CAPTURE_MIB": "0"}) is None
+    assert capture.OutputCapture.create("off", announced.append, 0) is None
     monkeypatch.setattr(capture, "_outcapture", None)        # as on an install without a C compiler
-    assert capture.OutputCapture.create("unbuilt", announced.append, {}) is None
+    assert capture.OutputCapture.create("unbuilt", announced.append, 16 * MiB) is None
     assert announced == []                                    # the worker copies every output

@@ -1,13 +1,13 @@
 """Worker lifecycle: every model instance from spawn to exit.
 
     start_version ─► spawn (supervisor) ─► STARTING ──READY──► IDLE ◄──┐
-                           │ load timeout: killed   │ run(batch)       │ DONE / FAILED
+                           │ load timeout: aborted  │ run(batch)       │ DONE / FAILED
                            ▼                        ▼                  │ (nothing ahead)
                     version UNAVAILABLE           BUSY ────────────────┘
                                                   │  ▲ run(batch): sent ahead, started
                                                   │  └ at DONE / FAILED of the one before
                                                   │ crash, or the execution timeout
-                                                  ▼ (the worker is killed)
+                                                  ▼ (killed; a hung one logs its stack first)
                       its batch fails, the one sent ahead is queued again;
                       respawned after a capped backoff, or the version is
                       given up on after a crash loop
@@ -39,7 +39,7 @@ from .loop import Loop
 from .options import ServerOptions
 from .registry import LOADING, READY, UNAVAILABLE, UNLOADING, ModelVersion
 from .stats import BACKEND, OTHER, REJECTED
-from .supervisor import BUSY, DEAD, IDLE, STARTING, Supervisor, WorkerHandle
+from .supervisor import ABORT_GRACE_S, BUSY, DEAD, IDLE, STARTING, Supervisor, WorkerHandle
 
 if TYPE_CHECKING:
     from .sessions import SessionManager
@@ -101,9 +101,10 @@ class Instances:
 
     def _kill_if_still_loading(self, h: WorkerHandle, limit: float) -> None:
         if h.state == STARTING and h.process.exitcode is None:
-            log.error("%s did not finish loading within %g s; killing it", h.label, limit, extra=_fields(h))
+            log.error("%s did not finish loading within %g s; killing it (SIGABRT: its Python stack "
+                      "follows)", h.label, limit, extra=_fields(h))
             h.load_timed_out = limit
-            h.process.kill()           # the sentinel fails its version
+            self._end_hung(h)          # the sentinel fails its version
 
     def version_gone(self, mv: ModelVersion) -> None:
         """A retired version's workers are all gone: drop what it shared."""
@@ -191,10 +192,19 @@ class Instances:
 
     def _kill_if_hung(self, worker: WorkerHandle, batch_id: int, limit: float) -> None:
         if worker.state == BUSY and worker.batch_id == batch_id and worker.batch is not None:
-            log.error("%s exceeded the execution timeout of %g s; killing it", worker.label, limit,
+            log.error("%s exceeded the execution timeout of %g s; killing it (SIGABRT: its Python "
+                      "stack follows)", worker.label, limit,
                       extra=_fields(worker))
             worker.timed_out = limit
-            worker.process.kill()      # the sentinel answers its requests and respawns it
+            self._end_hung(worker)     # the sentinel answers its requests and respawns it
+
+    def _end_hung(self, h: WorkerHandle) -> None:
+        """SIGABRT first, so that the worker's faulthandler logs where it is
+        stuck; SIGKILL after ABORT_GRACE_S if it is still there (a timer:
+        the loop does not wait). Its requests are answered when its
+        sentinel fires, whichever signal ended it."""
+        if h.abort():
+            self.loop.call_later(ABORT_GRACE_S, h.kill)
 
     # ------------------------------------------------------------- messages
 

@@ -8,6 +8,8 @@ from typing import Optional
 from ..gateway import defaults as gateway_defaults
 from ..protocol.messages import MAX_HEADER_BYTES
 from ..rules.validation import TensorLimits
+from ..shm.bulkcopy import stream_bytes_from_environment
+from ..worker.capture_size import capture_mib_from_environment
 
 MiB = 1 << 20
 
@@ -32,7 +34,14 @@ class ServerOptions:
     # the other answers sooner (rules/spin.py): on the 2-core VM it halves
     # a tiny request's latency for about the CPU the wake-ups cost. 0: off
     direct_spin_us: int = 500
-    stop_timeout: float = 10.0          # time a worker gets to exit before SIGKILL
+    # each worker's output capture region (worker/capture.py), MiB; 0: off.
+    # Default: $TORCHPOOL_OUTPUT_CAPTURE_MIB (how it was set before), else 256
+    output_capture_mib: int = field(default_factory=capture_mib_from_environment)
+    # copies into shared memory of this many bytes and more store around the CPU
+    # caches (shm/bulkcopy.py), in the broker and its workers; 0: never.
+    # Default: $TORCHPOOL_STREAM_COPY_BYTES (how it was set before), else 0
+    stream_copy_bytes: int = field(default_factory=stream_bytes_from_environment)
+    stop_timeout: float = 10.0          # time a worker gets to exit at stop before SIGABRT, then SIGKILL
     max_restarts: int = 5               # crashes in a row, no batch done in between: UNAVAILABLE
     client_shm_size: int = 64 * MiB     # a local client's arena segment
     client_shm_limit: int = 1024 * MiB  # a local client's arena, all segments

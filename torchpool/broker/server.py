@@ -61,6 +61,7 @@ from ..config.parameters import ParameterError, model_parameters
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
 from ..shm import Arena, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
+from ..shm.bulkcopy import set_stream_threshold, streams
 from ..shm.reaper import Reaper
 from .answers import Answers
 from .frontend import Frontend
@@ -143,6 +144,13 @@ class Server:
         if stale:
             log.warning("removed %d shared-memory segments left by a dead daemon", len(stale))
         o = self.options
+        set_stream_threshold(o.stream_copy_bytes)     # before the first copy into the arena
+        if streams(o.stream_copy_bytes):
+            log.info("copies of %d bytes and more into shared memory store around the CPU caches "
+                     "(--stream-copy-bytes)", o.stream_copy_bytes)
+        elif o.stream_copy_bytes:
+            log.warning("--stream-copy-bytes %d: the _streamcopy extension is not built; every copy "
+                        "is an ordinary one", o.stream_copy_bytes)
         self.arena = Arena(lambda i: f"{self.prefix}in{i}", o.shm_chunk, o.shm_limit)
         self.arena.free(self.arena.alloc(1))   # first segment created and pre-faulted now
         self.ctx = zmq.Context()
@@ -175,7 +183,8 @@ class Server:
             entries = [e for e in entries if e.name in o.load_models]
         self.registry = Registry(entries)
         self.supervisor = Supervisor(self.prefix, o.worker_shm_chunk, o.worker_shm_limit, o.log_level,
-                                     o.worker_busy_poll_us, o.log_format, self._cpu_instances)
+                                     o.worker_busy_poll_us, o.log_format, self._cpu_instances,
+                                     o.output_capture_mib, o.stream_copy_bytes)
         self.instances = Instances(self.loop, self.supervisor, self.answers, self.sessions, o, InstanceEvents(
             idle=self._dispatch, settled=self._settled, drained=lambda: self.control.progress(),
             stopping=lambda: self.should_exit))

@@ -27,6 +27,7 @@ from ..config.parameters import model_parameters
 from ..protocol import internal
 from ..shm.fdpass import DONTWAIT, FdReceiver, send_with_fds
 from ..shm.segment import Segment
+from ..worker.capture_size import DEFAULT_MIB
 from ..worker.entry import run_worker
 from ..worker.spec import WorkerSpec
 from .registry import ModelVersion
@@ -37,6 +38,12 @@ STARTING = "STARTING"
 IDLE = "IDLE"
 BUSY = "BUSY"
 DEAD = "DEAD"
+
+# A worker found hung gets SIGABRT, and SIGKILL only if it is still there this
+# long after: its faulthandler (worker/process.py) writes its threads' Python
+# stacks to the daemon's log and re-raises the signal, within milliseconds
+# unless the process cannot run at all.
+ABORT_GRACE_S = 2.0
 
 _context: Optional[multiprocessing.context.BaseContext] = None
 
@@ -152,6 +159,25 @@ class WorkerHandle:
     def send(self, msg: internal.Message) -> None:
         self.sock.send(internal.encode(msg))
 
+    def running(self) -> bool:
+        """Its process has not exited (nor been reaped: a reaped handle's
+        process is closed, and its pid may be another process's by now)."""
+        return self.state != DEAD and self.process.exitcode is None
+
+    def abort(self) -> bool:
+        """SIGABRT, so that it logs where it is stuck (ABORT_GRACE_S); False
+        when it has exited already."""
+        if not self.running():
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.process.pid, signal.SIGABRT)
+        return True
+
+    def kill(self) -> None:
+        """SIGKILL, unless it has exited: the end of every escalation."""
+        if self.running():
+            self.process.kill()
+
     def hand_over(self, segments: list[Segment]) -> None:
         """Give the worker these segments' fds (before a RUN names them)."""
         for i in range(0, len(segments), 32):
@@ -209,7 +235,8 @@ def instance_devices(group: InstanceGroup, gpus: list[int]) -> list[str]:
 class Supervisor:
     def __init__(self, segment_prefix: str, arena_chunk: int, arena_limit: int, log_level: int,
                  busy_poll_us: int = 0, log_format: str = "text",
-                 cpu_instances: Callable[[], int] = lambda: 1) -> None:
+                 cpu_instances: Callable[[], int] = lambda: 1, output_capture_mib: int = DEFAULT_MIB,
+                 stream_copy_bytes: int = 0) -> None:
         self.segment_prefix = segment_prefix
         # the CPUs the daemon may use, shared among the CPU instances of every
         # version it serves or loads (cpu_instances: their number, now)
@@ -221,6 +248,8 @@ class Supervisor:
         self.arena_chunk = arena_chunk
         self.arena_limit = arena_limit
         self.log_level = log_level
+        self.output_capture_mib = output_capture_mib
+        self.stream_copy_bytes = stream_copy_bytes
         self.workers: dict[int, WorkerHandle] = {}       # by sentinel fd
         self._serial = itertools.count()
         self.gpus = visible_gpus()
@@ -257,7 +286,8 @@ class Supervisor:
                           arena_limit=self.arena_limit, log_level=self.log_level,
                           busy_poll_us=self.busy_poll_us, log_format=self.log_format,
                           shared_weights=self.weights_segment(mv) if shares_weights(mv) else "",
-                          threads=threads)
+                          threads=threads, output_capture_mib=self.output_capture_mib,
+                          stream_copy_bytes=self.stream_copy_bytes)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = _fork_context().Process(target=run_worker, args=(spec, theirs), daemon=False,
@@ -318,19 +348,31 @@ class Supervisor:
                 pass
 
     def stop_all(self, timeout: float) -> None:
-        """Ask every worker to stop; kill those that do not within `timeout`."""
+        """Ask every worker to stop; abort, then kill, those that do not within `timeout`."""
         handles = list(self.workers.values())
         for h in handles:
             try:
                 h.send(internal.Stop())
             except OSError:
                 pass
-        deadline = time.monotonic() + timeout
-        for h in handles:
-            h.process.join(timeout=max(0.0, deadline - time.monotonic()))
-            if h.process.exitcode is None:
-                log.warning("%s did not stop in time; killing it", h.label)
-                h.process.kill()
+        _join_all(handles, time.monotonic() + timeout)
+        # stuck: each logs its stacks (SIGABRT), together, then what is left is killed
+        late = [h for h in handles if h.running()]
+        for h in late:
+            log.warning("%s did not stop within %g s; aborting it (its Python stack follows)", h.label, timeout)
+            h.abort()        # after the line that says whose stack it is
+        _join_all(late, time.monotonic() + ABORT_GRACE_S)
+        for h in late:
+            if h.running():
+                log.warning("%s did not exit %g s after SIGABRT; killing it", h.label, ABORT_GRACE_S)
+                h.kill()
                 h.process.join(timeout=5.0)
+        for h in handles:
             self.reap(h)
         stop_fork_helpers(timeout=5.0)
+
+
+def _join_all(handles: list[WorkerHandle], deadline: float) -> None:
+    """Wait until every one of `handles` has exited, or until `deadline`."""
+    for h in handles:
+        h.process.join(timeout=max(0.0, deadline - time.monotonic()))

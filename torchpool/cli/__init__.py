@@ -49,6 +49,14 @@ def _size(text: str) -> int:
     return int(text)
 
 
+def _whole(text: str) -> int:
+    """A whole number, 0 or more."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
 def _boolean(text: str) -> bool:
     """Triton's boolean flag values."""
     value = text.strip().lower()
@@ -300,9 +308,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker-shm-chunk", type=_size, default=_default("worker_shm_chunk"),
                        help="first output segment of each worker; grows as outputs need "
                             f"(default {_shown(_default('worker_shm_chunk'))})")
+    serve.add_argument("--output-capture-mib", type=_whole, default=_default("output_capture_mib"),
+                       help="each worker's output capture region: large tensors the model makes are "
+                            "answered from it, uncopied; 0 turns capture off (default "
+                            "$TORCHPOOL_OUTPUT_CAPTURE_MIB, else 256)")
+    serve.add_argument("--stream-copy-bytes", type=_size, default=_default("stream_copy_bytes"),
+                       help="copies into shared memory this large and larger store around the CPU "
+                            "caches (pays on some machines only); 0: never (default "
+                            "$TORCHPOOL_STREAM_COPY_BYTES, else 0)")
     serve.add_argument("--grace-period", type=float, default=_default("grace_period"),
                        help="seconds SIGTERM waits for accepted requests "
                             f"(default {_shown(_default('grace_period'))})")
+    serve.add_argument("--stop-timeout", type=float, default=_default("stop_timeout"),
+                       help="at shutdown, after the grace period, seconds a worker gets to exit; "
+                            "one still running is sent SIGABRT (its Python stack goes to the log), "
+                            f"then SIGKILL (default {_shown(_default('stop_timeout'))})")
     serve.add_argument("--busy-poll-us", type=int, default=_default("busy_poll_us"),
                        help="after activity, poll without sleeping this long: trades the broker's "
                             "CPU for latency where waking a process is slow; 0 disables "

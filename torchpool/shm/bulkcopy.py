@@ -3,8 +3,10 @@
 Copies are ordinary ones (a memoryview assignment is one memcpy): what they
 write is still in the CPU caches when the next process reads it. The
 `_streamcopy` extension can instead store around the caches, four pages at a
-time (`_streamcopy.c` says why), for copies from TORCHPOOL_STREAM_COPY_BYTES
-up (0, the default: never). Whether that pays depends on the machine: on the
+time (`_streamcopy.c` says why), for copies from a threshold up (0, the
+default: never): the daemon's --stream-copy-bytes, which it and its workers
+apply with `set_stream_threshold`; a process told none (a client) reads
+TORCHPOOL_STREAM_COPY_BYTES, also the daemon's default for compatibility. Whether that pays depends on the machine: on the
 VM this was first measured on, a 16 MiB copy between processes took 3.4 ms
 streamed against 6.0 ms ordinary (each destination line was read from memory
 first) and 12 MiB was where streaming started to win; on today's development
@@ -17,7 +19,7 @@ time) every copy is an ordinary one.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping, Optional
 
 try:
     from . import _streamcopy
@@ -25,10 +27,13 @@ except ImportError:          # pragma: no cover - built on every supported insta
     _streamcopy = None
 
 DEFAULT_STREAM_BYTES = 0     # off; 12 << 20 where streaming pays (see above)
+ENV = "TORCHPOOL_STREAM_COPY_BYTES"
 
 
-def _stream_threshold() -> int:
-    raw = os.environ.get("TORCHPOOL_STREAM_COPY_BYTES", "")
+def stream_bytes_from_environment(environ: Optional[Mapping[str, str]] = None) -> int:
+    """TORCHPOOL_STREAM_COPY_BYTES, else DEFAULT_STREAM_BYTES; 0 (never) for
+    anything but a positive whole number."""
+    raw = (os.environ if environ is None else environ).get(ENV, "")
     try:
         value = int(raw) if raw else DEFAULT_STREAM_BYTES
     except ValueError:
@@ -36,8 +41,17 @@ def _stream_threshold() -> int:
     return value if value > 0 else 0
 
 
-STREAM_BYTES = _stream_threshold()
+STREAM_BYTES = stream_bytes_from_environment()
 STREAMING = _streamcopy is not None and STREAM_BYTES > 0
+
+
+def set_stream_threshold(nbytes: int) -> None:
+    """Copies of `nbytes` and more stream from now on, in this process (0:
+    none). Set once at start, before any copy (a process-wide policy, as
+    the environment variable was)."""
+    global STREAM_BYTES, STREAMING
+    STREAM_BYTES = max(0, nbytes)
+    STREAMING = _streamcopy is not None and STREAM_BYTES > 0
 
 
 def streams(nbytes: int) -> bool:

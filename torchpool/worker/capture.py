@@ -25,14 +25,14 @@ touched (shared memory is not given back to the kernel when a block is
 freed): the region costs at most its size, and only as much as outputs and
 intermediates ever used at once.
 
-TORCHPOOL_OUTPUT_CAPTURE_MIB (inherited from the daemon's environment) sizes
-the region; 0 turns capture off. Without the extension (no C compiler at
-install), workers copy every output, as before.
+The daemon's --output-capture-mib (WorkerSpec.output_capture_mib; its default
+from TORCHPOOL_OUTPUT_CAPTURE_MIB, capture_size.py) sizes the region; 0 turns
+capture off. Without the extension (no C compiler at install), workers copy
+every output, as before.
 """
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -46,28 +46,11 @@ except ImportError:       # built optionally (setup.py): outputs are then copied
 
 log = logging.getLogger("torchpool.worker")
 
-ENV = "TORCHPOOL_OUTPUT_CAPTURE_MIB"
-DEFAULT_MIB = 256
 # Smaller allocations stay on the heap: glibc serves them without page
 # faults, copying them costs microseconds, and most are intermediates.
 MIN_CAPTURED = 256 << 10
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def region_bytes(environ: Optional[dict] = None) -> int:
-    """The region's size from the environment: 0 when capture is off."""
-    value = (os.environ if environ is None else environ).get(ENV, "").strip()
-    if not value:
-        return DEFAULT_MIB << 20
-    try:
-        mib = int(value)
-        if mib < 0:
-            raise ValueError
-    except ValueError:
-        log.warning("%s=%r is not a whole number of MiB; using %d", ENV, value, DEFAULT_MIB)
-        return DEFAULT_MIB << 20
-    return mib << 20
 
 
 def _use_counts(value: torch.Tensor) -> tuple[int, int]:
@@ -146,11 +129,10 @@ class OutputCapture:
         self.held = region.held
 
     @classmethod
-    def create(cls, name: str, announce: Callable[[Segment], None],
-               environ: Optional[dict] = None) -> Optional["OutputCapture"]:
-        """A region for this worker, or None: capture turned off, the
-        extension not built, or libc10 not hookable (the reason is logged)."""
-        size = region_bytes(environ)
+    def create(cls, name: str, announce: Callable[[Segment], None], size: int) -> Optional["OutputCapture"]:
+        """A region of `size` bytes for this worker, or None: capture turned
+        off (0), the extension not built, or libc10 not hookable (the reason
+        is logged)."""
         if size == 0:
             return None
         if _outcapture is None or _storage_use_count is None:

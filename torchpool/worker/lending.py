@@ -40,7 +40,8 @@ import logging
 from typing import Callable, Optional
 
 from ..shm.segment import Segment
-from .capture import DEFAULT_MIB, CaptureRegion, _outcapture, region_bytes
+from .capture import CaptureRegion, _outcapture
+from .capture_size import DEFAULT_MIB
 
 log = logging.getLogger("torchpool.worker")
 
@@ -51,12 +52,13 @@ class LendingAreas:
     """A worker's areas, by the lending id of their session."""
 
     def __init__(self, prefix: str, announce: Callable[[Segment, int], None],
-                 closed: Callable[[str], None], label: str, environ: Optional[dict] = None) -> None:
+                 closed: Callable[[str], None], label: str, capture_bytes: int = DEFAULT_MIB << 20) -> None:
         self.prefix = prefix                  # the worker's segment prefix
         self.announce = announce              # (segment, lend id): the broker maps it
         self.closed = closed                  # (name): the broker unmaps it
         self.label = label
-        self.size = region_bytes(environ) or DEFAULT_MIB << 20
+        # as large as the capture region (--output-capture-mib); with capture off, its default
+        self.size = capture_bytes or DEFAULT_MIB << 20
         self.available = _outcapture is not None
         self.areas: dict[int, CaptureRegion] = {}
         self.by_name: dict[str, CaptureRegion] = {}     # live and retiring areas

@@ -19,6 +19,7 @@ tensor the worker holds until that release.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import gc
 import logging
@@ -26,6 +27,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import time
 from typing import Any, Optional
 
@@ -36,7 +38,7 @@ from ..logs import setup_logging
 from ..protocol import datatypes, errors, internal
 from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, Block, MappedSegments
-from ..shm.bulkcopy import copy_into, streams
+from ..shm.bulkcopy import copy_into, set_stream_threshold, streams
 from ..shm.fdpass import FdReceiver, close_all, send_with_fds
 from ..shm.segment import Segment
 from ..shm.reaper import Reaper
@@ -61,8 +63,18 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     """Entry point in the forked child (a multiprocessing target)."""
     tie_to_the_broker()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the broker's to handle
+    # A worker the broker finds hung (execution or load timeout, no exit at
+    # stop) gets SIGABRT before SIGKILL: faulthandler then writes every
+    # thread's Python stack into the stderr inherited from the daemon, its
+    # log, so the operator sees where the model was stuck (it also reports
+    # a segfault's stack). The shm guard's SIGBUS handler chains to it.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     # the daemon's level and format, into the stderr inherited from it
     setup_logging(spec.log_level, spec.log_format)
+    set_stream_threshold(spec.stream_copy_bytes)     # the daemon's --stream-copy-bytes
+    if streams(spec.stream_copy_bytes):
+        log.debug("model '%s' instance '%s': copies of %d bytes and more store around the CPU caches",
+                  spec.model, spec.instance, spec.stream_copy_bytes)
     Worker(spec, sock).serve()
 
 
@@ -89,7 +101,8 @@ class Worker:
         self.capture_name: Optional[str] = None
         # the only memory lent to local clients: one area per session (lending.py)
         self.lending = LendingAreas(spec.segment_prefix, self.announce_area,
-                                    lambda name: self.send(internal.Forget([name])), self.label)
+                                    lambda name: self.send(internal.Forget([name])), self.label,
+                                    spec.output_capture_mib << 20)
         self.on_cpu, self.clean_cache = True, False      # read on every request: looked up once
         self._arena_addresses: dict[str, int] = {}
         self.direct = DirectClients(self)
@@ -147,7 +160,8 @@ class Worker:
         self.outputs.free(self.outputs.alloc(1))
         self.on_cpu = self.device is None or torch.device(self.device).type == "cpu"
         self.clean_cache = self.settings.enable_cache_cleaning
-        self.capture = OutputCapture.create(f"{self.spec.segment_prefix}capture", self.announce)
+        self.capture = OutputCapture.create(f"{self.spec.segment_prefix}capture", self.announce,
+                                            self.spec.output_capture_mib << 20)
         self.capture_name = self.capture.name if self.capture is not None else None
 
     def receive(self) -> tuple[memoryview, list[int]]:

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 
 from ..config.model_config import ModelConfig
+from .capture_size import DEFAULT_MIB
 
 
 @dataclass(frozen=True)
@@ -33,3 +34,5 @@ class WorkerSpec:
     # of the daemon's CPUs (inter-op too, unless the model sets INTER_OP_THREAD_COUNT);
     # 0: torch's own (a GPU worker)
     threads: int = 0
+    output_capture_mib: int = DEFAULT_MIB   # its capture region (capture.py); 0: off
+    stream_copy_bytes: int = 0    # copies from this size up stream (shm/bulkcopy.py); 0: never
