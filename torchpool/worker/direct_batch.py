@@ -11,10 +11,12 @@ the rules send it (at once with no max_queue_delay_microseconds: what
 arrived in the same turn runs together). Each input of a batch is written
 once into one buffer (the requests' payloads were copied out of the
 receive buffer when they were read); each output is split back per request
-along dim 0 (BYTES by element count), as the broker splits its own batches.
+along dim 0 (BYTES by element count), by the broker's own row splitter
+(rules/split.py).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import Any, Callable, Optional
@@ -22,6 +24,7 @@ from typing import Any, Callable, Optional
 from ..config import ModelConfig
 from ..protocol import errors, messages, reports
 from ..rules.batching import batch_key, batch_limits, batch_rows, select_batch
+from ..rules.split import row_spans
 from ..protocol.errors import TorchpoolError
 
 # answer(records for SERVED, [(client, frames of its answer), ...])
@@ -129,28 +132,16 @@ class DirectBatcher:
         model = self.cfg.name
         single = len(reqs) == 1
         parts: dict[str, list] = {}
+        sizes = [w.rows for w in reqs]
+        starts = list(itertools.accumulate(sizes[:-1], initial=0))
         for name, value in results.items():
             if single:
                 parts[name] = [value]
                 continue
-            if isinstance(value, list):      # BYTES: split by element count
-                count = len(value)
-                per_row = count // rows if rows else 0
-                fits = count == per_row * rows
-            else:
-                count = value.shape[0] if value.dim() else 0
-                per_row, fits = 1, count == rows and value.dim() > 0
-            if not fits:
-                raise TorchpoolError(errors.INTERNAL, f"output '{name}' of model '{model}' has {count} "
-                                                      f"rows for a batch of {rows} rows from {len(reqs)} "
-                                                      f"requests: a batched output must keep the batch "
-                                                      f"dimension first")
-            pieces, start = [], 0
-            for w in reqs:
-                n = w.rows * per_row
-                pieces.append(value[start:start + n])
-                start += n
-            parts[name] = pieces
+            strings = isinstance(value, list)            # BYTES: split by element count
+            count = len(value) if strings else (value.shape[0] if value.dim() else 0)
+            spans = row_spans(model, name, count, sizes, starts, rows, strings)
+            parts[name] = [value[lo:hi] for lo, hi in spans]
         version = str(self.worker.spec.version)
         out = []
         for i, w in enumerate(reqs):

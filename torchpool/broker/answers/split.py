@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 from ...config import ModelConfig, TensorSpec
 from ...protocol import datatypes, errors
 from ...protocol.errors import TorchpoolError
+from ...rules.split import row_spans
 from ..batch import Batch
 
 SCATTER = "BATCH_SCATTER_WITH_INPUT_SHAPE"
@@ -96,32 +97,26 @@ def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: list,
         elif single:
             pieces = [(datatype, output_shape(spec, shape, batching), segment, offset, nbytes)]
         elif datatype == "BYTES":
-            count = shape[0] if shape else 0
-            if batch.rows == 0 or count % batch.rows:
-                raise TorchpoolError(errors.INTERNAL,
-                                     f"output '{name}' of model '{model}' has {count} strings for a "
-                                     f"batch of {batch.rows}: it cannot be split per request")
-            per_row = count // batch.rows
+            spans = row_spans(model, name, shape[0] if shape else 0, [r.rows for r in requests], starts,
+                              batch.rows, strings=True)
+            per_row = (shape[0] // batch.rows) if batch.rows else 0
             try:
                 bounds = datatypes.bytes_boundaries(read(segment, offset, nbytes), [per_row] * batch.rows)
             except ValueError as exc:
                 raise TorchpoolError(errors.INTERNAL, f"output '{name}' of model '{model}' is a "
                                                       f"truncated BYTES tensor: {exc}") from None
+            # bounds[k]: the byte where row k's strings begin
             pieces = []
-            for r, first in zip(requests, starts):
-                lo, hi = bounds[first], bounds[first + r.rows]
-                pieces.append((datatype, output_shape(spec, [r.rows * per_row], batching), segment,
-                               offset + lo, hi - lo))
+            for (lo, hi), r, first in zip(spans, requests, starts):
+                b0, b1 = bounds[first], bounds[first + r.rows]
+                pieces.append((datatype, output_shape(spec, [hi - lo], batching), segment, offset + b0, b1 - b0))
         else:
-            if not shape or shape[0] != batch.rows:
-                got = shape[0] if shape else "no"
-                raise TorchpoolError(errors.INTERNAL,
-                                     f"output '{name}' of model '{model}' has {got} rows for a batch "
-                                     f"of {batch.rows} rows from {len(requests)} requests: a batched "
-                                     f"output must keep the batch dimension first")
+            # (a scalar output has no rows: counted as 0, refused)
+            spans = row_spans(model, name, shape[0] if shape else 0, [r.rows for r in requests], starts,
+                              batch.rows, strings=False)
             row = nbytes // batch.rows if batch.rows else 0
-            pieces = [(datatype, output_shape(spec, [r.rows] + list(shape[1:]), batching), segment,
-                       offset + first * row, r.rows * row) for r, first in zip(requests, starts)]
+            pieces = [(datatype, output_shape(spec, [hi - lo] + list(shape[1:]), batching), segment,
+                       offset + lo * row, (hi - lo) * row) for lo, hi in spans]
         parts[name] = pieces
     out = []
     for i, r in enumerate(requests):
