@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ..config import ModelConfig
-from ..protocol import errors, messages, reports
+from ..protocol import messages, reports
 from ..rules.batching import batch_key, batch_limits, batch_rows, select_batch
 from ..rules.split import row_spans
 from ..protocol.errors import TorchpoolError
