@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -21,7 +23,7 @@ from torchpool.client import AsyncClient, Client, NoAnswer
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
-from ..support.daemon import Daemon, free_tcp_port
+from ..support.daemon import Daemon, descendants, free_tcp_port
 from ..support.model_repository import slow_iterations
 from ..support.threads import in_threads
 
@@ -143,23 +145,46 @@ def test_a_slow_call_times_out_while_the_other_threads_are_served(pool: Daemon) 
         assert addsub_calls(c, 0, 3) == 3
 
 
+def slow_worker(d: Daemon) -> int:
+    """The pid of the `slow` model's worker (its process title names it)."""
+    for pid in descendants(d.proc.pid):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"torchpool worker slow v1"):
+                return pid
+        except OSError:
+            continue
+    raise AssertionError("no worker of slow")
+
+
 @pytest.mark.parametrize("scheme", ["ipc", "tcp"])
 def test_a_slow_daemon_is_deadline_exceeded_not_unavailable(pool: Daemon, scheme: str) -> None:
+    """The model's worker is stopped (SIGSTOP) while the call waits: it
+    cannot answer within the call's timeout however fast this machine is."""
     url = next(u for u in pool.urls if u.startswith(scheme))
-    n = slow_iterations(1.0)
+    worker = slow_worker(pool)
     with Client(url, timeout=60) as c:
         c.infer("slow", {"INPUT__0": np.array([10])})
-        with pytest.raises(NoAnswer) as exc:
-            c.infer("slow", {"INPUT__0": np.array([n])}, timeout=0.3)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            with pytest.raises(NoAnswer) as exc:
+                c.infer("slow", {"INPUT__0": np.array([11])}, timeout=0.3)
+        finally:
+            os.kill(worker, signal.SIGCONT)
         assert exc.value.code == errors.DEADLINE_EXCEEDED
         assert exc.value.message == (f"torchpool at {url} did not answer within 0.3 s "
                                      f"(it is reachable: the request may still run)")
+        assert int(c.infer("slow", {"INPUT__0": np.array([12])})["OUTPUT__0"][0]) == 12
 
     async def main() -> None:
         async with AsyncClient(url, timeout=60) as c:
             await c.infer("slow", {"INPUT__0": np.array([10])})
-            with pytest.raises(NoAnswer) as exc:
-                await c.infer("slow", {"INPUT__0": np.array([n])}, timeout=0.3)
+            os.kill(worker, signal.SIGSTOP)
+            try:
+                with pytest.raises(NoAnswer) as exc:
+                    await c.infer("slow", {"INPUT__0": np.array([11])}, timeout=0.3)
+            finally:
+                os.kill(worker, signal.SIGCONT)
             assert exc.value.code == errors.DEADLINE_EXCEEDED
             assert "did not answer within 0.3 s" in exc.value.message
+            assert int((await c.infer("slow", {"INPUT__0": np.array([12])}))["OUTPUT__0"][0]) == 12
     asyncio.run(main())

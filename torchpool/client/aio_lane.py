@@ -333,8 +333,10 @@ class AsyncPaths:
         try:
             reply = await member.request(frames, rid, max(0.0, deadline - loop.time()), sent)
         except NoAnswer as exc:
+            if exc.code == errors.DEADLINE_EXCEEDED and exc.sent:
+                exc = member._no_answer(timeout)     # the call's whole time, not what was left of it
             exc.path = member
-            raise
+            raise exc from None
         finally:
             self._in_flight[i] -= 1
             self._freed()
