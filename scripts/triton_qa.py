@@ -1,4 +1,5 @@
-"""Triton's own client QA (qa/L0_infer, qa/L0_batcher, qa/L0_sequence_batcher)
+"""Triton's own client QA (qa/L0_infer, qa/L0_batcher, qa/L0_sequence_batcher,
+qa/L0_shared_memory, and of qa/L0_http and qa/L0_grpc the Python client tests)
 against torchpool's HTTP and gRPC endpoints.
 
   Triton server tree (checkout, extracted tree, or bare git repository)
@@ -64,8 +65,9 @@ QA_ENVIRONMENT = {
 DELAY_VARIABLES = ("TRITONSERVER_DELAY_SCHEDULER", "TRITONSERVER_BACKLOG_DELAY_SCHEDULER")
 
 # the system shared-memory regions the QA makes (tritonclient.utils.shared_memory
-# keys, as /dev/shm/<name>): input0, output1, ip00, op10_data ...
-QA_SHM_REGION = re.compile(r"^(?:input|output)\d*$|^(?:ip|op)\d+(?:_data)?$")
+# keys, as /dev/shm/<name>): input0, output1, ip00, op10_data, and L0_shared_memory's
+# input0_data, dummy_data, shmtest ...
+QA_SHM_REGION = re.compile(r"^(?:input|output)\d*(?:_data)?$|^(?:ip|op)\d+(?:_data)?$|^dummy_data$|^shmtest$")
 
 UNITTEST_LINE = re.compile(r"^(test_\w+) \([\w.]+\) \.\.\. (ok|FAIL|ERROR|skipped\b.*|expected failure"
                            r"|unexpected success)$", re.M)
@@ -85,6 +87,8 @@ class Case:
     tests: list[str]                # unittest names given to the test file (none: all of it)
     env: dict[str, str]             # what test.sh exports for this run, daemon and client
     expected: Optional[int]         # tests the run must count (None: not checked)
+    serve_args: list[str] = field(default_factory=list)   # test.sh's SERVER_ARGS beyond the repository
+    test_file: Optional[str] = None  # under qa/, when not the suite's
 
 
 @dataclass
@@ -99,17 +103,19 @@ class Suite:
     environment: dict[str, str]     # what test.sh exports for every run of the suite
     default_configs: tuple[str, ...]
     description: str
+    # other folders of Triton's tree the suite's repositories are built from
+    extra_dirs: tuple[str, ...] = ()
 
     @property
     def qa_dirs(self) -> tuple[str, ...]:
-        return ("qa/common", f"qa/{self.name}")
+        return ("qa/common", f"qa/{self.name}", *self.extra_dirs)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="scripts/triton-qa",
         description="Run one of Triton's own QA suites (qa/L0_infer, qa/L0_batcher, "
-                    "qa/L0_sequence_batcher) with the libtorch models of its generators against "
+                    "qa/L0_sequence_batcher, qa/L0_shared_memory, qa/L0_http, qa/L0_grpc) with the libtorch models of its generators against "
                     "torchpool's KServe v2 HTTP and gRPC endpoints.")
     p.add_argument("--triton-server", required=True, type=Path, metavar="DIR",
                    help="Triton server source: a checkout or extracted tree holding qa/, "
@@ -192,7 +198,8 @@ def point_at_ports(qa: Path, http_port: int, grpc_port: int,
             new = moves[old]
             if old == new:
                 continue
-            pattern = re.compile(rf'(?<=[}}"]):{old}"')       # f"{host}:8000" or host + ":8001"
+            # f"{host}:8000", host + ":8001" or "localhost:8000"
+            pattern = re.compile(rf'(?:(?<=[}}"])|(?<=localhost)):{old}"')
             if not pattern.search(text):
                 raise QaError(f"{path} no longer hardcodes :{old}; cannot move it to port {new}")
             text = pattern.sub(f':{new}"', text)
@@ -431,6 +438,170 @@ def sequence_cases(configs: list[str]) -> list[Case]:
     return cases
 
 
+# ------------------------------------------------------------------ L0_shared_memory
+
+# Triton's `simple` example model (docs/examples/model_repository/simple: INT32 [16]
+# INPUT0/INPUT1 -> OUTPUT0 = sum, OUTPUT1 = difference, max_batch_size 8), which
+# L0_shared_memory/test.sh serves from its `models` folder; Triton's is ONNX, so the
+# same config is served with a TorchScript module computing the same.
+SIMPLE_CONFIG = "docs/examples/model_repository/simple/config.pbtxt"
+# torchpool's own `simple` (torchpool/examples.py: AddSub), scripted where torch is
+SIMPLE_MODULE = ("import sys, torch\nfrom torchpool.examples import AddSub\n"
+                 "torch.jit.save(torch.jit.script(AddSub()), sys.argv[1])\n")
+
+# test_python_client_leak reads the client's resident memory with psutil (test.sh:
+# "pip3 install psutil"); where psutil is not installed, this stand-in gives the
+# same number from /proc (the test file itself is unchanged).
+PSUTIL_SHIM = '''"""Stand-in for the part of psutil Triton's shared_memory_test.py uses (torchpool triton-qa)."""
+import collections
+import os
+
+_Memory = collections.namedtuple("_Memory", "rss vms")
+
+
+class Process:
+    def memory_info(self):
+        with open("/proc/self/statm") as f:
+            vms, rss = (int(n) * os.sysconf("SC_PAGE_SIZE") for n in f.read().split()[:2])
+        return _Memory(rss, vms)
+'''
+
+# L0_shared_memory/test.sh's list of tests run with --allow-client-shm=true, each
+# once per client type (CLIENT_TYPE=http, grpc)
+SHM_ALLOWED_TESTS = (
+    "test_invalid_create_shm", "test_valid_create_set_register", "test_unregister_before_register",
+    "test_unregister_after_register", "test_reregister_after_register", "test_unregister_after_inference",
+    "test_register_after_inference", "test_too_big_shm", "test_mixed_raw_shm", "test_unregisterall",
+    "test_infer_offset_out_of_bound", "test_infer_byte_size_out_of_bound", "test_infer_integer_overflow",
+    "test_register_out_of_bound", "test_register_reserved_names", "test_register_invalid_shm_key",
+    "test_python_client_leak")
+SHM_CLIENT_TYPES = ("http", "grpc")
+
+
+def build_shared_memory_repositories(qa: Path, work: Path) -> dict[str, list[str]]:
+    """L0_shared_memory/test.sh's `models` (Triton's `simple`, here TorchScript) and,
+    for test_large_shm_register_offset, its second `models` (rm -rf models/*):
+    libtorch_int32_int32_int32 from qa_model_repository (BACKENDS=libtorch)."""
+    build_simple(work, "models")
+    generated = generate(qa, work, "gen_qa_models.py", ["--libtorch"], "qa_model_repository")
+    # test.sh copies version 1 only (cp -r .../${model}/1): the generator's versions 2
+    # and 3 of this model swap the outputs (OUTPUT__0 = difference), and its "all"
+    # version policy would serve version 3 to the test's latest-version requests
+    config = copy_model(generated / "libtorch_int32_int32_int32", work / "offset_models")
+    for version in config.parent.iterdir():
+        if version.is_dir() and version.name != "1":
+            shutil.rmtree(version)
+    if subprocess.run([sys.executable, "-c", "import psutil"], capture_output=True, check=False).returncode:
+        (work / "shims").mkdir(exist_ok=True)
+        (work / "shims" / "psutil.py").write_text(PSUTIL_SHIM)
+    return _names(work / "models", work / "offset_models")
+
+
+def shared_memory_cases(configs: list[str]) -> list[Case]:
+    """test.sh's runs of its libtorch cases: each test against a fresh daemon, once
+    with CLIENT_TYPE=http and once with grpc; the first without --allow-client-shm."""
+    allow = ["--allow-client-shm=true"]
+    cases = [Case(f"test_client_shm_disabled_by_default.{client}", "models",
+                  ["SharedMemoryTest.test_client_shm_disabled_by_default"], {"CLIENT_TYPE": client}, 1)
+             for client in SHM_CLIENT_TYPES]
+    for test in SHM_ALLOWED_TESTS:
+        for client in SHM_CLIENT_TYPES:
+            cases.append(Case(f"{test}.{client}", "models", [f"SharedMemoryTest.{test}"],
+                              {"CLIENT_TYPE": client}, 1, allow))
+    for client in SHM_CLIENT_TYPES:
+        cases.append(Case(f"test_large_shm_register_offset.{client}", "offset_models",
+                          ["SharedMemoryTest.test_large_shm_register_offset"], {"CLIENT_TYPE": client}, 1, allow))
+    return cases
+
+
+# ------------------------------------------------------------------ L0_http, L0_grpc
+
+# qa/python_models/string_identity (a Python-backend model: TYPE_STRING INPUT0 ->
+# OUTPUT0, max_batch_size 0, dims [ -1 ] as L0_grpc/test.sh edits it), served
+# with a TorchScript List[str] identity: torchpool serves PyTorch models only.
+STRING_IDENTITY_MODULE = '''import sys
+from typing import List
+import torch
+
+
+class StringIdentity(torch.nn.Module):
+    def forward(self, input0: List[str]) -> List[str]:
+        return input0
+
+
+torch.jit.save(torch.jit.script(StringIdentity()), sys.argv[1])
+'''
+STRING_IDENTITY_CONFIG = "qa/python_models/string_identity/config.pbtxt"
+
+
+def build_simple(work: Path, repository: str) -> Path:
+    """Triton's `simple` example (docs/examples/model_repository/simple: INT32 [16]
+    INPUT0/INPUT1 -> OUTPUT0 = sum, OUTPUT1 = difference, max_batch_size 8) in
+    work/<repository>: its config, served with a TorchScript module computing
+    the same (Triton's is ONNX)."""
+    config = work / SIMPLE_CONFIG
+    if not config.is_file():
+        raise QaError(f"{SIMPLE_CONFIG} is missing from Triton's tree")
+    text = config.read_text()
+    if 'platform: "onnxruntime_onnx"' not in text:
+        raise QaError(f"{SIMPLE_CONFIG} no longer names the ONNX platform; check what it serves")
+    simple = work / repository / "simple"
+    (simple / "1").mkdir(parents=True)
+    (simple / "config.pbtxt").write_text(text.replace('platform: "onnxruntime_onnx"', 'platform: "pytorch_libtorch"'))
+    script(work, ["-c", SIMPLE_MODULE], simple / "1" / "model.pt")
+    return simple
+
+
+def script(work: Path, program: list[str], model: Path) -> None:
+    """Run `python <program> <model>` to write a TorchScript model."""
+    log = work / f"{model.parent.parent.name}.gen.log"
+    with open(log, "wb") as out:
+        r = subprocess.run([sys.executable, *program, str(model)], cwd=ROOT, stdout=out,
+                           stderr=subprocess.STDOUT, check=False)
+    if r.returncode != 0:
+        raise QaError(f"scripting {model.parent.parent.name} failed:\n{_tail(log, 30)}")
+
+
+def build_http_repositories(qa: Path, work: Path) -> dict[str, list[str]]:
+    """L0_http/test.sh's MODELDIR for python_http_aio_test.py: the models of
+    Triton's CI image, of which the test uses `simple` only."""
+    build_simple(work, "models")
+    return _names(work / "models")
+
+
+def build_grpc_repositories(qa: Path, work: Path) -> dict[str, list[str]]:
+    """L0_grpc/test.sh's MODELDIR (for python_grpc_aio_test.py: `simple`) and
+    GRPC_TEST_MODELDIR (simple and string_identity, for GrpcTest)."""
+    build_simple(work, "models")
+    build_simple(work, "grpc_test_models")
+    config = work / STRING_IDENTITY_CONFIG
+    if not config.is_file():
+        raise QaError(f"{STRING_IDENTITY_CONFIG} is missing from Triton's tree")
+    model = work / "grpc_test_models" / "string_identity"
+    (model / "1").mkdir(parents=True)
+    # test.sh: sed -i "s/dims: \[ 1 \]/dims: [ -1 ]/g"; the backend made TorchScript's
+    text = config.read_text().replace("dims: [ 1 ]", "dims: [ -1 ]").replace('backend: "python"',
+                                                                             'backend: "pytorch"')
+    (model / "config.pbtxt").write_text(text)
+    program = work / "string_identity.py"
+    program.write_text(STRING_IDENTITY_MODULE)
+    script(work, [str(program)], model / "1" / "model.pt")
+    return _names(work / "models", work / "grpc_test_models")
+
+
+def http_cases(configs: list[str]) -> list[Case]:
+    # test.sh: the server with --allow-client-shm=true, `python python_http_aio_test.py`
+    return [Case("python_http_aio_test", "models", [], {}, 18, ["--allow-client-shm=true"])]
+
+
+def grpc_cases(configs: list[str]) -> list[Case]:
+    # test.sh: `python python_unit_test.py GrpcTest` against GRPC_TEST_MODELDIR, then
+    # python_grpc_aio_test.py against MODELDIR with --allow-client-shm=true
+    return [Case("GrpcTest", "grpc_test_models", ["GrpcTest"], {}, 2),
+            Case("python_grpc_aio_test", "models", [], {}, 18, ["--allow-client-shm=true"],
+                 "L0_grpc/python_grpc_aio_test.py")]
+
+
 def infer_cases(configs: list[str]) -> list[Case]:
     return [Case(config, "models", [], CONFIGURATIONS[config][0], CONFIGURATIONS[config][1])
             for config in configs]
@@ -453,6 +624,22 @@ SUITES = {
         build_sequence_repositories, sequence_cases,
         {"IMPLICIT_STATE": "0", "INITIAL_STATE_FILE": "0", "INITIAL_STATE_ZERO": "0", "USE_SINGLE_BUFFER": "0"},
         ("no-shm",), "ENSEMBLES=0 IMPLICIT_STATE=0, TARGET=cpu"),
+    "L0_shared_memory": Suite(
+        "L0_shared_memory", "L0_shared_memory/shared_memory_test.py", "SharedMemoryTest",
+        {"common/infer_util.py": (8000, 8001), "common/shm_util.py": (8000,),
+         "L0_shared_memory/shared_memory_test.py": (8000, 8001)},
+        build_shared_memory_repositories, shared_memory_cases, {}, ("no-shm",),
+        "system shared memory, TARGET=cpu", extra_dirs=("docs/examples/model_repository/simple",)),
+    "L0_http": Suite(
+        "L0_http", "L0_http/python_http_aio_test.py", "TestHttpAioClient",
+        {"L0_http/python_http_aio_test.py": (8000,)},
+        build_http_repositories, http_cases, {}, ("no-shm",), "TARGET=cpu",
+        extra_dirs=("docs/examples/model_repository/simple",)),
+    "L0_grpc": Suite(
+        "L0_grpc", "L0_grpc/python_unit_test.py", "GrpcTest",
+        {"L0_grpc/python_unit_test.py": (8001,), "L0_grpc/python_grpc_aio_test.py": (8001,)},
+        build_grpc_repositories, grpc_cases, {}, ("no-shm",), "TARGET=cpu",
+        extra_dirs=("docs/examples/model_repository/simple", "qa/python_models/string_identity")),
 }
 
 
@@ -466,11 +653,14 @@ def select_cases(suite: Suite, configs: list[str], tests: Optional[list[str]]) -
     if suite.name == "L0_infer":
         return [Case(c.name, c.repository, list(tests), c.env, None) for c in cases]
     wanted = {t.split(".", 1)[1] if t.startswith(suite.test_class + ".") else t for t in tests}
-    chosen = [c for c in cases if c.name in wanted or c.tests[0].split(".", 1)[1] in wanted]
-    unknown = sorted(t for t in wanted if not any(c.name == t or c.tests[0].endswith("." + t) for c in cases))
+    def test_of(c: Case) -> str:      # the test a run is of (a whole file's run: its name)
+        return c.tests[0].split(".", 1)[-1] if c.tests else c.name
+
+    chosen = [c for c in cases if c.name in wanted or test_of(c) in wanted]
+    unknown = sorted(t for t in wanted if not any(c.name == t or test_of(c) == t for c in cases))
     if unknown:
         raise QaError(f"{suite.name} has no run {', '.join(unknown)} (test.sh's runs: "
-                      f"{', '.join(sorted({c.tests[0].split('.', 1)[1] for c in cases}))})")
+                      f"{', '.join(sorted({test_of(c) for c in cases}))})")
     return chosen
 
 
@@ -497,16 +687,18 @@ def clean_environment(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def serve_command(models: Path, work: Path, http_port: int, grpc_port: int, env: dict[str, str]) -> list[str]:
+def serve_command(models: Path, work: Path, http_port: int, grpc_port: int, env: dict[str, str],
+                  extra: Optional[list[str]] = None) -> list[str]:
     """`torchpool serve` as test.sh starts tritonserver: its ZeroMQ socket in the
     work directory (so it meets no other daemon), client shared memory allowed
-    where the run uses it (test.sh's --allow-client-shm=true)."""
+    where the run uses it (test.sh's --allow-client-shm=true), then the run's
+    own arguments (`extra`, test.sh's SERVER_ARGS)."""
     args = [sys.executable, "-m", "torchpool", "serve", "--model-repository", str(models),
             "--listen", f"ipc://{work}/torchpool.sock",
             "--http-port", str(http_port), "--grpc-port", str(grpc_port)]
     if env.get("TEST_SYSTEM_SHARED_MEMORY") == "1":
         args.append("--allow-client-shm=true")
-    return args
+    return args + list(extra or [])
 
 
 class ServedRepository:
@@ -514,11 +706,11 @@ class ServedRepository:
     starts outlives stop()."""
 
     def __init__(self, models: Path, work: Path, http_port: int, grpc_port: int, log: Path,
-                 env: Optional[dict[str, str]] = None) -> None:
+                 env: Optional[dict[str, str]] = None, extra: Optional[list[str]] = None) -> None:
         self.http_port, self.grpc_port, self.log = http_port, grpc_port, log
         env = env or {}
         self._log = open(log, "wb")
-        self.proc = subprocess.Popen(serve_command(models, work, http_port, grpc_port, env), cwd=ROOT,
+        self.proc = subprocess.Popen(serve_command(models, work, http_port, grpc_port, env, extra), cwd=ROOT,
                                      stdout=self._log, stderr=subprocess.STDOUT,
                                      env=clean_environment(env), start_new_session=True)
 
@@ -612,7 +804,8 @@ class RunResult:
 
     @property
     def passed(self) -> int:
-        return self.ran - self.failures - self.errors - self.skipped
+        # a test's subTests each count a failure, so a run of one test can count three
+        return max(0, self.ran - self.failures - self.errors - self.skipped)
 
     @property
     def ok(self) -> bool:
@@ -625,7 +818,10 @@ def run_test_file(suite: Suite, qa: Path, case: Case, timeout: float, logs: Path
     verbose request dumps) and stderr (unittest's report) kept apart."""
     result = RunResult(case.name, case.expected)
     env = clean_environment({**QA_ENVIRONMENT, **suite.environment, **case.env})
-    test = qa / suite.test_file
+    shims = qa.parent / "shims"
+    if shims.is_dir():      # stand-ins for client-side modules the test imports (see PSUTIL_SHIM)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shims), env.get("PYTHONPATH")]))
+    test = qa / (case.test_file or suite.test_file)
     out, err = logs / f"client.{case.name}.log", logs / f"unittest.{case.name}.log"
     t0 = time.monotonic()
     with open(out, "wb") as o, open(err, "wb") as e, \
@@ -678,7 +874,7 @@ def run_case(args: argparse.Namespace, suite: Suite, qa: Path, work: Path, model
                           f"--http-port/--grpc-port (the QA's copy is then pointed there)")
     shm_before = set(os.listdir("/dev/shm"))
     daemon = ServedRepository(work / case.repository, work, args.http_port, args.grpc_port,
-                              work / f"torchpool.{case.name}.log", case.env)
+                              work / f"torchpool.{case.name}.log", case.env, case.serve_args)
     result = RunResult(case.name, None)
     try:
         daemon.wait_ready(models, args.ready_timeout)

@@ -374,6 +374,19 @@ def test_system_shared_memory_errors(client, regions, http_port: int) -> None:
     client.unregister_system_shared_memory("http_nope")         # Triton: unregistering nothing succeeds
 
 
+def test_registering_a_name_twice_is_refused_in_tritons_words(client, regions) -> None:
+    """Triton's qa/L0_shared_memory test_reregister_after_register asserts the text."""
+    key, _ = regions("http_twice", 64)
+    client.register_system_shared_memory("http_twice", key, 64)
+    try:
+        exc = fails(client.register_system_shared_memory, "http_twice", key, 64)
+        assert exc.status() == "400"
+        assert "shared memory region 'http_twice' already in manager" in exc.message()
+        assert [r["name"] for r in client.get_system_shared_memory_status()] == ["http_twice"]
+    finally:
+        client.unregister_system_shared_memory("http_twice")
+
+
 def test_cuda_shared_memory_is_not_supported(client) -> None:
     assert client.get_cuda_shared_memory_status() == []
     client.unregister_cuda_shared_memory()

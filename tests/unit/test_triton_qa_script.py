@@ -344,3 +344,64 @@ def test_the_daemon_allows_client_shared_memory_only_for_shared_memory_runs(tmp_
     assert f"ipc://{tmp_path}/torchpool.sock" in command
     plain = triton_qa.serve_command(tmp_path / "models", tmp_path, 8000, 8001, {"TEST_SYSTEM_SHARED_MEMORY": "0"})
     assert not any("allow-client-shm" in a for a in plain)
+
+
+# ------------------------------------------------------------------ L0_shared_memory, L0_http, L0_grpc
+
+def test_shared_memory_runs_are_test_sh_s_for_each_client_type() -> None:
+    cases = triton_qa.SUITES["L0_shared_memory"].cases(["no-shm"])
+    # 1 test without --allow-client-shm, 17 with, the large-offset test: each over http and grpc
+    assert len(cases) == 2 * (1 + 17 + 1)
+    by_name = {c.name: c for c in cases}
+    disabled = by_name["test_client_shm_disabled_by_default.http"]
+    assert disabled.serve_args == [] and disabled.env == {"CLIENT_TYPE": "http"}
+    allowed = by_name["test_register_out_of_bound.grpc"]
+    assert allowed.serve_args == ["--allow-client-shm=true"] and allowed.env == {"CLIENT_TYPE": "grpc"}
+    assert allowed.tests == ["SharedMemoryTest.test_register_out_of_bound"] and allowed.expected == 1
+    assert by_name["test_large_shm_register_offset.http"].repository == "offset_models"
+    assert {c.repository for c in cases} == {"models", "offset_models"}
+    # the Python-backend model's TestSharedMemoryUnregister runs are not among them
+    assert not any("during_inference" in c.name for c in cases)
+    chosen = triton_qa.select_cases(triton_qa.SUITES["L0_shared_memory"], ["no-shm"], ["test_unregisterall"])
+    assert [c.name for c in chosen] == ["test_unregisterall.http", "test_unregisterall.grpc"]
+
+
+def test_a_run_s_server_arguments_follow_the_repository_and_ports(tmp_path: Path) -> None:
+    command = triton_qa.serve_command(tmp_path / "models", tmp_path, 8000, 8001, {}, ["--allow-client-shm=true"])
+    assert command[-1] == "--allow-client-shm=true" and command.count("--allow-client-shm=true") == 1
+
+
+def test_gateway_suites_run_whole_files_with_test_sh_s_counts() -> None:
+    http = triton_qa.SUITES["L0_http"].cases(["no-shm"])
+    assert [(c.name, c.repository, c.tests, c.expected, c.serve_args) for c in http] == \
+        [("python_http_aio_test", "models", [], 18, ["--allow-client-shm=true"])]
+    grpc = triton_qa.SUITES["L0_grpc"].cases(["no-shm"])
+    assert [(c.name, c.repository, c.tests, c.expected, c.test_file) for c in grpc] == \
+        [("GrpcTest", "grpc_test_models", ["GrpcTest"], 2, None),
+         ("python_grpc_aio_test", "models", [], 18, "L0_grpc/python_grpc_aio_test.py")]
+    assert [c.name for c in triton_qa.select_cases(triton_qa.SUITES["L0_grpc"], ["no-shm"],
+                                                   ["python_grpc_aio_test"])] == ["python_grpc_aio_test"]
+
+
+def test_localhost_ports_are_moved_too(tmp_path: Path) -> None:
+    qa = tmp_path / "qa"
+    (qa / "L0_grpc").mkdir(parents=True)
+    text = 'c = InferenceServerClient(url="localhost:8001")\ngrpc.insecure_channel("localhost:8001", options=o)\n'
+    (qa / "L0_grpc" / "python_unit_test.py").write_text(text)
+    triton_qa.point_at_ports(qa, 18000, 18001, {"L0_grpc/python_unit_test.py": (8001,)})
+    assert (qa / "L0_grpc" / "python_unit_test.py").read_text() == text.replace(":8001", ":18001")
+
+
+def test_the_psutil_stand_in_reports_this_process_s_memory(tmp_path: Path) -> None:
+    (tmp_path / "psutil.py").write_text(triton_qa.PSUTIL_SHIM)
+    r = subprocess.run([sys.executable, "-c", "import psutil; m = psutil.Process().memory_info(); "
+                        "print(m.rss, m.vms)"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    rss, vms = map(int, r.stdout.split())
+    assert 1 << 20 < rss <= vms
+
+
+def test_the_shared_memory_suite_s_regions_are_checked_for_leftovers() -> None:
+    for name in ("input0_data", "output1_data", "dummy_data", "shmtest", "input0", "op10_data"):
+        assert triton_qa.QA_SHM_REGION.match(name), name
+    assert not triton_qa.QA_SHM_REGION.match("torchpool.x.1.arena")

@@ -339,7 +339,8 @@ class SessionManager:
             raise _bad(f"region '{name}': registered regions need a local session (a client on "
                        f"this host attached over the daemon's side channel)")
         if name in session.regions:
-            raise TorchpoolError(errors.ALREADY_EXISTS, f"region '{name}' is already registered")
+            # Triton's words (shared_memory_manager.cc), which its QA asserts
+            raise TorchpoolError(errors.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
         if "challenge" in header:
             return self._answer_challenge(session, name, header.get("challenge"))
         return self._challenge(session, name, header)
