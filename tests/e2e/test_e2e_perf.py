@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -36,9 +37,9 @@ def perf_daemon(small_repository: Path, tmp_path_factory: pytest.TempPathFactory
         assert d.stop() == 0, d.log()
 
 
-def perf(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def perf(*args: str, timeout: float = 120, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torchpool", "perf", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 def table_rows(stdout: str, level_header: str) -> list[dict]:

@@ -3,8 +3,11 @@ Triton's perf_analyzer is for Triton (docs/perf.md).
 
     cli.py       the options, `add_parser` for the torchpool command, `run`
     session.py   one run: connect, learn the model, try a request, measure, report
+    control.py   the run's own requests: live?, metadata, config, a trial, statistics
     inputs.py    the requests' inputs, from the model's metadata or from files
-    load.py      closed-loop and open-loop load on threads or on an AsyncClient
+    senders.py   the way requests are sent (-i): torchpool's client over ZeroMQ,
+                 or tritonclient over the daemon's gRPC or HTTP gateway
+    load.py      closed-loop and open-loop load on threads or on an event loop
     profiler.py  one load level: windows until three agree
     measure.py   percentiles, windows, stability, the server's split of a window
     report.py    the table, perf_analyzer's CSV, JSON, the plot, the progress line

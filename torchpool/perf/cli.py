@@ -12,10 +12,14 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from ..cli.urls import DEFAULT_LISTEN
+from ..cli.urls import DEFAULT_LISTEN, url_problem
 from .report import PLOT_MISSING, plot_available
+from .senders import GRPC, HTTP, PROTOCOLS, ZMQ, TritonMissing, triton_module
 
 DEFAULT_URL = DEFAULT_LISTEN          # the daemon's own default address: one owner, cli/urls.py
+# perf_analyzer's defaults for its -i grpc and -i http (Triton's ports; torchpool's
+# gateways listen where `serve --grpc-port/--http-port` says)
+DEFAULT_URLS = {ZMQ: DEFAULT_URL, GRPC: "localhost:8001", HTTP: "localhost:8000"}
 DEFAULT_INTERVAL_MS = 5000
 DEFAULT_STABILITY = 10.0
 DEFAULT_MAX_TRIALS = 10
@@ -35,8 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--model-name", dest="model", required=True, help="the model to measure")
     parser.add_argument("-x", "--model-version", dest="version", default=None,
                         help="its version (default: the latest)")
-    parser.add_argument("-u", "--url", default=DEFAULT_URL,
-                        help=f"the daemon's ipc:// or tcp:// address (default {DEFAULT_URL})")
+    parser.add_argument("-i", "--protocol", choices=PROTOCOLS, default=ZMQ,
+                        help="how requests are sent: zmq, torchpool's own client (default); grpc or "
+                             "http, Triton's tritonclient at the daemon's gateway (serve --grpc-port, "
+                             "--http-port), as perf_analyzer sends them")
+    parser.add_argument("-u", "--url", default=None,
+                        help=f"-i zmq: the daemon's ipc:// or tcp:// address (default {DEFAULT_URL}); "
+                             f"-i grpc, -i http: the gateway's HOST:PORT, as perf_analyzer takes it "
+                             f"(default {DEFAULT_URLS[GRPC]}, {DEFAULT_URLS[HTTP]})")
     parser.add_argument("-b", "--batch-size", type=int, default=1,
                         help="items per request, for a model with max_batch_size > 0 (default 1)")
     parser.add_argument("--shape", action="append", default=[], metavar="NAME:d1,d2,...",
@@ -73,10 +83,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-r", "--max-trials", type=int, default=DEFAULT_MAX_TRIALS,
                         help="windows at most per level; then it is reported as unstable "
                              f"(default {DEFAULT_MAX_TRIALS})")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                        help=f"seconds one request may take before the run fails (default {DEFAULT_TIMEOUT:g})")
-    parser.add_argument("--server-key", default=None, help="CURVE over tcp://: the daemon's public key or file")
-    parser.add_argument("--client-key", default=None, help="CURVE over tcp://: this client's secret key file")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                        help="how long a client waits for an answer before the run fails: the client's "
+                             "own setting, not sent with the requests (zmq: Client(timeout=); http: "
+                             "network_timeout; grpc: client_timeout, a gRPC deadline) "
+                             f"(default {DEFAULT_TIMEOUT:g})")
+    parser.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                        help="send each request with this timeout of its own, which the server applies: "
+                             "a request that could not start within it fails the run with 'Request "
+                             "timeout expired' (zmq: infer(timeout=), also that call's wait; grpc, "
+                             "http: Triton's 'timeout' parameter). Default: none, as perf_analyzer "
+                             "and a plain client call send none")
+    parser.add_argument("--server-key", default=None,
+                        help="-i zmq, CURVE over tcp://: the daemon's public key or file")
+    parser.add_argument("--client-key", default=None,
+                        help="-i zmq, CURVE over tcp://: this client's secret key file")
     parser.add_argument("-f", "--csv", default=None, metavar="FILE", help="write perf_analyzer's CSV here")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON here")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
@@ -131,13 +152,42 @@ def _check_options(args: argparse.Namespace) -> tuple[str, list[float]]:
             raise UsageError(f"{option} must be at least {low}, got {value}")
     if not args.stability_percentage > 0 or not args.timeout > 0:
         raise UsageError("--stability-percentage and --timeout must be positive")
+    if args.request_timeout is not None and not (math.isfinite(args.request_timeout) and args.request_timeout > 0):
+        raise UsageError(f"--request-timeout must be a positive number of seconds, got {args.request_timeout:g}")
     if args.shared_client and args.use_async:
         raise UsageError("--shared-client is for the threads; --async already uses one client")
+    _check_protocol(args)
     if args.plot and not plot_available():
         raise UsageError(PLOT_MISSING)
     if args.request_rate_range is not None:
         return "request_rate", parse_range(args.request_rate_range, "--request-rate-range", False)
     return "concurrency", parse_range(args.concurrency_range or "1:1:1", "--concurrency-range", True)
+
+
+def _check_protocol(args: argparse.Namespace) -> None:
+    """The address and the options fit the protocol (`args.url` set to its
+    default when not given), and a gateway's client library can be imported."""
+    protocol = args.protocol
+    if args.url is None:
+        args.url = DEFAULT_URLS[protocol]
+    if protocol == ZMQ:
+        problem = url_problem(args.url)
+        if problem is not None:
+            raise UsageError(f"-u {args.url}: {problem} (-i grpc and -i http take HOST:PORT)")
+        return
+    if "://" in args.url:
+        raise UsageError(f"-u {args.url}: -i {protocol} takes the gateway's HOST:PORT, as perf_analyzer "
+                         f"does, e.g. {DEFAULT_URLS[protocol]}")
+    not_here = [flag for flag, given in (("--shared-client", args.shared_client),
+                                         ("--server-key", args.server_key), ("--client-key", args.client_key))
+                if given]
+    if not_here:
+        raise UsageError(f"{', '.join(not_here)}: only with -i zmq (torchpool's own client); -i {protocol} "
+                         "sends with Triton's client, one per thread")
+    try:
+        triton_module(protocol, args.use_async)
+    except TritonMissing as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _server_missing(url: str) -> Optional[str]:
@@ -149,14 +199,15 @@ def _server_missing(url: str) -> Optional[str]:
 
 def run(args: argparse.Namespace) -> int:
     """The `perf` subcommand: measure, report; an exit status."""
-    from .session import PerfSession, ServerError
+    from .control import ServerError
     from .inputs import InputError
+    from .session import PerfSession
 
     try:
         mode, levels = _check_options(args)
     except UsageError as exc:
         return _error(exc, 2)
-    if (why := _server_missing(args.url)) is not None:
+    if args.protocol == ZMQ and (why := _server_missing(args.url)) is not None:
         return _error(why, 1)
     try:
         with PerfSession(args, mode, CONNECT_TIMEOUT) as session:

@@ -12,8 +12,10 @@
 
 Shapes exclude the batch dimension, as in Triton's config and perf_analyzer's
 --shape; a dynamic dimension (-1) must be given with --shape NAME:d1,d2 unless
-the data file says it. Values become numpy arrays; BYTES and BF16 are encoded
-once here as RawTensors, so a request costs the client no encoding.
+the data file says it. Values become numpy arrays (`build_arrays`); for
+torchpool's client BYTES and BF16 are encoded once as RawTensors
+(`build_requests`), and senders.py makes Triton's client's inputs once, so a
+request costs the client no encoding.
 """
 from __future__ import annotations
 
@@ -247,6 +249,19 @@ def build_requests(inputs: ModelInputs, batch: int, source: str, shapes: dict,
                    string_length: int = 128, seed: int = 0) -> list[dict]:
     """The inputs of the requests (one or more sets, used in turn), as
     `Client.infer` takes them."""
+    return wire_requests(inputs, build_arrays(inputs, batch, source, shapes, string_length, seed))
+
+
+def wire_requests(inputs: ModelInputs, sets: Sequence[dict]) -> list[dict]:
+    """`build_arrays`' sets as `Client.infer` takes them (BYTES and BF16 encoded once)."""
+    specs = {s.name: s for s in inputs.specs}
+    return [{name: wire_value(specs[name], array) for name, array in arrays.items()} for arrays in sets]
+
+
+def build_arrays(inputs: ModelInputs, batch: int, source: str, shapes: dict,
+                 string_length: int = 128, seed: int = 0) -> list[dict]:
+    """The inputs of the requests (one or more sets, used in turn) as numpy
+    arrays: BYTES an object array of bytes, BF16 the uint16 bits."""
     if batch < 1:
         raise InputError(f"-b/--batch-size must be at least 1, got {batch}")
     if not inputs.max_batch_size and batch != 1:
@@ -271,5 +286,4 @@ def build_requests(inputs: ModelInputs, batch: int, source: str, shapes: dict,
         else:
             raise InputError(f"--input-data: expected zero, random, a JSON file or a directory of "
                              f"NAME.npy files, got {source!r} (no such file or directory)")
-    specs = {s.name: s for s in inputs.specs}
-    return [{name: wire_value(specs[name], array) for name, array in arrays.items()} for arrays in sets]
+    return sets

@@ -3,11 +3,15 @@
 
 Two drivers with one interface (`start(level)`, `stop()`, `close()`):
 
-    ThreadLoad   one thread per outstanding request, each with its own
-                 synchronous Client (the default: see docs/perf.md for the
-                 measurement that chose it), or all sharing one
-    AsyncLoad    one AsyncClient on an event loop in one thread, one task
+    ThreadLoad   one thread per outstanding request, each with a sender of
+                 its own (the default: see docs/perf.md for the measurement
+                 that chose it); the threads and their senders are kept
+                 from one level to the next
+    AsyncLoad    one async sender on an event loop in one thread, one task
                  per outstanding request
+
+How a request is sent (torchpool's client, or tritonclient over gRPC or
+HTTP) is the sender's: senders.py. A load only calls `sender.infer(k)`.
 
 Every completed request is handed to a `Recorder` as (end_ns, latency_ns,
 late_ns) on the monotonic clock; the first failure stops the measurement.
@@ -15,16 +19,15 @@ late_ns) on the monotonic clock; the first failure stops the measurement.
 from __future__ import annotations
 
 import asyncio
+import functools
+import queue
 import random
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
-
-from ..client import AsyncClient, Client
+from typing import Any, Callable, Optional
 
 CLOSED, OPEN = "concurrency", "request_rate"
-READY_SLACK_S = 10.0      # beyond one request's timeout, for the load's clients to warm up
+READY_SLACK_S = 10.0      # beyond one request's wait, for the load's clients to warm up
 
 
 class Recorder:
@@ -53,18 +56,6 @@ class Recorder:
         return done
 
 
-@dataclass
-class Target:
-    """What every request asks: the model, and its inputs taken in turn."""
-    model: str
-    version: Optional[str]
-    requests: Sequence[dict]
-    timeout: float
-
-    def inputs(self, k: int) -> dict:
-        return self.requests[k % len(self.requests)]
-
-
 class Schedule:
     """Send times of an open loop: gaps of 1/rate, or Poisson arrivals
     (exponential gaps of mean 1/rate). Shared by the senders: each takes the
@@ -86,78 +77,132 @@ class Schedule:
         return int(at)
 
 
-ClientFactory = Callable[[], Any]
+SenderFactory = Callable[[], Any]
+
+
+class SenderThread:
+    """A thread that owns one sender: made in it on its first job, used by
+    its jobs only, closed in it at the end (tritonclient.http's connections
+    belong to the thread that made them). Jobs run one at a time."""
+
+    def __init__(self, make_sender: SenderFactory, name: str) -> None:
+        self._make_sender = make_sender
+        self._sender: Any = None
+        self._jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def sender(self) -> Any:
+        """Its sender, made now if not yet: call from its own jobs only."""
+        if self._sender is None:
+            self._sender = self._make_sender()
+        return self._sender
+
+    def run(self, job: Callable[[], None]) -> threading.Event:
+        """Run `job` on this thread; the event is set when it has returned."""
+        done = threading.Event()
+
+        def wrapped() -> None:
+            try:
+                job()
+            finally:
+                done.set()
+
+        self._jobs.put(wrapped)
+        return done
+
+    def _main(self) -> None:
+        try:
+            while (job := self._jobs.get()) is not None:
+                job()
+        finally:
+            if self._sender is not None:
+                try:
+                    self._sender.close()
+                except Exception:           # closing after a failed run: nothing more to say
+                    pass
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
 
 
 class ThreadLoad:
-    """N threads, each with its own synchronous Client (kept across levels)."""
+    """N threads, each with a sender of its own (kept across levels)."""
 
-    def __init__(self, target: Target, recorder: Recorder, make_client: ClientFactory,
-                 max_threads: int, poisson: bool) -> None:
-        self.target, self.recorder = target, recorder
-        self._make_client = make_client
+    def __init__(self, make_sender: SenderFactory, recorder: Recorder, wait_s: float, max_threads: int,
+                 poisson: bool) -> None:
+        self.recorder = recorder
+        self._make_sender = make_sender
+        self._ready_s = wait_s + READY_SLACK_S
         self._max_threads = max_threads
         self._poisson = poisson
-        self._clients: list[Client] = []
-        self._threads: list[threading.Thread] = []
+        self._threads: list[SenderThread] = []
+        self._running: list[threading.Event] = []
+        self._ready: Optional[threading.Barrier] = None
         self._stop = threading.Event()
         self._schedule: Optional[Schedule] = None
 
     def start(self, mode: str, level: float) -> None:
-        """Start the threads; return once each has made one unmeasured request
-        (a new client's first one says hello and maps its arena: ~0.1-0.4 s)."""
+        """Start the load; return once each sender has made one unmeasured
+        request (a new client's first one connects; torchpool's also says
+        hello and maps its arena: ~0.1-0.4 s)."""
         self._stop.clear()
         count = int(level) if mode == CLOSED else self._max_threads
-        while len(self._clients) < count:
-            self._clients.append(self._make_client())
+        while len(self._threads) < count:
+            self._threads.append(SenderThread(self._make_sender, f"perf-sender-{len(self._threads)}"))
         work = self._closed_loop if mode == CLOSED else self._open_loop
         self._schedule = None
         # the open loop's clock starts when every sender is ready, not before
-        ready = threading.Barrier(count + 1, action=None if mode == CLOSED else
-                                  lambda: setattr(self, "_schedule",
-                                                  Schedule(level, self._poisson, time.monotonic_ns())))
-        self._threads = [threading.Thread(target=self._run, args=(work, self._clients[i], i, ready),
-                                          name=f"perf-{mode}-{i}", daemon=True) for i in range(count)]
-        for t in self._threads:
-            t.start()
+        ready = self._ready = threading.Barrier(count + 1, action=None if mode == CLOSED else
+                                                lambda: setattr(self, "_schedule",
+                                                                Schedule(level, self._poisson,
+                                                                         time.monotonic_ns())))
+        self._running = [t.run(functools.partial(self._run, work, t, i, ready))
+                         for i, t in enumerate(self._threads[:count])]
         try:
-            ready.wait(self.target.timeout + READY_SLACK_S)
+            ready.wait(self._ready_s)
         except threading.BrokenBarrierError:
             if not self.recorder.failed.is_set():
                 self.recorder.fail(TimeoutError(f"the load's {count} clients were not ready within "
-                                                f"{self.target.timeout + READY_SLACK_S:g} s"))
+                                                f"{self._ready_s:g} s"))
 
-    def _run(self, work: Callable, client: Client, first: int, ready: threading.Barrier) -> None:
-        if not self._send(client, first):
+    def _run(self, work: Callable, thread: SenderThread, first: int, ready: threading.Barrier) -> None:
+        try:
+            sender = thread.sender()
+        except Exception as exc:            # a client that cannot be made fails the run
+            self.recorder.fail(exc)
+            ready.abort()
+            return
+        if not self._send(sender, first):
             ready.abort()
             return
         try:
             ready.wait()
         except threading.BrokenBarrierError:
             return
-        work(client, first)
+        work(sender, first)
 
-    def _send(self, client: Client, k: int) -> bool:
+    def _send(self, sender: Any, k: int) -> bool:
         """One request; False (and the failure recorded) if it failed."""
-        t = self.target
         try:
-            client.infer(t.model, t.inputs(k), version=t.version, timeout=t.timeout)
+            sender.infer(k)
         except Exception as exc:            # any failure ends the run, reported by the measuring loop
             self.recorder.fail(exc)
             return False
         return True
 
-    def _closed_loop(self, client: Client, first: int) -> None:
+    def _closed_loop(self, sender: Any, first: int) -> None:
         k = first
         while not self._stop.is_set() and not self.recorder.failed.is_set():
             start = time.monotonic_ns()
-            if not self._send(client, k):
+            if not self._send(sender, k):
                 return
             end = time.monotonic_ns()
             self.recorder.record(end, end - start)
             k += 1
 
-    def _open_loop(self, client: Client, first: int) -> None:
+    def _open_loop(self, sender: Any, first: int) -> None:
         k = first
         schedule = self._schedule
         while not self.recorder.failed.is_set():
@@ -167,7 +212,7 @@ class ThreadLoad:
             if self._stop.wait(wait_s):
                 return
             start = time.monotonic_ns()
-            if not self._send(client, k):
+            if not self._send(sender, k):
                 return
             end = time.monotonic_ns()
             self.recorder.record(end, end - start, start - due)
@@ -175,28 +220,30 @@ class ThreadLoad:
 
     def stop(self) -> None:
         self._stop.set()
-        for t in self._threads:
-            t.join()
-        self._threads = []
+        if self._ready is not None:
+            self._ready.abort()             # a sender still waiting for the others (interrupted start) goes
+        for done in self._running:
+            done.wait()
+        self._running = []
 
     def close(self) -> None:
         self.stop()
-        for c in self._clients:
-            c.close()
-        self._clients = []
+        for t in self._threads:
+            t.close()
+        self._threads = []
 
 
 class AsyncLoad:
-    """One AsyncClient on an event loop of its own thread, one task per
+    """One async sender on an event loop of its own thread, one task per
     outstanding request."""
 
-    def __init__(self, target: Target, recorder: Recorder, make_client: ClientFactory,
-                 max_threads: int, poisson: bool) -> None:
-        self.target, self.recorder = target, recorder
-        self._make_client = make_client
+    def __init__(self, make_sender: SenderFactory, recorder: Recorder, wait_s: float, max_threads: int,
+                 poisson: bool) -> None:
+        self.recorder = recorder
+        self._make_sender = make_sender
         self._max_outstanding = max_threads
         self._poisson = poisson
-        self._client: Optional[AsyncClient] = None
+        self._sender: Any = None
         self._stop = threading.Event()
         self._running: Optional[Any] = None
         self._loop = asyncio.new_event_loop()
@@ -205,23 +252,22 @@ class AsyncLoad:
 
     def start(self, mode: str, level: float) -> None:
         """Start the tasks once one unmeasured request has gone through (the
-        client's first says hello and maps its arena)."""
+        client's first connects; torchpool's also says hello and maps its arena)."""
         self._stop.clear()
         if not asyncio.run_coroutine_threadsafe(self._send(0, None, measured=False), self._loop).result():
             return                          # the recorder holds the failure
         main = self._closed(int(level)) if mode == CLOSED else self._open(level)
         self._running = asyncio.run_coroutine_threadsafe(main, self._loop)
 
-    def _client_here(self) -> AsyncClient:
-        if self._client is None:            # made on the loop's thread, where it is used
-            self._client = self._make_client()
-        return self._client
+    def _sender_here(self) -> Any:
+        if self._sender is None:            # made on the loop's thread, where it is used
+            self._sender = self._make_sender()
+        return self._sender
 
     async def _send(self, k: int, due: Optional[int], measured: bool = True) -> bool:
-        t = self.target
         start = time.monotonic_ns()
         try:
-            await self._client_here().infer(t.model, t.inputs(k), version=t.version, timeout=t.timeout)
+            await self._sender_here().infer(k)
         except Exception as exc:
             self.recorder.fail(exc)
             return False
@@ -276,28 +322,20 @@ class AsyncLoad:
 
     def close(self) -> None:
         self.stop()
-        if self._client is not None:
-            asyncio.run_coroutine_threadsafe(self._client.aclose(), self._loop).result()
-            self._client = None
+        if self._sender is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._sender.aclose(), self._loop).result()
+            except Exception:               # closing after a failed run: nothing more to say
+                pass
+            self._sender = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
 
 
-def make_load(use_async: bool, target: Target, recorder: Recorder, url: str, client_options: dict,
-              max_threads: int, poisson: bool, shared_client: bool = False) -> "ThreadLoad | AsyncLoad":
-    """The driver asked for, its clients made with `client_options` (timeout,
-    keys). `shared_client`: the threads share one Client (it is thread-safe),
-    so one session and one arena instead of one per thread."""
-    if use_async:
-        return AsyncLoad(target, recorder, lambda: AsyncClient(url, **client_options), max_threads, poisson)
-    shared: list[Client] = []
-
-    def make_client() -> Client:
-        if not shared_client:
-            return Client(url, **client_options)
-        if not shared:
-            shared.append(Client(url, **client_options))
-        return shared[0]                    # closing it once per thread is harmless: close() is idempotent
-
-    return ThreadLoad(target, recorder, make_client, max_threads, poisson)
+def make_load(use_async: bool, make_sender: SenderFactory, recorder: Recorder, wait_s: float,
+              max_threads: int, poisson: bool) -> "ThreadLoad | AsyncLoad":
+    """The driver asked for, sending with what `make_sender` makes (senders.py).
+    `wait_s`: the longest one request may wait for its answer."""
+    kind = AsyncLoad if use_async else ThreadLoad
+    return kind(make_sender, recorder, wait_s, max_threads, poisson)

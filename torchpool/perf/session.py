@@ -1,34 +1,41 @@
 """One `torchpool perf` run: connect, learn the model, make the inputs, try
 one request, then measure each load level and report.
 
-The control client (metadata, the trial request, statistics) lives on the
-main thread; the load has clients of its own (torchpool/perf/load.py).
+The control requests (metadata, the trial request, statistics: control.py)
+are made on the main thread; the load has senders of its own (load.py,
+senders.py). Both go over the protocol asked for (`-i`).
 """
 from __future__ import annotations
 
 import argparse
 from typing import IO, Any, Optional
 
-from ..client import Client
-from ..protocol.errors import InferenceError
-from .inputs import build_requests, model_inputs, parse_shape
-from .load import Recorder, Target, make_load
+from .control import ServerError, open_control
+from .inputs import build_arrays, model_inputs, parse_shape
+from .load import Recorder, make_load
 from .measure import LevelResult
 from .profiler import RequestFailed, Settings, measure_level
 from .report import (PlotUnavailable, ProgressLine, plot_title, print_results, warning_lines, write_csv,
                      write_json, write_plot)
+from .senders import GRPC, HTTP, ZMQ, Plan, sender_factory
 
+__all__ = ["PerfSession", "ServerError"]
 
-class ServerError(Exception):
-    """The daemon is not there, does not know the model, or failed a request."""
+CLIENTS = {   # (protocol, kind): how the settings block names the load's clients
+    (ZMQ, "threads"): "a thread with its own Client per outstanding request",
+    (ZMQ, "threads, shared client"): "a thread per outstanding request, one Client shared",
+    (ZMQ, "async"): "one AsyncClient, a task per outstanding request",
+}
+PROTOCOL_TEXT = {ZMQ: "zmq (torchpool's client)", GRPC: "grpc (tritonclient.grpc at the gRPC gateway)",
+                 HTTP: "http (tritonclient.http at the HTTP gateway, binary tensors)"}
 
 
 class PerfSession:
     def __init__(self, args: argparse.Namespace, mode: str, connect_timeout: float) -> None:
         self.args, self.mode = args, mode
-        self.client_options = {"timeout": args.timeout, "server_key": args.server_key,
-                               "client_key": args.client_key}
-        self.control = Client(args.url, **self.client_options)
+        self.protocol = args.protocol
+        self.control = open_control(args.protocol, args.url, args.timeout, connect_timeout, args.server_key,
+                                    args.client_key)
         try:
             self._connect(connect_timeout)
         except BaseException:
@@ -38,20 +45,13 @@ class PerfSession:
     def _connect(self, connect_timeout: float) -> None:
         args = self.args
         shapes = dict(parse_shape(text) for text in args.shape)
-        try:
-            if not self.control.server_live(timeout=connect_timeout):
-                raise ServerError(f"the daemon at {args.url} is not live")
-            metadata = self.control.model_metadata(args.model, args.version)
-            config = self.control.model_config(args.model, args.version)
-        except InferenceError as exc:
-            raise ServerError(str(exc)) from None
+        self.control.check_live(connect_timeout)
+        metadata = self.control.metadata(args.model, args.version)
+        config = self.control.config(args.model, args.version)
         self.inputs = model_inputs(args.model, metadata, config)
-        self.requests = build_requests(self.inputs, args.batch_size, args.input_data, shapes,
-                                       args.string_length)
-        try:    # what the daemon refuses is said once, before any load
-            self.control.infer(args.model, self.requests[0], version=args.version)
-        except InferenceError as exc:
-            raise ServerError(f"a trial request failed: {exc}") from None
+        sets = build_arrays(self.inputs, args.batch_size, args.input_data, shapes, args.string_length)
+        self.plan = Plan(args.model, args.version, self.inputs, sets, args.request_timeout)
+        self.control.trial(self.plan)        # what the server refuses is said once, before any load
 
     def settings(self, levels: list) -> dict:
         a = self.args
@@ -59,9 +59,11 @@ class PerfSession:
             "model": a.model, "version": a.version or "latest", "batch_size": a.batch_size,
             "url": a.url, "input_data": a.input_data,
             "inputs": {s.name: s.datatype for s in self.inputs.specs},
+            "protocol": self.protocol,
             "mode": self.mode, "levels": levels,
             "request_distribution": a.request_distribution if self.mode == "request_rate" else None,
             "client": self._client_kind(),
+            "timeout_s": a.timeout, "request_timeout_s": a.request_timeout,
             "measurement_interval_ms": a.measurement_interval,
             "stability_percentage": a.stability_percentage, "max_trials": a.max_trials,
         }
@@ -77,21 +79,43 @@ class PerfSession:
         else:
             load = (f"request rate {', '.join(f'{x:g}' for x in levels)}/s (open loop, "
                     f"{a.request_distribution}, at most {a.max_threads} outstanding)")
-        client = {"async": "one AsyncClient, a task per outstanding request",
-                  "threads": "a thread with its own Client per outstanding request",
-                  "threads, shared client": "a thread per outstanding request, one Client shared"}
         return {"Model": f"{a.model} (version {a.version or 'latest'}) at {a.url}",
-                "Batch size": a.batch_size, "Input data": a.input_data, "Load": load, "Clients": client[self._client_kind()],
+                "Protocol": PROTOCOL_TEXT[self.protocol],
+                "Batch size": a.batch_size, "Input data": a.input_data, "Load": load,
+                "Clients": self._clients_text(),
+                "Timeouts": self._timeouts_text(),
                 "Measurement window": f"{a.measurement_interval} ms",
                 "Stabilizing": f"3 windows within {a.stability_percentage:g}% on throughput and p99 "
                                f"latency, at most {a.max_trials} windows"}
 
+    def _clients_text(self) -> str:
+        kind = self._client_kind()
+        if self.protocol == ZMQ:
+            return CLIENTS[(ZMQ, kind)]
+        module = f"tritonclient.{self.protocol}"
+        if kind == "async":
+            return f"one {module}.aio client, a task per outstanding request"
+        return f"a thread with its own {module} client per outstanding request"
+
+    def _timeouts_text(self) -> str:
+        a = self.args
+        wait = f"a request may wait {a.timeout:g} s for its answer"
+        if a.request_timeout is None:
+            return f"none sent with the requests; {wait}"
+        sent = f"each request sent with a timeout of {a.request_timeout:g} s"
+        if self.protocol == ZMQ:
+            return f"{sent}, which is also how long it waits for its answer"
+        return f"{sent}; {wait}"
+
     def run(self, levels: list, out: IO[str], err: IO[str]) -> int:
         a = self.args
         recorder = Recorder()
-        target = Target(a.model, a.version, self.requests, a.timeout)
-        load = make_load(a.use_async, target, recorder, a.url, self.client_options, a.max_threads,
-                         a.request_distribution == "poisson", a.shared_client)
+        make_sender = sender_factory(self.protocol, a.url, a.timeout, self.plan, a.use_async, a.shared_client,
+                                     a.server_key, a.client_key)
+        # a per-request timeout over ZeroMQ is also that call's wait
+        wait_s = max(a.timeout, a.request_timeout or 0.0) if self.protocol == ZMQ else a.timeout
+        load = make_load(a.use_async, make_sender, recorder, wait_s, a.max_threads,
+                         a.request_distribution == "poisson")
         progress = ProgressLine(err, a.progress or err.isatty())
         settings = Settings(a.measurement_interval / 1000.0, a.stability_percentage, a.max_trials,
                             a.batch_size)
@@ -132,10 +156,8 @@ class PerfSession:
         return 0
 
     def _statistics(self) -> Optional[dict]:
-        try:
-            return self.control.statistics(self.args.model, self.args.version)
-        except InferenceError:
-            return None                      # no server split, the client's numbers stand
+        # None: no server split, the client's numbers stand
+        return self.control.statistics(self.args.model, self.args.version)
 
     def close(self) -> None:
         self.control.close()
