@@ -182,13 +182,14 @@ def test_the_unit_file() -> None:
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="hiding the checkout takes a mount namespace of our own (root)")
 def test_the_service_install_is_self_contained(small_repository: Path, tmp_path: Path) -> None:
-    """The README's recipe: the service's own venv and a non-editable
-    install. The unit's ExecStart (its paths put under tmp_path) then runs
-    with the checkout's code and its .venv's programs hidden, as
-    ProtectHome= hides a checkout under /home: before, the recipe copied
-    the checkout with its editable .venv, whose torchpool was the original
-    tree's. (The dependencies are the suite's, by a .pth into its
-    site-packages, instead of being installed again: torch alone is 750 MB.)"""
+    """The install recipe (docs/deploy.md, "Run it under systemd"): the
+    service's own venv and a non-editable install. The unit's ExecStart
+    (its paths put under tmp_path) then runs with the checkout's code and
+    its .venv's programs hidden, as ProtectHome= hides a checkout under
+    /home: before, the recipe copied the checkout with its editable .venv,
+    whose torchpool was the original tree's. (The dependencies are the
+    suite's, by a .pth into its site-packages, instead of being installed
+    again: torch alone is 750 MB.)"""
     prefix, dist = tmp_path / "opt-torchpool", tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(dist), str(ROOT)], check=True, capture_output=True, timeout=600)
