@@ -19,7 +19,7 @@ want="$(cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" "$ROOT/con
 # predates an added dependency (uvloop once) must reinstall, not fail in CI.
 # matplotlib is looked up, not imported: its first import builds a font cache.
 check='import torchpool, torch, zmq, msgpack, posix_ipc, httptools, grpc, google.protobuf, uvloop, setproctitle
-import pytest, tritonclient.http, tritonclient.grpc, prometheus_client, kubernetes_validate, yaml
+import pytest, tritonclient.http, tritonclient.grpc, prometheus_client, kubernetes_validate, yaml, mypy, ruff
 import importlib.util; assert importlib.util.find_spec("matplotlib"), "matplotlib is missing"'
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$PY" -c "$check" 2>/dev/null; then
   echo "torchpool: installing into $VENV (torch pinned by constraints.txt)" >&2

@@ -378,7 +378,8 @@ def render_main(r: dict) -> list[str]:
                      f"| {us(tp['identity16']['c1'][0])} | {tp['identity16']['c1'][0] / echo['16MiB'][0]:.2f}x |")
         lines.append(f"| identity 16 MiB p99, c=1, {t} | {us(ip['identity16']['c1'][1])} | {us(echo['16MiB'][1])} "
                      f"| {us(tp['identity16']['c1'][1])} | |")
-        lines.append(f"| add/sub throughput, c=8, {t} | {ip['addsub']['c8']:,.0f}/s | | {tp['addsub']['c8']:,.0f}/s | |")
+        lines.append(f"| add/sub throughput, c=8, {t} | {ip['addsub']['c8']:,.0f}/s | "
+                     f"| {tp['addsub']['c8']:,.0f}/s | |")
         lines.append(f"| identity 16 MiB throughput, c=8, {t} | {ip['identity16']['c8']:,.1f}/s | "
                      f"| {tp['identity16']['c8']:,.1f}/s | |")
     if "gateways" in r:

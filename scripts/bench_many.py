@@ -200,7 +200,8 @@ def render_breakdown(b: dict) -> list[str]:
         lines.append(f"| {name} | " + " | ".join(f"{row['rollup'][k]:,}" for k in ROLLUP_FIELDS) + " |")
     lines += ["", "the worker's largest mappings by PSS (KiB; private = Private_Dirty + Private_Clean), "
                   "the fork server's beside them:", "",
-              "| maps | worker PSS | worker private (dirty) | worker mappings | fork server PSS | fork server private |",
+              "| maps | worker PSS | worker private (dirty) | worker mappings | fork server PSS "
+              "| fork server private |",
               "|---|---|---|---|---|---|"]
     top: Callable[[tuple[str, dict]], int] = lambda kv: -kv[1]["Pss"]
     for path, m in sorted(w["mappings"].items(), key=top)[:10]:

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Optional
+from typing import Optional
 
 FORMATS = ("text", "json")
 FIELDS = ("model", "version", "instance")      # what a JSON record may say it is about
@@ -47,12 +47,12 @@ def _seconds(name: str, default: float) -> float:
 LOADING_NOTICE_S = _seconds("TORCHPOOL_LOADING_NOTICE_S", 20.0)
 
 
-def set_process_fields(model: str, version: Any, instance: str) -> None:
+def set_process_fields(model: str, version: object, instance: str) -> None:
     """Every JSON record of this process is about this instance (a worker's)."""
     _process_fields.update(log_fields(model, version, instance))
 
 
-def log_fields(model: str, version: Any, instance: Optional[str] = None) -> dict[str, str]:
+def log_fields(model: str, version: object, instance: Optional[str] = None) -> dict[str, str]:
     """`extra=` of a record about a model version (and one of its instances)."""
     fields = {"model": model, "version": str(version)}
     if instance is not None:

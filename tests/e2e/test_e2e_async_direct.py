@@ -108,9 +108,9 @@ def test_many_concurrent_calls_on_one_path_each_get_their_own_answer(small: Daem
             for t, out in zip(texts, outs):
                 assert [s.decode() if isinstance(s, bytes) else s for s in out["OUTPUT__0"]] == \
                     [s.upper() for s in t]
-            d, l = counts(observer)
+            d, on_lane = counts(observer)
             # the 200 on the paths; the strings calls made while its paths were asked for took the lane
-            assert d - direct >= 200 and d - direct + l - lane == 250 + 1     # (and the ask)
+            assert d - direct >= 200 and d - direct + on_lane - lane == 250 + 1     # (and the ask)
     asyncio.run(main())
 
 

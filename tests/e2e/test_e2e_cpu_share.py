@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pytest
-import torch
 from torch import Tensor, nn
 
 from torchpool.client import Client

@@ -21,7 +21,6 @@ import pwd
 import random
 import re
 import signal
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -38,7 +37,6 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from ..support.daemon import Daemon, free_tcp_port, wait_for  # noqa: E402
 from ..support.http_gateway import ResponseReader, connect, error_of, gateway_pid, request  # noqa: E402
-from ..support.model_repository import slow_iterations  # noqa: E402
 
 IDENTITY = "/v2/models/identity/infer"
 X = np.arange(16, dtype=np.float32)
@@ -169,8 +167,8 @@ def test_system_shared_memory_is_off_for_remote_callers(plain: Daemon, segments)
     if os.getuid() != 0:
         pytest.skip("making another user's segment needs root")
     victim = segments("tpt-victim-", unused_uid(), SECRET)
-    expected = (f"failed to register system shared memory region 'r': this server does not let remote "
-                f"callers use system shared memory (start it with --allow-client-shm=true)")
+    expected = ("failed to register system shared memory region 'r': this server does not let remote "
+                "callers use system shared memory (start it with --allow-client-shm=true)")
     client = http_client(plain)
     try:
         exc = fails(client.register_system_shared_memory, "r", "/" + victim.key, 64)
@@ -302,7 +300,7 @@ def test_a_callers_regions_go_with_its_connection(shm_on: Daemon, segments) -> N
     """Callers that register and go: each one's session is closed with it
     (12 of them would otherwise hold more than the 8 sessions the daemon
     gives the gateway's user); a gRPC peer's once its connection closes."""
-    for i in range(12):
+    for _ in range(12):
         c = http_client(shm_on)
         c.register_system_shared_memory("r", segments().key, 64)
         c.close()

@@ -239,7 +239,7 @@ def test_typed_contents(stub) -> None:
     request.inputs[-1].shape[:] = [0]
     response = stub.ModelInfer(request)
     outputs = {o.name: (o.datatype, raw) for o, raw in zip(response.outputs, response.raw_output_contents)}
-    for name, (field, values) in typed.items():
+    for name, (_field, values) in typed.items():
         datatype, raw = outputs[f"{name}_OUT"]
         assert datatype == name and np.frombuffer(raw, triton_to_np_dtype(name)).tolist() == values
     assert outputs["FP16_OUT"] == ("FP16", b"")

@@ -180,7 +180,8 @@ def test_upgrade_is_ignored(port: int) -> None:
         assert reader.read()[0] == 200 and reader.read()[0] == 200
         # with a body (curl --http2 -d ... asks for h2c so), in one piece and in two
         x = np.arange(3, dtype=np.float32)
-        upgrade = identity_request(x, "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n")
+        upgrade = identity_request(x, "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                                      "HTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n")
         s.sendall(upgrade + upgrade[:-5])
         np.testing.assert_array_equal(identity_output(reader.read()), x)
         s.sendall(upgrade[-5:])

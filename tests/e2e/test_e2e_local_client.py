@@ -213,7 +213,7 @@ def test_released_outputs_are_reused_and_held_ones_never(local_daemon: Daemon) -
         gc.collect()
         # released again: a further round fits in what the worker has already
         grown = worker_output_bytes(local_daemon)
-        for i in range(20):
+        for _ in range(20):
             with c.infer("clone", {"INPUT__0": x}) as out:
                 assert out["OUTPUT__0"][5] == 5
         assert worker_output_bytes(local_daemon) == grown
@@ -256,7 +256,7 @@ def test_outputs_that_are_views_of_the_input_come_back_in_its_block(daemon: Daem
         np.testing.assert_array_equal(mine, x)
         # dropped outputs free their blocks: a hundred more requests fit in the arena as it is
         del out, whole, tail, strided
-        for i in range(100):
+        for _ in range(100):
             with c.infer("input_views", {"INPUT__0": x}) as res:
                 assert res["OUTPUT__1"][0] == 8
         assert sum(size for n, size in memfds(daemon.proc.pid).items() if n in client_arenas(daemon)) == before_arena
@@ -545,8 +545,8 @@ def test_killed_client_has_its_arena_released(short_lease_daemon: Daemon) -> Non
     with Client(d.url, timeout=30) as c:
         # its request finishes for nobody; it held a lent output, so the session lasts ten
         # leases (1 s here), then the daemon unlinks the arena; others are served meanwhile
-        wait_for(lambda: serve_once() and released_by(short_lease_daemon)(mine), 40, "the killed client's arena to be released",
-                 interval=0.1)
+        wait_for(lambda: serve_once() and released_by(short_lease_daemon)(mine), 40,
+                 "the killed client's arena to be released", interval=0.1)
         assert len(served) > 5 and c.is_local
         np.testing.assert_array_equal(c.infer("addsub", ADDSUB)["OUTPUT0"], A + B)
 

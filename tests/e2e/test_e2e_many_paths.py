@@ -16,7 +16,6 @@ import multiprocessing
 import os
 import random
 import threading
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np

@@ -198,7 +198,8 @@ def test_the_service_install_is_self_contained(small_repository: Path, tmp_path:
     subprocess.run([str(prefix / "bin" / "pip"), "install", "-q", "--no-deps", str(wheel)], check=True,
                    capture_output=True, timeout=600)
     dependencies = sysconfig.get_paths()["purelib"]
-    own = subprocess.run([str(prefix / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    own = subprocess.run([str(prefix / "bin" / "python"), "-c",
+                          "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                          check=True, capture_output=True, text=True).stdout.strip()
     Path(own, "suite-dependencies.pth").write_text(dependencies + "\n")
     assert (prefix / "bin" / "torchpool").read_text().splitlines()[0].startswith(f"#!{prefix / 'bin' / 'python'}")

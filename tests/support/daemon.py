@@ -79,7 +79,7 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()
-            raise AssertionError(f"daemon did not stop within {timeout} s:\n{self.log()}")
+            raise AssertionError(f"daemon did not stop within {timeout} s:\n{self.log()}") from None
         finally:
             self._log.close()
         if leaves_nothing and code == 0:            # a clean stop, not a kill

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import subprocess
 from importlib import metadata
 from pathlib import Path
 
@@ -285,7 +286,6 @@ def test_every_client_command_takes_json() -> None:
 
 def run_into_a_closed_pipe(*args: str, cwd: Path) -> "subprocess.CompletedProcess":
     """`torchpool ARGS | head` when head has already gone: stdout's reader is closed."""
-    import subprocess
     import sys
 
     read, write = os.pipe()

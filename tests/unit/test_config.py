@@ -254,7 +254,8 @@ def test_string_maps_and_deep_schema() -> None:
     data = parse_pbtxt("""
         optimization { execution_accelerators { gpu_execution_accelerator {
             name: "tensorrt" parameters { key: "precision_mode" value: "FP16" } } } }
-        model_warmup { name: "w" batch_size: 1 inputs { key: "X" value { data_type: TYPE_FP32 dims: 4 zero_data: true } } }
+        model_warmup { name: "w" batch_size: 1
+                       inputs { key: "X" value { data_type: TYPE_FP32 dims: 4 zero_data: true } } }
     """)
     accel = data["optimization"]["execution_accelerators"]["gpu_execution_accelerator"]
     assert accel == [{"name": "tensorrt", "parameters": {"precision_mode": "FP16"}}]
@@ -285,7 +286,8 @@ def test_empty_text_is_an_empty_message() -> None:
     ("max_batch_size: 1\n  max_batch_size: 2", "f.pbtxt:2:3: field 'max_batch_size' is specified more than once"),
     ("name: simple", "f.pbtxt:1:7: field 'name': expected a quoted string, found 'simple'"),
     ("max_batch_size: 1.5", "f.pbtxt:1:17: field 'max_batch_size': expected an integer, found '1.5'"),
-    ("input { data_type: \"TYPE_FP32\" }", "f.pbtxt:1:20: field 'data_type': expected an enum name, found '\"TYPE_FP32\"'"),
+    ("input { data_type: \"TYPE_FP32\" }",
+     "f.pbtxt:1:20: field 'data_type': expected an enum name, found '\"TYPE_FP32\"'"),
     ('name: "a\\qb"', "f.pbtxt:1:9: invalid escape sequence '\\q'"),
     ("max_batch_size: 12ab", "f.pbtxt:1:17: invalid number '12ab'"),
     ("name: @", "f.pbtxt:1:7: unexpected character '@'"),
@@ -293,7 +295,8 @@ def test_empty_text_is_an_empty_message() -> None:
     ('name: [ "a" ]', "f.pbtxt:1:1: field 'name' is not repeated; a list is not allowed"),
     ("input: 3", "f.pbtxt:1:8: field 'input' expects a message ('{ ... }'), found '3'"),
     ("input { dims { } }", "f.pbtxt:1:14: field 'dims' expects an integer, not a message"),
-    ("dynamic_batching { preserve_ordering: 2 }", "f.pbtxt:1:39: field 'preserve_ordering': expected true or false, found '2'"),
+    ("dynamic_batching { preserve_ordering: 2 }",
+     "f.pbtxt:1:39: field 'preserve_ordering': expected true or false, found '2'"),
     ("dynamic_batching {\n\tmax_queue_delay_microseconds: -1 }",
      "f.pbtxt:2:32: field 'max_queue_delay_microseconds': expected a non-negative integer, got -1"),
     ("parameters: \"x\"", "f.pbtxt:1:13: field 'parameters' expects a map entry ('{ ... }'), found '\"x\"'"),
@@ -568,12 +571,14 @@ def _input(**fields: Any) -> list[dict[str, Any]]:
      P + "dynamic_batching.default_priority_level: default priority level must be in range [1, 2] for m"),
     ({"max_batch_size": 4, "dynamic_batching": {"priority_levels": 2, "default_priority_level": 1,
                                                 "priority_queue_policy": {"3": {}}}},
-     P + "dynamic_batching.priority_queue_policy: priority queue policy must have priority level in range [1, 2] for m"),
+     P + "dynamic_batching.priority_queue_policy: priority queue policy must have priority level "
+         "in range [1, 2] for m"),
     ({"max_batch_size": 4, "dynamic_batching": {"priority_queue_policy": {"-1": {}}}},
      P + "dynamic_batching.priority_queue_policy: map key must be a non-negative integer, got '-1'"),
     ({"max_batch_size": 4, "dynamic_batching": {"preserve_ordering": True, "priority_levels": 2,
                                                 "default_priority_level": 1}},
-     P + "dynamic_batching.preserve_ordering: Only one priority level is allowed when 'preserve_ordering' is true for m"),
+     P + "dynamic_batching.preserve_ordering: Only one priority level is allowed when 'preserve_ordering' "
+         "is true for m"),
     ({"max_batch_size": 4, "dynamic_batching": {"preserve_ordering": True, "default_queue_policy": {
         "timeout_action": "DELAY", "default_timeout_microseconds": 5}}},
      P + "dynamic_batching.preserve_ordering: Queue policy can not have DELAY as timeout action "

@@ -19,6 +19,7 @@ from torchpool.broker.schedulers.dynamic import DynamicBatcher
 from torchpool.config import ModelConfig
 from torchpool.config.pbtxt import parse_pbtxt
 from torchpool.protocol import datatypes
+from torchpool.protocol.errors import TorchpoolError
 from torchpool.shm.arena import Arena
 
 INSTANCE = "instance-0"     # instances are opaque to the dynamic batcher
@@ -175,7 +176,7 @@ def test_priority_levels_and_queue_policies(arena: Arena) -> None:
     }""", mbs=1)
     b = DynamicBatcher(cfg, arena)
     assert b.level_of(None) == 2 and b.level_of(0) == 2 and b.level_of(7) == 2 and b.level_of(1) == 1
-    with pytest.raises(Exception):
+    with pytest.raises(TorchpoolError):
         b.level_of(-1)
     low_late = request(cfg, rid="late", timeout_us=500, level=2)
     low = request(cfg, rid="low", level=2)

@@ -194,12 +194,16 @@ CLIENT_IMPORTS = {"numpy", "zmq", "msgpack", "posix_ipc"}
 def imported_at_load(path: Path) -> set[str]:
     """Top-level names of the modules `path` imports when it is loaded: its
     module body and class bodies, not function bodies (a function may import
-    torch when the caller hands it a torch tensor: torch is loaded already)."""
+    torch when the caller hands it a torch tensor: torch is loaded already),
+    nor `if TYPE_CHECKING:` blocks (only a type checker reads those)."""
     found: set[str] = set()
     todo: list[ast.AST] = [ast.parse(path.read_text(), str(path))]
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
             continue
         if isinstance(node, ast.Import):
             found.update(alias.name.split(".")[0] for alias in node.names)
@@ -207,6 +211,12 @@ def imported_at_load(path: Path) -> set[str]:
             found.add(node.module.split(".")[0])
         todo.extend(ast.iter_child_nodes(node))
     return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """`TYPE_CHECKING` or `typing.TYPE_CHECKING`."""
+    return ((isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+            or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
 
 
 def client_modules(graph: dict[str, set[str]]) -> set[str]:
@@ -238,3 +248,4 @@ def test_the_client_loads_only_its_own_dependencies() -> None:
             wrong[name] = sorted(third_party - CLIENT_IMPORTS)
     assert not wrong, f"client modules importing what a client install lacks: {wrong}"
     assert imported_at_load(PACKAGE / "client" / "values.py") >= {"numpy"}   # the walk sees imports
+    assert "typing_extensions" not in imported_at_load(PACKAGE / "protocol" / "lane.py")   # not a hint's

@@ -82,7 +82,8 @@ def test_the_setup_script_pins_torch_from_constraints() -> None:
     assert len(pins) == 1, "constraints.txt must pin exactly one torch"
     assert "-e \"$ROOT[server,test,plot]\"" in script
     assert script.index("$torch_pin") < script.index("[server,test,plot]")
-    for module in ("torch", "uvloop", "setproctitle", "httptools", "grpc", "kubernetes_validate", "matplotlib"):
+    for module in ("torch", "uvloop", "setproctitle", "httptools", "grpc", "kubernetes_validate", "matplotlib",
+                   "mypy", "ruff"):
         assert module in script.split("check=", 1)[1].split("if [", 1)[0], module
 
 

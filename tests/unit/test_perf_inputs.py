@@ -113,8 +113,8 @@ def test_json_errors(tmp_path: Path, document: object, says: str) -> None:
 
 def test_json_rounds_nothing(tmp_path: Path) -> None:
     path = tmp_path / "f.json"
-    path.write_text(json.dumps({"data": [{"I": {"content": [[0.5, 1], [2, 3]], "shape": [2, 2]}, "B": [True, False, True],
-                                          "H": [1.0, 2.0]}]}))
+    path.write_text(json.dumps({"data": [{"I": {"content": [[0.5, 1], [2, 3]], "shape": [2, 2]},
+                                          "B": [True, False, True], "H": [1.0, 2.0]}]}))
     with pytest.raises(InputError, match="'I' of model 'mixed' is INT64: values of type float64 do not fit"):
         build_requests(MIXED, 1, str(path), {})
 

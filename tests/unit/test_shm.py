@@ -11,6 +11,7 @@ import sys
 import uuid
 
 import numpy as np
+import posix_ipc
 import pytest
 
 from torchpool.shm import (Arena, ArenaFull, Block, MappedSegments, NamedSegment, Segment, daemon_id,
@@ -164,7 +165,7 @@ def test_named_segment_mode_is_0600_and_create_is_exclusive(prefix) -> None:
         mode = os.stat(f"/dev/shm/{seg.name}").st_mode
         assert stat.S_ISREG(mode) and stat.S_IMODE(mode) == 0o600
         assert os.stat(f"/dev/shm/{seg.name}").st_uid == os.getuid()
-        with pytest.raises(Exception):
+        with pytest.raises(posix_ipc.ExistentialError):   # O_EXCL
             NamedSegment.create(prefix + "n", 4096)
         other = NamedSegment.attach(seg.name)
         seg.buf[0:5] = b"hello"

@@ -228,7 +228,8 @@ for dtype in ("int32", "bool", "float32"):
         os.makedirs(f"{a.models_dir}/{name}/1")
         mbs = 0 if "nobatch" in name else 8
         open(f"{a.models_dir}/{name}/config.pbtxt", "w").write(
-            f'name: "{name}"\\nmax_batch_size: {mbs}\\nsequence_batching {{\\n  max_sequence_idle_microseconds: 5000000\\n}}\\n'
+            f'name: "{name}"\\nmax_batch_size: {mbs}\\n'
+            f'sequence_batching {{\\n  max_sequence_idle_microseconds: 5000000\\n}}\\n'
             f'instance_group [\\n  {{\\n    kind: KIND_GPU\\n  }}\\n]\\n')
 """,
 }

@@ -170,7 +170,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
     # -- hello / goodbye
     def hello_flow(self, timeout: Optional[float]) -> Flow:
         local = self.want_local
-        for attempt in range(2):
+        for _attempt in range(2):
             try:
                 header, _ = yield self.call(OP_HELLO, timeout, local=local)
             except NoAnswer:

@@ -49,6 +49,7 @@ def _conform_field(value: Any, spec: FieldSpec, path: str, name: str, message: s
 
 def _conform_single(value: Any, spec: FieldSpec, path: str, name: str, message: str) -> Any:
     if spec.kind == "message":
+        assert spec.message is not None     # the schema names the type of every message field
         return conform_message(value, spec.message, path)
     try:
         return json_scalar(spec, value, name, message)

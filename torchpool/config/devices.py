@@ -80,10 +80,10 @@ def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: Path = CGROUP
             top = root if (root / "cgroup.controllers").exists() else root / "unified"
             quotas += _up_from(top, path, _v2_quota)
         elif "cpu" in controllers.split(","):                 # cgroup v1's cpu controller
-            top = next((root / name for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu")
-                        if (root / name / "cpu.cfs_period_us").exists()), None)
-            if top is not None:
-                quotas += _up_from(top, path, _v1_quota)
+            v1_top = next((root / name for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu")
+                           if (root / name / "cpu.cfs_period_us").exists()), None)
+            if v1_top is not None:
+                quotas += _up_from(v1_top, path, _v1_quota)
     return min(quotas) if quotas else None
 
 

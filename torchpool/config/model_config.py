@@ -89,7 +89,8 @@ class ModelConfig:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     instance_groups: tuple[InstanceGroup, ...]
-    version_policy: dict[str, Any]      # {"latest": {"num_versions": 1}} | {"all": {}} | {"specific": {"versions": [..]}}
+    # {"latest": {"num_versions": 1}} | {"all": {}} | {"specific": {"versions": [..]}}
+    version_policy: dict[str, Any]
     default_model_filename: str         # "model.pt" unless set
     parameters: dict[str, str]          # key -> string_value
     dynamic_batching: Optional[dict[str, Any]] = None

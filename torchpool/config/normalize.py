@@ -297,7 +297,8 @@ def _normalize_dynamic_batching(cfg: dict[str, Any], max_batch_size: int) -> Non
         if size <= 0:
             fail(f"{path}.preferred_batch_size", f"dynamic batching preferred size must be positive for {name}")
         if size > max_batch_size:
-            fail(f"{path}.preferred_batch_size", f"dynamic batching preferred size must be <= max batch size for {name}")
+            fail(f"{path}.preferred_batch_size",
+                 f"dynamic batching preferred size must be <= max batch size for {name}")
     db["default_queue_policy"] = _queue_policy(db.get("default_queue_policy"))
     db["priority_queue_policy"] = {
         level: _queue_policy(policy) for level, policy in db.get("priority_queue_policy", {}).items()}
@@ -316,7 +317,8 @@ def _check_priorities(db: dict[str, Any], name: str, path: str) -> None:
                      f"priority queue policy must have priority level in range [1, {levels}] for {name}")
     if db["preserve_ordering"]:
         if levels > 1:
-            fail(f"{path}.preserve_ordering", f"Only one priority level is allowed when 'preserve_ordering' is true for {name}")
+            fail(f"{path}.preserve_ordering",
+                 f"Only one priority level is allowed when 'preserve_ordering' is true for {name}")
         policies = [db["default_queue_policy"], *db["priority_queue_policy"].values()]
         if any(p["default_timeout_microseconds"] and p["timeout_action"] == "DELAY" for p in policies):
             fail(f"{path}.preserve_ordering",

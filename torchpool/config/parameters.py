@@ -33,6 +33,7 @@ This module must not import torch: the broker uses it.
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -167,11 +168,11 @@ def model_parameters(config: Any) -> ModelParameters:
         return entry[1]
     parsed = parse_parameters(config.name, config.parameters)
     key = id(config)
-    _cache[key] = (weakref.ref(config, lambda _ref, key=key: _drop(key, _ref)), parsed)
+    _cache[key] = (weakref.ref(config, functools.partial(_drop, key)), parsed)
     return parsed
 
 
-def _drop(key: int, ref: weakref.ref) -> None:
+def _drop(key: int, ref: weakref.ref[Any]) -> None:
     entry = _cache.get(key)
     if entry is not None and entry[0] is ref:
         del _cache[key]

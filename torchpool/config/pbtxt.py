@@ -332,6 +332,7 @@ class _Parser:
         if spec.kind == "map":
             entry = self.message_body(map_entry_fields(spec), map_entry_name(message, name.value), opener)
             return self.map_entry(spec, entry, opener)
+        assert spec.message is not None     # the schema names the type of every message field
         return self.message_body(SCHEMA[spec.message], spec.message, opener)
 
     def map_entry(self, spec: FieldSpec, entry: dict[str, Any], opener: Token) -> tuple[str, Any]:

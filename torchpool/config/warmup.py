@@ -78,7 +78,7 @@ def check_warmup_files(model_dir: Path, samples: tuple[WarmupSample, ...], sourc
     when it reads it; raises ConfigError naming the file."""
     for sample in samples:
         for name, value in sample.inputs.items():
-            if value.source != "file":
+            if value.source != "file" or value.file is None:     # ("file" always names one)
                 continue
             path = model_dir / WARMUP_DIRECTORY / value.file
             where = f"{source}: warmup sample '{sample.name}' input '{name}'"

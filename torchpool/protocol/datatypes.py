@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import itertools
 import struct
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 # wire name -> (element size in bytes, numpy dtype or None)
 _WIRE: dict[str, tuple[int, Optional[np.dtype]]] = {
@@ -109,7 +112,7 @@ def wire_from_torch(dtype: Any) -> str:
 try:
     from . import _bytescan
 except ImportError:          # pragma: no cover - built on every supported install
-    _bytescan = None
+    _bytescan = None  # type: ignore[assignment]
 
 _LEN = struct.Struct("<I")
 
@@ -127,7 +130,7 @@ def encode_bytes(items: Iterable[Any]) -> bytes:
     return b"".join(parts)
 
 
-def _walk(view: memoryview, pos: int, count: int, items: Optional[list] = None) -> tuple[int, int]:
+def _walk(view: memoryview, pos: int, count: int, items: Optional[list[bytes]] = None) -> tuple[int, int]:
     """Python fallback: walk `count` elements (-1: to the end) from `pos`,
     appending them to `items` if given; returns (end, elements walked).
     ValueError worded as in _bytescan.c."""
@@ -154,7 +157,7 @@ def _fill_exactly(view: memoryview, end: int, count: int) -> None:
         raise ValueError(f"{len(view) - end} bytes follow the last of the {count} elements")
 
 
-def check_bytes(buf: Any, count: int, max_bytes: Optional[int] = None) -> int:
+def check_bytes(buf: Buffer, count: int, max_bytes: Optional[int] = None) -> int:
     """Check that exactly `count` BYTES elements fill `buf`, without making
     them: returns the sum of their lengths. ValueError, naming the element and
     what is wrong, when the layout is broken or the elements hold more than
@@ -176,7 +179,7 @@ def check_bytes(buf: Any, count: int, max_bytes: Optional[int] = None) -> int:
     return total
 
 
-def bytes_boundaries(data: Any, counts: Iterable[int]) -> list[int]:
+def bytes_boundaries(data: Buffer, counts: Iterable[int]) -> list[int]:
     """Byte offsets of groups of BYTES elements: `counts[i]` elements after
     the previous group; returns [0, end of group 0, end of group 1, ...].
     ValueError when `data` ends inside an element."""
@@ -188,7 +191,7 @@ def bytes_boundaries(data: Any, counts: Iterable[int]) -> list[int]:
     return bounds
 
 
-def decode_bytes(buf: Any, count: Optional[int] = None) -> list[bytes]:
+def decode_bytes(buf: Buffer, count: Optional[int] = None) -> list[bytes]:
     """Parse length-prefixed elements (exactly `count` of them, when given,
     filling `buf`); ValueError when the layout is broken."""
     view = memoryview(buf).cast("B")

@@ -42,7 +42,7 @@ class TorchpoolError(Exception):
     def __str__(self) -> str:
         return f"[{self.code}] {self.message}"
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, str]:
         return {"code": self.code, "message": self.message}
 
 

@@ -80,7 +80,7 @@ instance and carries no traceback (the worker logs that itself).
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence, Union
+from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import msgpack
 
@@ -106,11 +106,16 @@ class ProtocolViolation(ValueError):
 
 # ------------------------------------------------------------ nested values
 
+# A segment on the wire: a daemon segment's name, or [key, inode] of a client's region.
+SegmentRef = Union[str, Sequence[Union[str, int]]]
+# A released block, `Block` or the plain [segment, offset, size] it decodes into.
+BlockRef = Union["Block", Sequence[Union[str, int]]]
+
 class InputDescriptor(NamedTuple):
     name: str
     datatype: str               # wire name: FP32, BYTES, ...
-    shape: list
-    segment: Any                # daemon segment name, or [key, inode] of a client region
+    shape: Sequence[int]
+    segment: SegmentRef         # daemon segment name, or [key, inode] of a client region
     offset: int
     nbytes: int
     generation: int = 0         # non-zero: checked against the client block header
@@ -120,8 +125,8 @@ class InputDescriptor(NamedTuple):
 class OutputDescriptor(NamedTuple):
     name: str
     datatype: str
-    shape: list
-    segment: Any                # the worker's arena segment, an input's segment (reused), or a region
+    shape: Sequence[int]
+    segment: SegmentRef         # the worker's arena segment, an input's segment (reused), or a region
     offset: int
     nbytes: int
 
@@ -129,7 +134,7 @@ class OutputDescriptor(NamedTuple):
 class OutputTarget(NamedTuple):
     """A requested output the client wants written into its region."""
     name: str
-    region: Any                 # [key, inode]
+    region: Sequence[Union[str, int]]   # [key, inode]
     offset: int
     capacity: int
 
@@ -137,7 +142,7 @@ class OutputTarget(NamedTuple):
 class Classify(NamedTuple):
     """A requested output answered as its top `count` classes (worker/classify.py)."""
     name: str
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count; the wire's name for it
 
 
 class Block(NamedTuple):
@@ -154,35 +159,32 @@ class Timings(NamedTuple):
 
 
 # ------------------------------------------------------------ messages
-# KIND is a class attribute (not a field): `encode` puts it first.
+# A message's kind is not a field: `encode` puts KIND_OF[type(msg)] first.
 
 class Run(NamedTuple):
     batch_id: int
-    inputs: list                # [InputDescriptor, ...]
-    outputs: list               # [str | OutputTarget | Classify, ...]; empty: every output
-    releases: Sequence = ()     # [Block | [segment, offset, size], ...] piggybacked frees
+    inputs: Sequence[InputDescriptor]
+    outputs: Sequence[Union[str, OutputTarget, Classify]]   # empty: every output
+    releases: Sequence[BlockRef] = ()     # piggybacked frees
     lend_to: int = 0            # the session whose area the outputs go into (worker/lending.py)
-    KIND = RUN
 
 
 class Release(NamedTuple):
-    blocks: list                # [Block | [segment, offset, size], ...]
-    KIND = RELEASE
+    blocks: Sequence[BlockRef]
 
 
 class Forget(NamedTuple):
-    refs: list                  # [segment name | [key, inode], ...]
-    KIND = FORGET
+    refs: Sequence[SegmentRef]  # also a direct path's name, or "lend-<id>"
 
 
 class Stop(NamedTuple):
-    KIND = STOP
+    """No fields: the worker finishes its batch and exits."""
 
 
 class Segments(NamedTuple):
     """Segments handed over: their fds travel with the message, in this order."""
-    segments: list              # [[name, size], ...]; a worker's lending area: [name, size, lend_id]
-    KIND = SEGMENTS
+    # [[name, size], ...]; a worker's lending area: [name, size, lend_id]
+    segments: Sequence[Sequence[Union[str, int]]]
 
 
 DIRECT_PREFIX = "direct-"          # names a direct path (ADOPT, FORGET)
@@ -201,49 +203,50 @@ class Adopt(NamedTuple):
     max_bytes_elements: int     # the broker's TensorLimits, which the worker's checks apply
     max_bytes_tensor_bytes: int
     spin_us: int                # how long the worker may poll without sleeping (rules/spin.py)
-    KIND = ADOPT
 
 
 class Ready(NamedTuple):
     pid: int
     device: str
-    KIND = READY
 
 
 class LoadFailed(NamedTuple):
     code: str
     message: str
-    KIND = LOAD_FAILED
 
 
 class Done(NamedTuple):
     batch_id: int
-    outputs: list               # [OutputDescriptor, ...]
-    timings: Sequence           # Timings | [input_ns, infer_ns, output_ns]
-    reused: Sequence = ()       # names of outputs that are views of a reusable input
-    KIND = DONE
+    outputs: Sequence[OutputDescriptor]
+    timings: Sequence[int]      # Timings | [input_ns, infer_ns, output_ns]
+    reused: Sequence[str] = ()  # names of outputs that are views of a reusable input
 
 
 class Failed(NamedTuple):
     batch_id: int
     code: str
     message: str
-    KIND = FAILED
 
 
 class Served(NamedTuple):
     """Direct requests answered since the last report, for the statistics."""
-    records: list               # [[ok, request_ns, queue_ns, session, execution], ...]
+    records: Sequence[Sequence[Any]]   # [[ok, request_ns, queue_ns, session, execution], ...]
     closed: bool = False        # sent after closing the direct paths a FORGET named
-    KIND = SERVED
 
 
 Message = Union[Run, Release, Forget, Stop, Segments, Adopt, Ready, LoadFailed, Done, Failed, Served]
 
+# The first element of each message's array.
+KIND_OF: dict[type[Message], int] = {
+    Run: RUN, Release: RELEASE, Forget: FORGET, Stop: STOP, Segments: SEGMENTS, Adopt: ADOPT,
+    Ready: READY, LoadFailed: LOAD_FAILED, Done: DONE, Failed: FAILED, Served: SERVED,
+}
+
 
 def encode(msg: Message) -> bytes:
-    """The msgpack array for a message: its KIND, then its fields."""
-    return msgpack.packb((msg.KIND, *msg), use_bin_type=True)
+    """The msgpack array for a message: its kind, then its fields."""
+    raw: bytes = msgpack.packb((KIND_OF[msg.__class__], *msg), use_bin_type=True)
+    return raw
 
 
 # ------------------------------------------------------------ decoding
@@ -258,7 +261,7 @@ def encode(msg: Message) -> bytes:
 _new = tuple.__new__
 
 
-def _run(m: list) -> Run:
+def _run(m: list[Any]) -> Run:
     inputs = [_new(InputDescriptor, d) if len(d) == 8 else _input7(d) for d in m[2]]
     requested = m[3]
     for r in requested:
@@ -268,14 +271,14 @@ def _run(m: list) -> Run:
     return _new(Run, (m[1], inputs, requested, m[4] if len(m) > 4 else [], m[5] if len(m) > 5 else 0))
 
 
-def _done(m: list) -> Done:
+def _done(m: list[Any]) -> Done:
     outputs = [_new(OutputDescriptor, d) for d in m[2]]
     if outputs and len(outputs[0]) != 6:
         _bad("an output descriptor", outputs[0])
     return _new(Done, (m[1], outputs, m[3], m[4] if len(m) > 4 else []))
 
 
-def _requested(r: list) -> Union[OutputTarget, Classify]:
+def _requested(r: list[Any]) -> Union[OutputTarget, Classify]:
     if len(r) == 4:
         return _new(OutputTarget, r)
     if len(r) == 2:
@@ -284,7 +287,7 @@ def _requested(r: list) -> Union[OutputTarget, Classify]:
     raise AssertionError("unreachable")
 
 
-def _input7(d: list) -> InputDescriptor:
+def _input7(d: list[Any]) -> InputDescriptor:
     if len(d) != 7:
         _bad("an input descriptor", d)
     d.append(False)
@@ -297,7 +300,7 @@ def _bad(what: str, value: Any) -> bool:
 
 _STOP = Stop()
 
-_DECODERS = {
+_DECODERS: dict[int, Callable[[list[Any]], Message]] = {
     RUN: _run,
     RELEASE: lambda m: _new(Release, (m[1],)),
     FORGET: lambda m: _new(Forget, (m[1],)),
@@ -316,7 +319,7 @@ def decode(raw: bytes) -> Message:
     """The message in `raw` (one msgpack array); raises ProtocolViolation.
     Trailing elements a newer peer may add are ignored."""
     try:
-        m = msgpack.unpackb(raw, raw=False)
+        m: list[Any] = msgpack.unpackb(raw, raw=False)
         return _DECODERS[m[0]](m)
     except ProtocolViolation:
         raise
@@ -325,7 +328,8 @@ def decode(raw: bytes) -> Message:
 
 
 __all__ = [
-    "ADOPT", "Adopt", "Block", "DIRECT_PREFIX", "LEND_PREFIX", "lend_ref", "Classify", "DONE", "Done", "FAILED", "FORGET", "Failed", "Forget", "InputDescriptor",
+    "ADOPT", "Adopt", "Block", "BlockRef", "DIRECT_PREFIX", "LEND_PREFIX", "lend_ref", "Classify", "DONE", "Done",
+    "FAILED", "FORGET", "Failed", "Forget", "InputDescriptor", "KIND_OF", "SegmentRef",
     "LOAD_FAILED", "LoadFailed", "MAX_MESSAGE", "Message", "OutputDescriptor", "OutputTarget",
     "ProtocolViolation", "READY", "RELEASE", "RUN", "Ready", "Release", "Run", "SEGMENTS",
     "SERVED", "STOP", "Segments", "Served", "Stop",

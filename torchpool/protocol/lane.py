@@ -21,7 +21,10 @@ byte is never LAST or MORE: a reader tells them apart by that byte.
 from __future__ import annotations
 
 import struct
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 LAST = 0x01
 MORE = 0x02
@@ -35,7 +38,7 @@ class LaneError(ValueError):
     """A lane message that does not parse."""
 
 
-def fits(frames: Sequence[Any]) -> bool:
+def fits(frames: Sequence[Buffer]) -> bool:
     """Do these frames make one datagram (kind byte and length prefixes included)?"""
     size = 1 + 4 * len(frames)
     for frame in frames:
@@ -43,22 +46,22 @@ def fits(frames: Sequence[Any]) -> bool:
     return size <= MAX_DATAGRAM
 
 
-def request(frames: Sequence[Any]) -> list:
+def request(frames: Sequence[Buffer]) -> list[Buffer]:
     """The buffers of a request's one datagram (the caller checked `fits`)."""
     return [_LAST_BYTE, *encode(frames)]
 
 
-def encode(frames: Sequence[Any]) -> list:
+def encode(frames: Sequence[Buffer]) -> list[Buffer]:
     """The buffers of one message (for sendmsg, or to join): length prefixes
     and the frames themselves, not copied."""
-    parts: list = []
+    parts: list[Buffer] = []
     for frame in frames:
         parts.append(_U32.pack(memoryview(frame).nbytes))
         parts.append(frame)
     return parts
 
 
-def datagrams(frames: Sequence[Any]) -> list[list]:
+def datagrams(frames: Sequence[Buffer]) -> list[list[Buffer]]:
     """One message as datagrams, each a list of buffers to send with
     sendmsg: a small message is one datagram (nothing copied), a large one
     is cut into pieces of MAX_DATAGRAM bytes."""
@@ -66,15 +69,16 @@ def datagrams(frames: Sequence[Any]) -> list[list]:
         return [request(frames)]
     body = memoryview(b"".join(encode(frames)))
     step = MAX_DATAGRAM - 1
-    out = [[_MORE_BYTE, body[i:i + step]] for i in range(0, len(body), step)]
+    out: list[list[Buffer]] = [[_MORE_BYTE, body[i:i + step]] for i in range(0, len(body), step)]
     out[-1][0] = _LAST_BYTE
     return out
 
 
-def decode(body: Any) -> list[memoryview]:
+def decode(body: Buffer) -> list[memoryview]:
     """The frames of one message (views into `body`)."""
     view = memoryview(body).cast("B")
-    frames, at, end = [], 0, len(view)
+    frames: list[memoryview] = []
+    at, end = 0, len(view)
     while at < end:
         if at + 4 > end:
             raise LaneError("a frame length is cut short")

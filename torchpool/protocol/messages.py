@@ -19,12 +19,18 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import msgpack
 
 from .errors import INVALID_ARG, RESOURCE_EXHAUSTED, TorchpoolError
 from . import tensors as _tensors
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+# A header (msgpack map) of a request or an answer.
+Header = dict[str, Any]
 
 # The tensor entry's rules live in tensors.py; these names stay importable here
 # for callers that still look for them in this module.
@@ -87,11 +93,12 @@ CONTROL_OPS = SESSION_OPS | frozenset({
 _packer = msgpack.Packer(use_bin_type=True)
 
 
-def pack(obj: Any) -> bytes:
-    return _packer.pack(obj)
+def pack(obj: object) -> bytes:
+    raw: bytes = _packer.pack(obj)
+    return raw
 
 
-def unpack(buf: Any) -> Any:
+def unpack(buf: Buffer) -> Any:
     return msgpack.unpackb(buf, raw=False, use_list=True, strict_map_key=False)
 
 
@@ -100,12 +107,12 @@ class HeaderError(TorchpoolError):
     version it does not speak), with the request's `id` when the header was
     readable: the error answer echoes it like every other answer."""
 
-    def __init__(self, message: str, request_id: Any = None) -> None:
+    def __init__(self, message: str, request_id: object = None) -> None:
         super().__init__(INVALID_ARG, message)
         self.request_id = request_id
 
 
-def decode_header(frame: Any, max_bytes: int = 0) -> dict:
+def decode_header(frame: Union[bytes, bytearray, memoryview], max_bytes: int = 0) -> Header:
     """Decode and sanity-check a header; HeaderError (INVALID_ARG, with the
     request's id when there is one) if malformed. One over `max_bytes` (0: no
     limit) is RESOURCE_EXHAUSTED before any of it is decoded."""
@@ -146,11 +153,11 @@ def hide_paths(text: str, root: Optional[str] = None) -> str:
     return _ABSOLUTE_PATH.sub(lambda m: m.group(1) or m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
 
 
-def ok_response(request_id: Any, **fields: Any) -> dict:
+def ok_response(request_id: object, **fields: Any) -> Header:
     return {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, **fields}
 
 
-def error_response(request_id: Any, err: TorchpoolError) -> dict:
+def error_response(request_id: object, err: TorchpoolError) -> Header:
     """An error answer; its message never shows a path of the server's (hide_paths)."""
     return {"v": PROTOCOL_VERSION, "id": request_id, "ok": False,
             "error": {"code": err.code, "message": hide_paths(err.message)}}

@@ -15,7 +15,7 @@ bad one is the client's INVALID_ARG naming what was wrong.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeGuard
 
 from . import errors
 from .errors import TorchpoolError
@@ -25,7 +25,7 @@ from .errors import TorchpoolError
 MAX_NAME_BYTES = 255
 
 
-def _problem(value: Any) -> str:
+def _problem(value: object) -> str:
     """What is wrong with `value` as a single path component ('' when nothing)."""
     if not isinstance(value, str):
         return f"must be a string, not {type(value).__name__}"
@@ -47,16 +47,16 @@ def _problem(value: Any) -> str:
     return ""
 
 
-def is_path_component(value: Any) -> bool:
+def is_path_component(value: object) -> TypeGuard[str]:
     """Whether `value` is a name the OS can be given (see check_os_name)."""
     return not _problem(value)
 
 
-def check_os_name(what: str, value: Any) -> str:
+def check_os_name(what: str, value: object) -> str:
     """`value` checked as a name the OS is given, its leading '/' taken off.
     `what` says whose name it is in the error ("region 'r': key")."""
     problem = _problem(value)
-    if problem:
+    if problem or not isinstance(value, str):   # (no problem: a str)
         raise TorchpoolError(errors.INVALID_ARG, f"{what} {problem}; it must be a single name "
                                                  f"of 1 to {MAX_NAME_BYTES} bytes with no NUL "
                                                  f"and no '/' after a leading one")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 # a record's outcome (its first field)
 FAILED = 0          # the model failed (Triton's BACKEND)
@@ -39,6 +39,9 @@ _COUNT = struct.Struct("<Q")
 _WRITTEN, _READ = 0, 64
 _HEADER = 128
 SIZE = _HEADER + SLOTS * RECORD.size
+
+# A SERVED record: (ok, ns, queue_ns, session, [items, requests, input_ns, infer_ns, output_ns] or None)
+Record = tuple[int, int, int, str, Optional[list[int]]]
 
 
 class ReportRing:
@@ -62,7 +65,7 @@ class ReportRing:
 
     # ------------------------------------------------------------ worker
 
-    def put(self, record: list) -> bool:
+    def put(self, record: Sequence[Any]) -> bool:
         """Write one report (False: the ring is full)."""
         self.pending = self.written - _COUNT.unpack_from(self.map, _READ)[0]
         if self.pending >= SLOTS:
@@ -89,7 +92,7 @@ class ReportRing:
 
     # ------------------------------------------------------------ broker
 
-    def take(self) -> list[tuple]:
+    def take(self) -> list[Record]:
         """The reports written since the last take, as SERVED records
         `(ok, ns, queue_ns, session, execution or None)`."""
         written = _COUNT.unpack_from(self.map, _WRITTEN)[0]
@@ -97,7 +100,7 @@ class ReportRing:
         if written <= start:
             return []
         start = max(start, written - SLOTS)          # (a worker cannot make the broker read past its ring)
-        out = []
+        out: list[Record] = []
         for i in range(start, written):
             ok, requests, items, input_ns, infer_ns, output_ns, ns, queue_ns, session = RECORD.unpack_from(
                 self.map, _HEADER + (i % SLOTS) * RECORD.size)

@@ -53,12 +53,20 @@ What each function is for:
 from __future__ import annotations
 
 import struct
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
 from . import datatypes
 from .errors import INVALID_ARG, TorchpoolError
+
+# A tensor entry (or any map of the wire): msgpack values, told apart by their keys.
+Entry = dict[str, Any]
+# Tensor bytes: bytes, a memoryview, a frame, or a numpy array (made contiguous here).
+Source = Union["Buffer", "np.ndarray[Any, Any]"]
 
 # --- key names ---------------------------------------------------------------
 NAME, DATATYPE, SHAPE = "name", "datatype", "shape"
@@ -86,17 +94,17 @@ BLOCK_MAGIC = 0x31425054                         # "TPB1"
 BLOCK_HEADER_LAYOUT = struct.Struct("<IIQQ")     # magic, reserved (0), generation, nbytes
 
 
-def write_block_header(buf: Any, start: int, generation: int, nbytes: int) -> None:
+def write_block_header(buf: Buffer, start: int, generation: int, nbytes: int) -> None:
     """Write a block header at `start` (data at start + BLOCK_HEADER_BYTES)."""
     BLOCK_HEADER_LAYOUT.pack_into(buf, start, BLOCK_MAGIC, 0, generation, nbytes)
 
 
-def clear_block_header(buf: Any, start: int) -> None:
+def clear_block_header(buf: Buffer, start: int) -> None:
     """Zero a block header: no descriptor can match the block any more."""
     BLOCK_HEADER_LAYOUT.pack_into(buf, start, 0, 0, 0, 0)
 
 
-def read_block_header(buf: Any, start: int) -> tuple[int, int, int]:
+def read_block_header(buf: Buffer, start: int) -> tuple[int, int, int]:
     """(magic, generation, nbytes) of the block header at `start`."""
     magic, _, generation, nbytes = BLOCK_HEADER_LAYOUT.unpack_from(buf, start)
     return magic, generation, nbytes
@@ -123,11 +131,11 @@ class RegionRef(NamedTuple):
     offset: int
 
 
-def _ints(value: Any) -> bool:
+def _ints(value: Sequence[object]) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
-def shm_ref(entry: dict) -> ShmRef:
+def shm_ref(entry: Entry) -> ShmRef:
     v = entry.get(SHM)
     if not (isinstance(v, list) and len(v) == 4 and _ints(v[1:])):
         raise TorchpoolError(INVALID_ARG, f"tensor '{entry.get(NAME)}': '{SHM}' must be "
@@ -135,7 +143,7 @@ def shm_ref(entry: dict) -> ShmRef:
     return ShmRef(*v)
 
 
-def own_ref(entry: dict) -> OwnRef:
+def own_ref(entry: Entry) -> OwnRef:
     v = entry.get(OWN)
     if not (isinstance(v, list) and len(v) == 3 and _ints(v[1:])):
         raise TorchpoolError(INVALID_ARG, f"tensor '{entry.get(NAME)}': '{OWN}' must be "
@@ -143,7 +151,7 @@ def own_ref(entry: dict) -> OwnRef:
     return OwnRef(*v)
 
 
-def region_ref(entry: dict) -> RegionRef:
+def region_ref(entry: Entry) -> RegionRef:
     v = entry.get(REGION)
     if not (isinstance(v, list) and len(v) == 3 and _ints(v[1:])):
         raise TorchpoolError(INVALID_ARG, f"tensor '{entry.get(NAME)}': '{REGION}' must be "
@@ -151,7 +159,7 @@ def region_ref(entry: dict) -> RegionRef:
     return RegionRef(*v)
 
 
-def location(entry: dict) -> str:
+def location(entry: Entry) -> str:
     """Which form the entry's bytes take: SHM, OWN, REGION or DATA (checked
     in that order)."""
     if SHM in entry:
@@ -165,20 +173,21 @@ def location(entry: dict) -> str:
 
 # --- encoding ----------------------------------------------------------------------
 
-def tensor_entry(name: str, datatype: str, shape: Sequence[int]) -> dict:
+def tensor_entry(name: str, datatype: str, shape: Sequence[int]) -> Entry:
     return {NAME: name, DATATYPE: datatype, SHAPE: list(shape)}
 
 
-def contiguous_bytes(src: Any) -> memoryview:
+def contiguous_bytes(src: Source) -> memoryview:
     """The C-contiguous, native-order bytes of an array (bytes pass as they are)."""
     if isinstance(src, np.ndarray):
         if not src.dtype.isnative:
             src = src.astype(src.dtype.newbyteorder("="))
         src = np.ascontiguousarray(src).reshape(-1)   # memoryview cannot cast a 0 in a shape
-    return memoryview(src).cast("B")
+    # (numpy declares an ndarray a buffer, __buffer__, for Python 3.12 and later only)
+    return memoryview(src).cast("B")  # type: ignore[arg-type]
 
 
-def put_data(entry: dict, src: Any, frames: list,
+def put_data(entry: Entry, src: Source, frames: list[Any],
              make_frame: Optional[Callable[[memoryview], Any]] = None, inline: bool = True) -> Any:
     """Put the bytes of `src` into `entry`: inline when at most INLINE_LIMIT
     (and `inline`), else appended to `frames` (as `make_frame(data)` when
@@ -210,27 +219,27 @@ def worth_descriptor(nbytes: int) -> bool:
     return nbytes > LOCAL_MIN_BYTES
 
 
-def put_shm(entry: dict, segment: str, offset: int, nbytes: int, generation: int,
+def put_shm(entry: Entry, segment: str, offset: int, nbytes: int, generation: int,
             reuse: bool = False) -> None:
     entry[SHM] = [segment, offset, nbytes, generation]
     if reuse:
         entry[REUSE] = True
 
 
-def put_own(entry: dict, segment: str, offset: int, nbytes: int) -> None:
+def put_own(entry: Entry, segment: str, offset: int, nbytes: int) -> None:
     entry[OWN] = [segment, offset, nbytes]
 
 
-def put_region(entry: dict, region: str, byte_size: int, offset: int) -> None:
+def put_region(entry: Entry, region: str, byte_size: int, offset: int) -> None:
     entry[REGION] = [region, int(byte_size), int(offset)]
 
 
-def output_request(name: str, region: str, byte_size: int, offset: int) -> dict:
+def output_request(name: str, region: str, byte_size: int, offset: int) -> Entry:
     """A requested output the worker writes into a registered region."""
     return {NAME: name, REGION: [region, int(byte_size), int(offset)]}
 
 
-def classification_request(name: str, count: int) -> dict:
+def classification_request(name: str, count: int) -> Entry:
     """A requested output answered as its top `count` classes: a BYTES tensor
     of "score:index[:label]" strings, [batch, k] for a batching model, else [k]."""
     return {NAME: name, CLASSIFICATION: int(count)}
@@ -243,7 +252,7 @@ def classification_request(name: str, count: int) -> dict:
 _NUMPY_DTYPES = {name: datatypes.numpy_dtype(name) for name in datatypes.WIRE_DATATYPES}
 
 
-def tensor_payload(entry: dict, frames: Sequence[Any]) -> Any:
+def tensor_payload(entry: Entry, frames: Sequence[Buffer]) -> Buffer:
     """The bytes of a tensor entry: inline bytes, or the payload frame it names."""
     data = entry.get(DATA)
     if type(data) is bytes:             # inline: the common case first
@@ -258,7 +267,7 @@ def tensor_payload(entry: dict, frames: Sequence[Any]) -> Any:
     raise TorchpoolError(INVALID_ARG, f"tensor '{entry.get(NAME)}' has no data")
 
 
-def decode_array(datatype: str, shape: Sequence[int], data: Any) -> np.ndarray:
+def decode_array(datatype: str, shape: Sequence[int], data: Buffer) -> np.ndarray:
     """Tensor bytes as numpy: a read-only view that keeps `data` alive (no
     copy); BYTES as an object array of bytes; BF16 as its raw uint16 bits."""
     if datatype == "BYTES":
@@ -266,4 +275,6 @@ def decode_array(datatype: str, shape: Sequence[int], data: Any) -> np.ndarray:
         arr = np.empty(len(items), dtype=object)
         arr[:] = items
         return arr.reshape(shape)
-    return np.frombuffer(data, dtype=_NUMPY_DTYPES[datatype]).reshape(shape)
+    # (numpy's stubs list the buffer types they know; any buffer does)
+    out: np.ndarray = np.frombuffer(data, dtype=_NUMPY_DTYPES[datatype]).reshape(shape)  # type: ignore[call-overload]
+    return out

@@ -6,8 +6,9 @@ write is still in the CPU caches when the next process reads it. The
 time (`_streamcopy.c` says why), for copies from a threshold up (0, the
 default: never): the daemon's --stream-copy-bytes, which it and its workers
 apply with `set_stream_threshold`; a process told none (a client) reads
-TORCHPOOL_STREAM_COPY_BYTES, also the daemon's default for compatibility. Whether that pays depends on the machine: on the
-VM this was first measured on, a 16 MiB copy between processes took 3.4 ms
+TORCHPOOL_STREAM_COPY_BYTES, also the daemon's default for compatibility.
+Whether that pays depends on the machine: on the VM this was first measured
+on, a 16 MiB copy between processes took 3.4 ms
 streamed against 6.0 ms ordinary (each destination line was read from memory
 first) and 12 MiB was where streaming started to win; on today's development
 VM (AMD EPYC, 2 vCPUs) streaming is the slow one: a 12 MiB `x*1` over the
@@ -19,12 +20,15 @@ time) every copy is an ordinary one.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
+
+if TYPE_CHECKING:
+    from ..protocol.tensors import Source
 
 try:
     from . import _streamcopy
 except ImportError:          # pragma: no cover - built on every supported install
-    _streamcopy = None
+    _streamcopy = None  # type: ignore[assignment]
 
 DEFAULT_STREAM_BYTES = 0     # off; 12 << 20 where streaming pays (see above)
 ENV = "TORCHPOOL_STREAM_COPY_BYTES"
@@ -59,11 +63,11 @@ def streams(nbytes: int) -> bool:
     return STREAMING and nbytes >= STREAM_BYTES
 
 
-def copy_into(dst: memoryview, src: Any) -> None:
+def copy_into(dst: memoryview, src: Source) -> None:
     """Copy every byte of `src` (a C-contiguous buffer: bytes, memoryview,
     numpy array) into the start of `dst` (a writable byte memoryview at
     least as long)."""
-    view = src if isinstance(src, memoryview) else memoryview(src)
+    view = src if isinstance(src, memoryview) else memoryview(src)  # type: ignore[arg-type]  # (see contiguous_bytes)
     nbytes = view.nbytes
     if nbytes == 0:
         return

@@ -15,12 +15,15 @@ guard: `protect` raises RuntimeError and callers refuse client regions.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 try:
     from . import _sigbus
 except ImportError:          # pragma: no cover - built on every supported install
-    _sigbus = None
+    _sigbus = None  # type: ignore[assignment]
 
 AVAILABLE: bool = _sigbus is not None
 CAPACITY: int = _sigbus.CAPACITY if _sigbus is not None else 0   # ranges guarded at once
@@ -55,7 +58,7 @@ class GuardedRange:
         return f"<GuardedRange slot {self._slot} {state}{' faulted' if self.faulted else ''}>"
 
 
-def protect(buf: Any) -> GuardedRange:
+def protect(buf: Buffer) -> GuardedRange:
     """Guard the pages of `buf` (an mmap.mmap or any buffer that starts on a
     page boundary) against SIGBUS from a shrunk segment. RuntimeError when
     the extension is missing or the table of ranges is full."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import Optional
 
 from .segment import Segment
 
@@ -25,7 +26,7 @@ class Reaper:
     """Closes segments on its own thread, in the order they were given."""
 
     def __init__(self, name: str = "torchpool-reaper") -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Optional[Segment]] = queue.SimpleQueue()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import posix_ipc
 
@@ -18,6 +18,9 @@ from .guard import GuardedRange
 # names stay for the worker and the broker's sessions, which read headers.
 HEADER_BYTES = BLOCK_HEADER_BYTES               # bytes in front of a block's data
 BLOCK_HEADER = BLOCK_HEADER_LAYOUT              # the struct: magic, reserved, generation, nbytes
+
+# A client region on the wire: [key, inode] (protocol/internal.py)
+RegionRef = Sequence[Any]
 
 
 class RegionError(TorchpoolError):
@@ -48,7 +51,7 @@ class _Mapped:
             buf.close()
             raise RegionError(f"{what}: cannot map one more client region in this worker "
                               f"({exc})") from None
-        if self.buf is not None:
+        if self.buf is not None and self.protected is not None:    # (set together)
             # torch.frombuffer keeps no buffer export: closing the old mapping
             # now could pull it from under a tensor of the running batch
             self.older.append((self.buf, self.protected))
@@ -60,7 +63,9 @@ class _Mapped:
         return any(g.faulted for _, g in self.mappings())
 
     def mappings(self) -> list[tuple[mmap.mmap, GuardedRange]]:
-        return self.older + ([(self.buf, self.protected)] if self.buf is not None else [])
+        if self.buf is None or self.protected is None:      # (set together)
+            return list(self.older)
+        return self.older + [(self.buf, self.protected)]
 
 
 class RegionMaps:
@@ -82,7 +87,7 @@ class RegionMaps:
         # they stay mapped and guarded until a later drop or attach closes them
         self._retired: list[tuple[mmap.mmap, GuardedRange]] = []
 
-    def get(self, ref: list, end: int, what: str) -> mmap.mmap:
+    def get(self, ref: RegionRef, end: int, what: str) -> mmap.mmap:
         key, ino = ref[0], ref[1]
         entry = self._maps.get((key, ino))
         if entry is None:
@@ -94,11 +99,12 @@ class RegionMaps:
         if end > size:
             raise RegionError(f"{what}: the region's segment shrank below its registered size; "
                               f"unregister and register it again")
-        if end > len(entry.buf):       # it grew since we mapped it
+        buf = entry.buf
+        if buf is None or end > len(buf):       # it grew since we mapped it (None: never, _attach maps)
             return entry.map(size, what)
-        return entry.buf
+        return buf
 
-    def broken(self, ref: list) -> bool:
+    def broken(self, ref: RegionRef) -> bool:
         """Whether a SIGBUS hit this region's mappings (the client shrank its
         segment while it was in use): what the worker read from the region
         since it was mapped may be zeros, what it wrote there is lost."""
@@ -150,7 +156,7 @@ class RegionMaps:
         retired, self._retired = self._retired, []
         self._close(retired)
 
-    def drop(self, ref: list) -> None:
+    def drop(self, ref: RegionRef) -> None:
         self._close_retired()
         entry = self._maps.pop((ref[0], ref[1]), None)
         if entry is not None:
