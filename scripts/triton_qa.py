@@ -115,8 +115,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="scripts/triton-qa",
         description="Run one of Triton's own QA suites (qa/L0_infer, qa/L0_batcher, "
-                    "qa/L0_sequence_batcher, qa/L0_shared_memory, qa/L0_http, qa/L0_grpc) with the libtorch models of its generators against "
-                    "torchpool's KServe v2 HTTP and gRPC endpoints.")
+                    "qa/L0_sequence_batcher, qa/L0_shared_memory, qa/L0_http, qa/L0_grpc) with the "
+                    "libtorch models of its generators against torchpool's KServe v2 HTTP and gRPC "
+                    "endpoints.")
     p.add_argument("--triton-server", required=True, type=Path, metavar="DIR",
                    help="Triton server source: a checkout or extracted tree holding qa/, "
                         "or a bare git repository (then --triton-ref is extracted)")
