@@ -27,7 +27,10 @@ ratios are meaningful even on a noisy 2-core machine.
      tritonclient over HTTP (binary tensors) and gRPC, and PyTriton (Triton's
      C++ frontends + Python backend, the same add/sub TorchScript) with the
      same client code, when $ANCHORS_VENV_ROOT/base/bin/python has pytriton
-     (../shared/anchors; --skip-pytriton leaves it out);
+     (../shared/anchors; --skip-pytriton leaves it out), and issue 40's
+     baselines: a minimal grpcio aio and httptools-on-asyncio server
+     answering the same add/sub with no daemon (gateway_echo.py), with
+     torchpool's ratio to each (`--only gateways` runs this section alone);
   7. PyTorch 2 (bench_pt2.py): the MLP as TorchScript, ExportedProgram,
      AOTInductor package, TorchScript + TORCH_COMPILE and ExportedProgram +
      TORCH_COMPILE: in-worker compute per batch and round trip p50 at batch 1
@@ -72,6 +75,7 @@ from torchpool import Client  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateways import (PyTriton, bench_gateways, free_port, pytriton_python,  # noqa: E402
                             render_gateways, torchpool_pids)
+from gateway_echo import EchoProcess  # noqa: E402
 from bench_local import bench_local, render_local  # noqa: E402
 from bench_many import bench_many, render_many  # noqa: E402
 from bench_models import DEFAULT_NAMES, MODELS, bench_models, render_models  # noqa: E402
@@ -206,9 +210,19 @@ def bench_torchpool(url: str, n_small: int, n_big: int, seconds: float) -> dict:
 
 def bench_endpoints(daemon: Daemon, http_port: int, grpc_port: int, work: Path, n_small: int, n_big: int,
                     seconds: float, skip_pytriton: bool) -> dict:
-    """The KServe v2 HTTP/gRPC rows (bench_gateways.py), PyTriton beside them
-    when it is installed: started for this step only, so it costs nothing to
-    the other sections."""
+    """The KServe v2 HTTP/gRPC rows (bench_gateways.py), the echo servers
+    (gateway_echo.py) and PyTriton, when it is installed, beside them: started
+    for this step only, so they cost nothing to the other sections."""
+    echoes: dict[str, EchoProcess] = {}
+    echo_skipped = ""
+    try:
+        for protocol in ("http", "grpc"):
+            echoes[protocol] = EchoProcess(protocol)
+    except Exception as exc:  # noqa: BLE001 - the torchpool rows still run
+        echo_skipped = f"they did not start: {exc}"
+        for echo in echoes.values():
+            echo.stop()
+        echoes = {}
     pytriton, skipped = None, ""
     if skip_pytriton:
         skipped = "--skip-pytriton"
@@ -241,13 +255,34 @@ def bench_endpoints(daemon: Daemon, http_port: int, grpc_port: int, work: Path, 
             time.sleep(0.05)
         probe.close()
         out = bench_gateways(http_port, grpc_port, n_small, n_big, seconds, torchpool_pids(daemon.proc.pid),
-                             pytriton)
+                             pytriton, echoes)
     finally:
         if pytriton is not None:
             pytriton.stop()
+        for echo in echoes.values():
+            echo.stop()
     if skipped:
         out["pytriton_skipped"] = skipped
+    if echo_skipped:
+        out["echo_skipped"] = echo_skipped
     return out
+
+
+def gateways_alone(n_small: int, n_big: int, seconds: float, skip_pytriton: bool) -> dict:
+    """`--only gateways`: the endpoint rows, in a daemon of the example
+    repository started for them."""
+    from torchpool.examples import build_example_repository
+
+    with tempfile.TemporaryDirectory(prefix="torchpool-bench-") as tmp:
+        work = Path(tmp)
+        build_example_repository(work / "repo")
+        http_port, grpc_port = free_port(), free_port()
+        daemon = Daemon(work / "repo", [f"ipc://{work}/tp.sock"], work / "daemon.log", http_port, grpc_port)
+        try:
+            daemon.wait_ready()
+            return bench_endpoints(daemon, http_port, grpc_port, work, n_small, n_big, seconds, skip_pytriton)
+        finally:
+            daemon.stop()
 
 
 # ------------------------------------------------------------------ report
@@ -268,7 +303,8 @@ def main() -> int:
     parser.add_argument("--skip-models", action="store_true", help="leave out the real-models section")
     parser.add_argument("--real-models", default=",".join(DEFAULT_NAMES),
                         help=f"the real models' section: a comma list of {', '.join(MODELS)} (default %(default)s)")
-    parser.add_argument("--only", choices=["pt2", "cpu", "anchors", "models", "many"], help="run this section alone")
+    parser.add_argument("--only", choices=["gateways", "pt2", "cpu", "anchors", "models", "many"],
+                        help="run this section alone")
     parser.add_argument("--out", default=str(ROOT / "bench-results"))
     args = parser.parse_args()
     n_small, n_big, secs = (300, 8, 2.0) if args.quick else (3000, 40, 5.0)
@@ -277,6 +313,9 @@ def main() -> int:
 
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
                      "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    if args.only == "gateways":
+        results["gateways"] = gateways_alone(n_small, n_big, secs, args.skip_pytriton)
+        return report(results, args.out)
     if args.only == "pt2":
         results["pt2"] = bench_pt2(args.quick)
         return report(results, args.out)
@@ -350,6 +389,8 @@ def render(r: dict) -> str:
     lines = [f"machine: {r['machine']}, Python {r['python']}, {r['date']}"]
     if "inprocess" in r:
         lines += render_main(r)
+    elif "gateways" in r:
+        lines += render_gateways(r["gateways"], us)
     if "many" in r:
         lines += render_many(r["many"])
     if "pt2" in r:

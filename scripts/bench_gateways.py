@@ -10,6 +10,11 @@ per thread, inputs built once per client (as perf_analyzer does):
   * add/sub throughput at concurrency 8 (8 threads, closed loop);
   * a 16 MiB FP32 identity, p50/p99 at concurrency 1.
 
+The baselines of issue 40's goal (each gateway <= 1.5x a minimal server in
+its framework returning the same answer with no daemon behind it) are
+measured beside them with the same client code: gateway_echo.py's grpcio
+aio and httptools-on-asyncio servers, each in its own process, add/sub only.
+
 PyTriton (Triton's C++ HTTP/gRPC frontends + its Python backend, serving the
 same add/sub TorchScript in its own process) is measured beside it with the
 same client code when $ANCHORS_VENV_ROOT/base/bin/python can import pytriton
@@ -42,6 +47,7 @@ ROUNDS = 4                      # alternating blocks per c=1 measurement
 # what each server calls the models
 TORCHPOOL_MODELS = {"addsub": "addsub", "identity": "identity"}
 PYTRITON_MODELS = {"addsub": "add_sub"}
+ECHO_MODELS = {"addsub": "addsub"}
 
 
 # ------------------------------------------------------------- processes
@@ -98,14 +104,17 @@ def _comm(pid: int) -> str:
 
 def torchpool_pids(daemon_pid: int) -> dict[str, list[int]]:
     """The daemon's processes by role: the gateway (its child running
-    torchpool.gateway), the broker (the daemon itself) and the workers (every
-    other descendant: the fork server and the model instances; only addsub's
-    works during an add/sub loop)."""
+    torchpool.gateway, titled `torchpool gateway ...` when setproctitle is
+    installed), the broker (the daemon itself) and the workers (every other
+    descendant: the fork server and the model instances; only addsub's works
+    during an add/sub loop)."""
     groups: dict[str, list[int]] = {"gateway": [], "broker": [daemon_pid], "workers": []}
     for pid in process_tree(daemon_pid):
         if pid == daemon_pid:
             continue
-        groups["gateway" if "torchpool.gateway" in _cmdline(pid) else "workers"].append(pid)
+        cmdline = _cmdline(pid)
+        gateway = "torchpool.gateway" in cmdline or cmdline.startswith("torchpool gateway")
+        groups["gateway" if gateway else "workers"].append(pid)
     return groups
 
 
@@ -289,15 +298,21 @@ def _guard(results: dict, key: str, fn: Callable[[], Any]) -> None:
 
 
 def bench_gateways(http_port: int, grpc_port: int, n_small: int, n_big: int, seconds: float,
-                   pids: dict[str, list[int]], pytriton: Optional["PyTriton"] = None) -> dict:
-    """torchpool's HTTP and gRPC endpoints (and PyTriton's, when given).
+                   pids: dict[str, list[int]], pytriton: Optional["PyTriton"] = None,
+                   echoes: Optional[dict[str, Any]] = None) -> dict:
+    """torchpool's HTTP and gRPC endpoints (and PyTriton's, and the echo
+    servers', when given).
 
-    `pids`: torchpool's processes by role (torchpool_pids()). Returns
-    {"torchpool_http": {...}, "torchpool_grpc": {...}[, "pytriton_http": ...,
-    "pytriton_grpc": ...]}, each with "addsub_c1" (p50, p99, cpu_us per
-    process group), "addsub_c8" (rps) and, for torchpool, "identity16_c1"."""
+    `pids`: torchpool's processes by role (torchpool_pids()); `echoes`:
+    gateway_echo.EchoProcess by protocol ("http", "grpc"). Returns
+    {"torchpool_http": {...}, "torchpool_grpc": {...}[, "echo_http": ...,
+    "echo_grpc": ..., "pytriton_http": ..., "pytriton_grpc": ...]}, each with
+    "addsub_c1" (p50, p99, cpu_us per process group), "addsub_c8" (rps) and,
+    for torchpool, "identity16_c1"."""
     ports = {"torchpool_http": ("http", http_port, TORCHPOOL_MODELS, pids),
              "torchpool_grpc": ("grpc", grpc_port, TORCHPOOL_MODELS, pids)}
+    for protocol, echo in (echoes or {}).items():
+        ports[f"echo_{protocol}"] = (protocol, echo.port, ECHO_MODELS, {"echo": [echo.pid]})
     if pytriton is not None:
         pt_pids = pytriton.pids()
         ports["pytriton_http"] = ("http", pytriton.http_port, PYTRITON_MODELS, pt_pids)
@@ -305,6 +320,8 @@ def bench_gateways(http_port: int, grpc_port: int, n_small: int, n_big: int, sec
     out: dict[str, dict] = {t: {} for t in ports}
     if pytriton is not None:
         out["pytriton"] = pytriton.settings
+    if echoes:
+        out["echo"] = {"server": ECHO_SETTINGS}
 
     # add/sub at c=1, all targets in alternating rounds
     callers: dict[str, Caller] = {}
@@ -346,6 +363,12 @@ def bench_gateways(http_port: int, grpc_port: int, n_small: int, n_big: int, sec
 
         _guard(out[t], "identity16_c1", identity)
     return out
+
+
+ECHO_SETTINGS = ("scripts/gateway_echo.py, each in its own process on the gateway's event loop: grpcio aio with "
+                 "the generated servicer (protobuf parses and writes the whole message) and asyncio.Protocol + "
+                 "httptools (json.loads/json.dumps of the header, binary tensors); a+b, a-b with numpy on the "
+                 "received bytes; no daemon")
 
 
 # ---------------------------------------------------------------- PyTriton
@@ -438,8 +461,11 @@ ROLES = [("client", "client (tritonclient, this process)"),
          ("gateway", "torchpool gateway"), ("broker", "torchpool broker"), ("workers", "torchpool add/sub worker"),
          ("tritonserver", "PyTriton: tritonserver"), ("stub", "PyTriton: Python backend stub"),
          ("python", "PyTriton: Python process (infer_func)"),
+         ("echo", "echo server (gateway_echo.py)"),
          ("server", "all server processes")]
-COLUMNS = ["torchpool_http", "torchpool_grpc", "pytriton_http", "pytriton_grpc"]
+COLUMNS = ["torchpool_http", "torchpool_grpc", "echo_http", "echo_grpc", "pytriton_http", "pytriton_grpc"]
+NAMES = {"torchpool_http": "torchpool HTTP", "torchpool_grpc": "torchpool gRPC", "echo_http": "echo HTTP",
+         "echo_grpc": "echo gRPC", "pytriton_http": "PyTriton HTTP", "pytriton_grpc": "PyTriton gRPC"}
 
 
 def _get(r: dict, *keys: str) -> Any:
@@ -452,53 +478,59 @@ def _get(r: dict, *keys: str) -> Any:
 
 def render_gateways(r: dict, us: Callable[[float], str], zmq: Optional[dict] = None) -> list[str]:
     """The endpoint rows beside torchpool's ZeroMQ ones (`zmq`: bench.py's
-    torchpool_ipc results, inline frames)."""
-    def cell(t: str, case: str, field: str, fmt: Callable[[float], str]) -> str:
+    torchpool_ipc results, inline frames), with the echo servers' and
+    PyTriton's when measured, and torchpool's ratios to them."""
+    Field = tuple[str, ...]                 # a path in a case's results
+
+    def cell(t: str, case: str, field: Field, fmt: Callable[[float], str]) -> str:
         if t not in r:
             return ""
         if _get(r, t, case, "error"):
             return "error"
-        v = _get(r, t, case, field)
+        v = _get(r, t, case, *field)
         return "" if v is None else fmt(v)
 
-    def ratio(case: str, field: str, label: str) -> str:
+    def ratio(other: str, case: str, field: Field, label: str = "") -> str:
+        """torchpool's figure over `other`'s (echo, pytriton), per protocol."""
         parts = []
         for proto in ("http", "grpc"):
-            a, b = _get(r, f"torchpool_{proto}", case, field), _get(r, f"pytriton_{proto}", case, field)
+            a, b = _get(r, f"torchpool_{proto}", case, *field), _get(r, f"{other}_{proto}", case, *field)
             if a and b:
                 parts.append(f"{'HTTP' if proto == 'http' else 'gRPC'} {a / b:.2f}x")
-        return ", ".join(parts) + (f" ({label})" if parts else "")
+        return ", ".join(parts) + (f" ({label})" if parts and label else "")
+
+    def row(label: str, zmq_cell: str, case: str, field: Field, fmt: Callable[[float], str],
+            echo_label: str = "", pytriton_label: str = "", ratios: bool = True) -> str:
+        cells = " | ".join(cell(t, case, field, fmt) for t in COLUMNS)
+        tail = (f" | {ratio('echo', case, field, echo_label)} | {ratio('pytriton', case, field, pytriton_label)} |"
+                if ratios else " | | |")
+        return f"| {label} | {zmq_cell} | {cells}{tail}"
 
     rps = (lambda v: f"{v:,.0f}/s")
+    cpu = (lambda v: f"{v:,.0f} µs")
     z = zmq or {}
     zc = (lambda *k: _get(z, *k))
     lines = ["", "KServe v2 endpoints (tritonclient, binary tensors over HTTP, raw contents over gRPC) beside "
                  "ZeroMQ (ipc, inline frames):", "",
-             "| case | torchpool ZeroMQ ipc | torchpool HTTP | torchpool gRPC | PyTriton HTTP | PyTriton gRPC "
-             "| torchpool / PyTriton |", "|---|---|---|---|---|---|---|"]
-    zmq_p50 = zc("addsub", "c1")
-    lines.append(f"| add/sub 2x[1,16] p50, c=1 | {us(zmq_p50[0]) if zmq_p50 else ''} | "
-                 + " | ".join(cell(t, "addsub_c1", "p50", us) for t in COLUMNS)
-                 + f" | {ratio('addsub_c1', 'p50', 'latency, goal <= 0.5x')} |")
-    lines.append(f"| add/sub p99, c=1 | {us(zmq_p50[1]) if zmq_p50 else ''} | "
-                 + " | ".join(cell(t, "addsub_c1", "p99", us) for t in COLUMNS)
-                 + f" | {ratio('addsub_c1', 'p99', 'latency')} |")
+             "| case | torchpool ZeroMQ ipc | " + " | ".join(NAMES[t] for t in COLUMNS)
+             + " | torchpool / echo | torchpool / PyTriton |", "|---" * (len(COLUMNS) + 4) + "|"]
+    z1 = zc("addsub", "c1")
+    lines.append(row("add/sub 2x[1,16] p50, c=1", us(z1[0]) if z1 else "", "addsub_c1", ("p50",), us,
+                     "latency, goal <= 1.5x", "latency, goal <= 0.5x"))
+    lines.append(row("add/sub p99, c=1", us(z1[1]) if z1 else "", "addsub_c1", ("p99",), us, "latency", "latency"))
+    lines.append(row("add/sub server CPU per request, c=1", "", "addsub_c1", ("cpu_us", "server"), cpu,
+                     "CPU", "CPU"))
     z8 = zc("addsub", "c8")
-    lines.append(f"| add/sub throughput, c=8 | {rps(z8) if z8 else ''} | "
-                 + " | ".join(cell(t, "addsub_c8", "rps", rps) for t in COLUMNS)
-                 + f" | {ratio('addsub_c8', 'rps', 'throughput')} |")
-    lines.append("| add/sub server CPU per request, c=8 | | "
-                 + " | ".join(cell(t, "addsub_c8", "server_cpu_us", lambda v: f"{v:,.0f} µs") for t in COLUMNS)
-                 + f" | {ratio('addsub_c8', 'server_cpu_us', 'CPU')} |")
+    lines.append(row("add/sub throughput, c=8", rps(z8) if z8 else "", "addsub_c8", ("rps",), rps,
+                     "throughput, goal >= 0.67x", "throughput"))
+    lines.append(row("add/sub server CPU per request, c=8", "", "addsub_c8", ("server_cpu_us",), cpu, "CPU", "CPU"))
     zi = zc("identity16", "c1")
     for i, field in enumerate(("p50", "p99")):
-        lines.append(f"| identity 16 MiB {field}, c=1 | {us(zi[i]) if zi else ''} | "
-                     + " | ".join(cell(t, "identity16_c1", field, us) for t in COLUMNS) + " | |")
+        lines.append(row(f"identity 16 MiB {field}, c=1", us(zi[i]) if zi else "", "identity16_c1", (field,), us,
+                         ratios=False))
     present = [t for t in COLUMNS if t in r]
-    names = {"torchpool_http": "torchpool HTTP", "torchpool_grpc": "torchpool gRPC",
-             "pytriton_http": "PyTriton HTTP", "pytriton_grpc": "PyTriton gRPC"}
     lines += ["", "add/sub at c=1: CPU per request, by process (µs, from /proc/*/task/*/schedstat):", "",
-              "| process | " + " | ".join(names[t] for t in present) + " |", "|---" * (len(present) + 1) + "|"]
+              "| process | " + " | ".join(NAMES[t] for t in present) + " |", "|---" * (len(present) + 1) + "|"]
     for role, label in ROLES:
         vals = [_get(r, t, "addsub_c1", "cpu_us", role) for t in present]
         if all(v is None for v in vals):
@@ -507,10 +539,14 @@ def render_gateways(r: dict, us: Callable[[float], str], zmq: Optional[dict] = N
     tot = [_get(r, t, "addsub_c1", "cpu_us") for t in present]
     lines.append("| all, client included | " + " | ".join(
         f"{v['server'] + v['client']:,.1f}" if v else "" for v in tot) + " |")
-    errors = [f"{names[t]}, {case}: {v['error']}" for t in present for case, v in r[t].items()
+    errors = [f"{NAMES[t]}, {case}: {v['error']}" for t in present for case, v in r[t].items()
               if isinstance(v, dict) and "error" in v]
     if errors:
         lines += ["", "errors:"] + [f"  {e}" for e in errors]
+    if "echo_skipped" in r:
+        lines += ["", f"echo servers not measured: {r['echo_skipped']}"]
+    elif "echo" in r:
+        lines += ["", f"echo servers: {r['echo'].get('server', '')}"]
     if "pytriton_skipped" in r:
         lines += ["", f"PyTriton not measured: {r['pytriton_skipped']}"]
     elif "pytriton" in r:
