@@ -7,20 +7,23 @@ items 7, 8 and 9).
   uid, made here) cannot be registered through the gateway, which opens
   segments with the daemon's rights.
 - Item 7: each HTTP connection and each gRPC peer is a caller with its own
-  regions (the daemon's per-session limit is per caller; unregistering
-  all is its own) that go when it does, and its own share of the daemon:
+  share of the daemon; its regions are its user's (one uid's connections
+  share them, perf_analyzer's pattern: issue 41), no other user's, and go
+  with the user's last connection:
   one caller's thousand calls to a slow model do not hold back another's.
 - Item 9: a 5,000-digit integer, extra raw_input_contents and
   `Transfer-Encoding: gzip, chunked` get clear errors.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import pwd
 import random
 import re
 import signal
+import traceback
 import urllib.request
 import uuid
 from pathlib import Path
@@ -256,58 +259,156 @@ def test_a_remote_caller_learns_nothing_of_dev_shm_from_why_a_key_failed(shm_on:
 
 # --- item 7: regions and turns per caller ------------------------------------------------
 
-def test_each_http_connection_has_its_own_regions(shm_on: Daemon, segments) -> None:
-    """One caller at the region limit leaves another caller room; one
-    caller's "unregister all" and status are its own."""
+def as_user(uid: int, work: Callable[[], Any]) -> Any:
+    """`work()` in a child process running as `uid` (a real second user of
+    this host); its JSON-able result. The child speaks HTTP with the
+    standard library only: a fork inherits tritonclient's gevent hub and
+    grpc's threads, neither of which works in it (and this interpreter is
+    not one another user may start)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                out = {"result": work()}
+            except Exception:
+                out = {"failed": traceback.format_exc()}
+            os.write(write, json.dumps(out).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        out = json.loads(f.read())
+    assert os.waitpid(pid, 0)[1] == 0
+    assert "failed" not in out, out["failed"]
+    return out["result"]
+
+
+class JsonConnection:
+    """One kept-alive HTTP connection speaking KServe v2 JSON (no tritonclient)."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+    def post(self, path: str, doc: Any = None, method: str = "POST") -> tuple[int, Any]:
+        self.conn.request(method, path, body=b"" if doc is None else json.dumps(doc).encode(),
+                          headers={"Content-Type": "application/json"})
+        r = self.conn.getresponse()
+        body = r.read()
+        return r.status, json.loads(body) if body else None
+
+    def infer_region(self, region: str) -> tuple[int, Any]:
+        return self.post("/v2/models/identity/infer", {"inputs": [{
+            "name": "INPUT__0", "shape": [16], "datatype": "FP32",
+            "parameters": {"shared_memory_region": region, "shared_memory_byte_size": 64}}]})
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def identity_input(region: str, client: Any = httpclient) -> Any:
+    t = client.InferInput("INPUT__0", [16], "FP32")
+    t.set_shared_memory(region, 64)
+    return t
+
+
+def test_one_users_connections_share_its_regions_and_another_user_cannot_touch_them(shm_on: Daemon,
+                                                                                   segments) -> None:
+    """perf_analyzer registers its regions on one connection and infers from
+    others: the connections of one user (uid, from the kernel's socket
+    table) share its regions, its region limit and "unregister all"; another
+    user's connections see, use and unregister none of them."""
+    other = unused_uid()
+    theirs = segments(uid=other, data=(X * 2).tobytes())
     a, b = http_client(shm_on), http_client(shm_on)
     try:
-        for i in range(4):
-            a.register_system_shared_memory(f"a{i}", segments().key, 64)
-        exc = fails(a.register_system_shared_memory, "a4", segments().key, 64)
-        assert exc.status() == "429" and "--max-regions-per-session" in exc.message()
         mine = segments()
-        mine.write(X.tobytes()[:64])
-        b.register_system_shared_memory("b0", mine.key, 64)         # room for b, whatever a holds
-        assert sorted(r["name"] for r in a.get_system_shared_memory_status()) == ["a0", "a1", "a2", "a3"]
-        assert [r["name"] for r in b.get_system_shared_memory_status()] == ["b0"]
-        a.unregister_system_shared_memory()                          # all of a's, none of b's
+        mine.write(X.tobytes())
+        a.register_system_shared_memory("shared", mine.key, 64)
+        assert [r["name"] for r in b.get_system_shared_memory_status()] == ["shared"]
+        np.testing.assert_array_equal(b.infer("identity", [identity_input("shared")]).as_numpy("OUTPUT__0"), X)
+        for i in range(3):
+            b.register_system_shared_memory(f"b{i}", segments().key, 64)
+        exc = fails(a.register_system_shared_memory, "a4", segments().key, 64)      # one limit for both
+        assert exc.status() == "429" and "--max-regions-per-session" in exc.message()
+
+        def second_user() -> dict:
+            c = JsonConnection(shm_on.http)
+            try:
+                registered = c.post("/v2/systemsharedmemory/region/c0/register",
+                                    {"key": theirs.key, "offset": 0, "byte_size": 64})[0]   # room: its own
+                seen = c.post("/v2/systemsharedmemory/status", method="GET")[1]
+                own = c.infer_region("c0")[1]["outputs"][0]["data"]
+                used = c.infer_region("shared")
+                unregistered = c.post("/v2/systemsharedmemory/unregister")[0]       # all of its own
+                return {"registered": registered, "seen": [r["name"] for r in seen], "own": own,
+                        "used": [used[0], used[1].get("error", "")], "unregistered": unregistered}
+            finally:
+                c.close()
+
+        got = as_user(other, second_user)
+        assert got["registered"] == 200 and got["unregistered"] == 200
+        assert got["seen"] == ["c0"] and got["own"] == (X * 2).tolist()
+        assert got["used"][0] == 404 and "'shared'" in got["used"][1]
+        assert sorted(r["name"] for r in a.get_system_shared_memory_status()) == ["b0", "b1", "b2", "shared"]
+        b.unregister_system_shared_memory()                                           # all of the user's
         assert a.get_system_shared_memory_status() == []
-        assert [r["name"] for r in b.get_system_shared_memory_status()] == ["b0"]
-        t = httpclient.InferInput("INPUT__0", [16], "FP32")
-        t.set_shared_memory("b0", 64)
-        np.testing.assert_array_equal(b.infer("identity", [t]).as_numpy("OUTPUT__0"), X)
-        exc = fails(a.infer, "identity", [t])                        # b's region is not a's
-        assert exc.status() == "404" and "'b0'" in exc.message()
     finally:
         a.close()
         b.close()
 
 
-def test_each_grpc_peer_has_its_own_regions(shm_on: Daemon, segments) -> None:
+def test_one_users_grpc_connections_share_its_regions_and_another_user_cannot_touch_them(shm_on: Daemon,
+                                                                                        segments) -> None:
+    other = unused_uid()
     with grpc_client(shm_on) as a, grpc_client(shm_on) as b:
-        for i in range(4):
-            a.register_system_shared_memory(f"a{i}", segments().key, 64)
-        exc = fails(a.register_system_shared_memory, "a4", segments().key, 64)
-        assert exc.status() == "StatusCode.RESOURCE_EXHAUSTED" and "--max-regions-per-session" in exc.message()
-        b.register_system_shared_memory("b0", segments().key, 64)
-        a.unregister_system_shared_memory()
-        assert list(b.get_system_shared_memory_status().regions) == ["b0"]
-        assert not a.get_system_shared_memory_status().regions
+        mine = segments()
+        mine.write(X.tobytes())
+        a.register_system_shared_memory("shared", mine.key, 64)
+        assert list(b.get_system_shared_memory_status().regions) == ["shared"]
+        got = b.infer("identity", [identity_input("shared", grpcclient)])
+        np.testing.assert_array_equal(got.as_numpy("OUTPUT__0"), X)
+
+        def second_user() -> dict:
+            # over HTTP: a user's regions are the same on both gateways
+            c = JsonConnection(shm_on.http)
+            try:
+                seen = c.post("/v2/systemsharedmemory/status", method="GET")[1]
+                unregistered = c.post("/v2/systemsharedmemory/unregister")[0]
+                used = c.infer_region("shared")
+                return {"seen": seen, "unregistered": unregistered, "used": [used[0], used[1].get("error", "")]}
+            finally:
+                c.close()
+
+        got = as_user(other, second_user)
+        assert got["seen"] == [] and got["unregistered"] == 200
+        assert got["used"][0] == 404 and "'shared'" in got["used"][1]
+        assert list(a.get_system_shared_memory_status().regions) == ["shared"]
         b.unregister_system_shared_memory()
+        assert not a.get_system_shared_memory_status().regions
 
 
-def test_a_callers_regions_go_with_its_connection(shm_on: Daemon, segments) -> None:
-    """Callers that register and go: each one's session is closed with it
-    (12 of them would otherwise hold more than the 8 sessions the daemon
-    gives the gateway's user); a gRPC peer's once its connection closes."""
-    for _ in range(12):
+def test_a_users_regions_go_with_its_last_connection(shm_on: Daemon, segments) -> None:
+    """A user's regions go when its last connection closes (12 users' worth
+    of sessions would otherwise hold more than the 8 the daemon gives the
+    gateway's user); a gRPC peer's once the kernel shows its connection closed."""
+    gone = "closed: its regions are unregistered"
+    for i in range(12):
+        before = shm_on.log().count(gone)
         c = http_client(shm_on)
-        c.register_system_shared_memory("r", segments().key, 64)
+        c.register_system_shared_memory(f"r{i}", segments().key, 64)
         c.close()
+        wait_for(lambda: shm_on.log().count(gone) > before, 10, "the gateway to drop the closed connection's regions")
+    before = shm_on.log().count(gone)
     with grpc_client(shm_on) as g:
         g.register_system_shared_memory("r", segments().key, 64)
-    wait_for(lambda: "is gone: its regions are unregistered" in shm_on.log(), 10,
-             "the gateway to see the gRPC peer gone")
+    wait_for(lambda: shm_on.log().count(gone) > before, 10, "the gateway to see the gRPC peer gone")
     c = http_client(shm_on)
     try:
         c.register_system_shared_memory("last", segments().key, 64)

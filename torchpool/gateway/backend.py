@@ -8,6 +8,7 @@ error code gets, each caller's share and regions: callers.py) is here, once.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,11 @@ from ..client.regions import SegmentUnusable
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
 from .callers import Caller, FairShare
+from .owners import OwnerKey, RegionOwner
+from .tcp_table import loopback_peer_uid
 from .defaults import ALLOW_CLIENT_SHM, MAX_IN_FLIGHT_PER_CALLER
+
+log = logging.getLogger("torchpool.gateway")
 
 # Triton's HTTP status for each error code (its HttpCodeFromError); anything
 # else is 400. RESOURCE_EXHAUSTED is torchpool's (a client over a limit);
@@ -280,8 +285,9 @@ class Backend:
     """The daemon, as both gateways see it: one local `AsyncClient` shared by
     every HTTP connection and gRPC call of this process, whose requests each
     caller gets its share of (callers.FairShare), and a client of its own
-    for each caller that registers regions (its own session: the daemon's
-    region limit and "unregister all" are then that caller's alone)."""
+    for each owner of regions (owners.py: a local user, or a remote caller;
+    its own session: the daemon's region limit and "unregister all" are
+    then that owner's alone)."""
 
     def __init__(self, url: str, timeout: float = CONTROL_TIMEOUT, shm: ShmPolicy = ShmPolicy(),
                  per_caller: int = MAX_IN_FLIGHT_PER_CALLER) -> None:
@@ -292,17 +298,44 @@ class Backend:
         self.share = FairShare(MAX_IN_FLIGHT, per_caller)
         self._latest: dict[str, str] = {}       # model -> the version an unversioned request runs
         self._configs: dict[tuple[str, str], tuple[float, dict]] = {}   # (model, version) -> (when, config)
-        self._with_regions: set[Caller] = set()
+        self._owners: dict[OwnerKey, RegionOwner] = {}
 
     async def close(self) -> None:
-        for caller in list(self._with_regions):
-            await self.forget(caller)
+        for owner in list(self._owners.values()):
+            await self._close_regions(owner)
+        self._owners.clear()
         await self.client.aclose()
 
     async def forget(self, caller: Caller) -> None:
-        """`caller` is gone: its regions go with it (its session is closed)."""
+        """`caller` is gone: its owner's regions go with its last caller
+        (their session is closed)."""
         caller.gone = True
-        await self._close_regions(caller)
+        owner, caller.owner = caller.owner, None
+        if owner is None:
+            return
+        owner.callers.discard(caller)
+        if not owner.callers:
+            if self._owners.get(owner.key) is owner:
+                del self._owners[owner.key]
+            async with owner.lock:
+                if owner.client is not None:
+                    log.info("the last connection of %s closed: its regions are unregistered", owner.name)
+                await self._close_regions(owner)
+
+    def _owner_of(self, caller: Caller) -> RegionOwner:
+        """The owner of the regions `caller` may use (owners.py), found at its
+        first use of regions: a loopback peer's uid, else the caller itself."""
+        owner = caller.owner
+        if owner is not None:
+            return owner
+        uid = loopback_peer_uid(caller.address, caller.local_port) if caller.address is not None else None
+        key: OwnerKey = ("uid", uid) if uid is not None else ("caller", id(caller))
+        owner = self._owners.get(key)
+        if owner is None:
+            owner = self._owners[key] = RegionOwner(key, f"uid {uid}" if uid is not None else caller.name)
+        owner.callers.add(caller)
+        caller.owner = owner
+        return owner
 
     # --- health and metadata ---------------------------------------------------
 
@@ -397,9 +430,12 @@ class Backend:
         regions = regions or any(o.region is not None for o in outputs or ())
         binary = {o.name: (binary_default if o.binary is None else o.binary) for o in outputs or ()}
         timeout = timeout_us / 1e6 if timeout_us else None
-        # a request naming regions goes in the caller's own session (the shared
-        # one has none: the daemon then says which region it does not know)
-        client = caller.regions if regions and caller.regions is not None else self.client
+        # a request naming regions goes in its owner's session (the shared one
+        # has none: the daemon then says which region it does not know)
+        client = self.client
+        if regions:
+            owner = self._owner_of(caller)
+            client = owner.client or client
         await self.share.enter(caller)
         try:
             result = await client.infer(
@@ -424,51 +460,51 @@ class Backend:
             version = self._latest[model] = max(versions, key=lambda v: (len(v), v))
         return version
 
-    # --- system shared memory: each caller's own -----------------------------------
+    # --- system shared memory: each owner's own (owners.py) ------------------------
 
     async def register_shm(self, caller: Caller, name: str, key: str, offset: int, byte_size: int) -> None:
         self.shm.check(name, key)
-        async with caller.region_lock:      # one region call of a caller at a time: they are rare
+        owner = self._owner_of(caller)
+        async with owner.lock:             # one region call of an owner at a time: they are rare
             if caller.gone:
                 raise TorchpoolError(errors.CANCELLED, f"region '{name}': the caller is gone")
-            if caller.regions is None:
+            if owner.client is None:
                 # not local: it attaches (without an arena) only to register regions
-                caller.regions = AsyncClient(self.url, timeout=self.timeout, local=False)
-                self._with_regions.add(caller)
+                owner.client = AsyncClient(self.url, timeout=self.timeout, local=False)
             try:
                 # the daemon refuses its own segments' names (broker/regions.py region_key)
-                await caller.regions.register_system_shared_memory(name, key, byte_size, offset)
-                caller.region_names.add(name)
+                await owner.client.register_system_shared_memory(name, key, byte_size, offset)
+                owner.names.add(name)
             except SegmentUnusable:
                 # the gateway opens the segment with the daemon's rights: why it
                 # failed (missing, forbidden, a symlink, its size) is not the
                 # caller's to learn; one answer for all, the broker's
                 raise bad(f"region '{name}': the daemon cannot open that segment") from None
             finally:
-                if not caller.region_names:
-                    await self._close_regions(caller)
+                if not owner.names:
+                    await self._close_regions(owner)
 
     async def unregister_shm(self, caller: Caller, name: str = "") -> None:
-        async with caller.region_lock:
-            if caller.regions is None:
+        owner = self._owner_of(caller)
+        async with owner.lock:
+            if owner.client is None:
                 return                      # Triton: unregistering nothing succeeds
-            await caller.regions.unregister_system_shared_memory(name or None)
+            await owner.client.unregister_system_shared_memory(name or None)
             if name:
-                caller.region_names.discard(name)
+                owner.names.discard(name)
             else:
-                caller.region_names.clear()
-            if not caller.region_names:
-                await self._close_regions(caller)
+                owner.names.clear()
+            if not owner.names:
+                await self._close_regions(owner)
 
     async def shm_status(self, caller: Caller, name: str = "") -> list[dict]:
-        # a caller with no regions asks in the shared session, which holds none
-        client = caller.regions or self.client
+        # an owner with no regions asks in the shared session, which holds none
+        client = self._owner_of(caller).client or self.client
         return await client.get_system_shared_memory_status(name or None)
 
-    async def _close_regions(self, caller: Caller) -> None:
-        """Close the caller's own session: its regions go with it."""
-        client, caller.regions = caller.regions, None
-        caller.region_names.clear()
-        self._with_regions.discard(caller)
+    async def _close_regions(self, owner: RegionOwner) -> None:
+        """Close the owner's session: its regions go with it."""
+        client, owner.client = owner.client, None
+        owner.names.clear()
         if client is not None:
             await client.aclose()

@@ -23,22 +23,22 @@ from typing import Any, Callable, Optional
 
 
 class Caller:
-    """One remote caller: its requests at the daemon and waiting, and the
-    daemon client that holds its registered regions (Backend makes it on
-    its first register)."""
+    """One remote caller: its requests at the daemon and waiting, where it
+    connects from, and the owner of the regions it may use (owners.py;
+    Backend finds it at the caller's first use of regions)."""
 
-    __slots__ = ("name", "peer", "calls", "in_flight", "waiting", "regions", "region_names",
-                 "region_lock", "gone", "read_ahead")
+    __slots__ = ("name", "peer", "calls", "in_flight", "waiting", "address", "local_port", "owner",
+                 "gone", "read_ahead")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, address: Optional[tuple] = None, local_port: int = 0) -> None:
         self.name = name                    # for logs: "HTTP 127.0.0.1:40312", "gRPC ipv4:..."
         self.peer = ""                      # gRPC: grpc's name of the peer
         self.calls = 0                      # gRPC: calls in progress
         self.in_flight = 0
         self.waiting: deque[asyncio.Future] = deque()
-        self.regions: Any = None            # an AsyncClient with this caller's own session
-        self.region_names: set[str] = set()     # what it registered there
-        self.region_lock = asyncio.Lock()
+        self.address = address              # the peer's (address, port) (tcp_table.Address), if IP
+        self.local_port = local_port        # the gateway's port it connected to
+        self.owner: Any = None              # its owners.RegionOwner, once it used regions
         self.gone = False
         # gRPC: its streamed requests read ahead of their answers, all its
         # streams together (grpc_server.py makes it on its first stream)

@@ -311,7 +311,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             await self.backend.register_shm(caller, request.name, request.key, request.offset,
                                             request.byte_size)
-            await self.callers.regions_registered(caller)
+            await self.callers.uses_regions(caller)
         finally:
             self.callers.leave(caller)
         return pb.SystemSharedMemoryRegisterResponse()

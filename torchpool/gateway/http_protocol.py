@@ -39,6 +39,7 @@ from typing import Any, Optional
 import httptools
 
 from .callers import Caller
+from .tcp_table import socket_address
 from .http_bodies import BodyBudget, body_buffer
 from .http_messages import Request, Response, error_response
 from .http_messages import head as head_of
@@ -123,8 +124,11 @@ class HttpConnection(asyncio.BufferedProtocol):
             transport.close()
             return
         peer = transport.get_extra_info("peername")
-        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
-        self.caller = Caller(f"HTTP {where}")
+        ours = transport.get_extra_info("sockname")
+        ip = isinstance(peer, tuple) and len(peer) >= 2
+        where = f"{peer[0]}:{peer[1]}" if ip else "?"
+        self.caller = Caller(f"HTTP {where}", socket_address(peer[0], peer[1]) if ip else None,
+                             ours[1] if isinstance(ours, tuple) and len(ours) >= 2 else 0)
         self._idle()
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:

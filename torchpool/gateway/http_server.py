@@ -331,7 +331,7 @@ class HttpServer:
     def caller_gone(self, caller: Optional[Caller]) -> None:
         """A connection closed: what its caller registered goes (in a task:
         the daemon is told)."""
-        if caller is None or self.forget is None or caller.regions is None:
+        if caller is None or self.forget is None or caller.owner is None:
             if caller is not None:
                 caller.gone = True
             return
