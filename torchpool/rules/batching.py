@@ -29,7 +29,7 @@ from typing import Any, Iterable, NamedTuple, Optional
 class BatchLimits(NamedTuple):
     max_batch: int              # max_batch_size (at least 1)
     max_preferred: int          # the largest preferred size (max_batch_size when none)
-    preferred: frozenset        # the preferred sizes within max_batch_size
+    preferred: frozenset[int]        # the preferred sizes within max_batch_size
     delay: float                # max_queue_delay_microseconds, in seconds
 
 
@@ -48,12 +48,12 @@ def batch_limits(cfg: Any) -> BatchLimits:
                   db.get("max_queue_delay_microseconds", 0))
 
 
-def batch_rows(staged: list, batching: bool) -> int:
+def batch_rows(staged: list[Any], batching: bool) -> int:
     """A validated request's rows along dim 0 (1 for a model without batching)."""
     return staged[0][1][0] if batching and staged and staged[0][1] else 1
 
 
-def batch_key(staged: Iterable[tuple]) -> tuple:
+def batch_key(staged: Iterable[tuple[Any, ...]]) -> tuple[Any, ...]:
     """The key of the requests a request with these validated inputs
     (`validate_infer`'s staged tuples) may share a batch with."""
     return tuple(sorted((spec.name, "ragged" if spec.allow_ragged_batch else tuple(shape[1:]))
@@ -61,12 +61,12 @@ def batch_key(staged: Iterable[tuple]) -> tuple:
 
 
 def select_batch(ordered: Iterable[Any], lim: BatchLimits,
-                 now: float) -> tuple[list, bool, Optional[float]]:
+                 now: float) -> tuple[list[Any], bool, Optional[float]]:
     """The requests of the next batch (in `ordered`, each with `batch_size`,
     `key`, `exclusive` and `enqueued`), whether it should go now, and else
     when it should go at the latest (`enqueued`, the delay and `now` in one
     clock's seconds)."""
-    reqs: list = []
+    reqs: list[Any] = []
     items, best, full, key, oldest = 0, 0, False, None, 0.0
     for req in ordered:
         n = req.batch_size

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 _now = time.perf_counter_ns
 _yield = os.sched_yield
@@ -69,7 +69,7 @@ class SpinWait:
     def spinning(self) -> bool:
         return self.typical_ns < self.window_ns * self.share
 
-    def wait(self, poll: Callable[[Optional[int]], list], timeout_ms: Optional[int]) -> list:
+    def wait(self, poll: Callable[[Optional[int]], list[Any]], timeout_ms: Optional[int]) -> list[Any]:
         """`poll(timeout_ms)` (None: no timeout), after spinning on `poll(0)`
         while that pays; what it found ready."""
         window = self.window_ns

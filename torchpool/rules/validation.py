@@ -57,7 +57,7 @@ def _shape_str(shape: Sequence[int]) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
-def _check_shape(entry: dict, model: str) -> list[int]:
+def _check_shape(entry: dict[str, Any], model: str) -> list[int]:
     shape = entry.get("shape")
     if shape.__class__ is list:
         for d in shape:
@@ -99,8 +99,8 @@ def _model_shape(spec: TensorSpec, shape: list[int], batching: bool) -> list[int
     return prefix + target
 
 
-def _payload(e: dict, frames: Sequence[Any], session: Any, sessions: Any, name: str, model: str,
-             regions: list) -> tuple[memoryview, Optional[list]]:
+def _payload(e: dict[str, Any], frames: Sequence[Any], session: Any, sessions: Any, name: str, model: str,
+             regions: list[Any]) -> tuple[memoryview, Optional[list[Any]]]:
     """The input's bytes, and where a worker finds them when they are already
     in shared memory ([segment ref, offset, nbytes, generation], and `True`
     when the client lets the answer point into the block; None when inline
@@ -119,9 +119,9 @@ def _payload(e: dict, frames: Sequence[Any], session: Any, sessions: Any, name: 
     return region.view(offset, nbytes), [region.worker_ref(), region.offset + offset, nbytes, 0]
 
 
-def validate_infer(header: dict, frames: Sequence[Any], mv: Any, session: Any = None,
+def validate_infer(header: dict[str, Any], frames: Sequence[Any], mv: Any, session: Any = None,
                    sessions: Any = None, *, limits: TensorLimits = DEFAULT_LIMITS
-                   ) -> tuple[list[tuple], list, int, list, dict]:
+                   ) -> tuple[list[tuple[Any, ...]], list[Any], int, list[Any], dict[str, Any]]:
     """Check inputs and requested outputs against the config and `limits`.
 
     Returns ([(spec, shape, model_shape, payload, location)], requested
@@ -134,7 +134,7 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: Any, session: Any = 
         raise _bad(f"request for model '{model}' has no valid 'inputs' list")
     specs = cfg.inputs_by_name
     batching = cfg.max_batch_size > 0
-    seen: dict[str, dict] = {}
+    seen: dict[str, dict[str, Any]] = {}
     for e in entries:
         name = e.get("name")
         if name.__class__ is not str:
@@ -153,7 +153,7 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: Any, session: Any = 
                        f"Please provide all required input(s).")
 
     staged = []
-    regions: list = []
+    regions: list[Any] = []
     batch_size = None
     for name, e in seen.items():
         spec = specs[name]
@@ -213,7 +213,7 @@ def validate_infer(header: dict, frames: Sequence[Any], mv: Any, session: Any = 
     return staged, requested, batch_size or 1, regions, region_outputs
 
 
-def _all_dicts(entries: list) -> bool:
+def _all_dicts(entries: list[Any]) -> bool:
     for e in entries:
         if e.__class__ is not dict:
             return False
@@ -226,7 +226,7 @@ CLASSIFIABLE = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16"
                           "FP32", "FP64"})
 
 
-def _class_count(out: dict, spec: TensorSpec, model: str) -> int:
+def _class_count(out: dict[str, Any], spec: TensorSpec, model: str) -> int:
     """The `classification` of a requested output map: the number of classes
     wanted, 0 for none (absent, nil or 0: Triton's class_count 0 means none)."""
     count = out.get(tensors.CLASSIFICATION)
@@ -248,7 +248,7 @@ def _class_count(out: dict, spec: TensorSpec, model: str) -> int:
 
 
 def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: Any, sessions: Any,
-                       regions: list) -> tuple[list, dict]:
+                       regions: list[Any]) -> tuple[list[Any], dict[str, Any]]:
     """Output names, maps {name, region} that send an output into a region,
     or maps {name, classification} that ask for its top-k classes. For the
     worker: a name, [name, region ref, offset, capacity] or [name, k]."""
@@ -264,12 +264,13 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
         if name in seen:            # Triton's InferenceRequest::AddOriginalRequestedOutput
             raise _bad(f"output '{name}' already exists in request for model '{model}'")
         seen.add(name)
-        if cfg.output(name) is None:
+        spec = cfg.output(name)
+        if spec is None:
             raise _bad(f"unexpected inference output '{name}' for model '{model}'")
         if out is name:              # a plain name
             worker_outputs.append(name)
             continue
-        count = _class_count(out, cfg.output(name), model)
+        count = _class_count(out, spec, model)
         if count:
             worker_outputs.append([name, count])
         elif tensors.REGION in out:
@@ -289,7 +290,7 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
 TIMEOUT = "Request timeout expired"
 
 
-def request_timeout_us(header: dict) -> int:
+def request_timeout_us(header: dict[str, Any]) -> int:
     """A request's own timeout in microseconds (0: none); anything but a
     non-negative integer counts as none, on every path."""
     timeout_us = header.get("timeout_us")
@@ -298,7 +299,7 @@ def request_timeout_us(header: dict) -> int:
     return timeout_us
 
 
-def start_deadline(header: dict, model: str) -> Optional[int]:
+def start_deadline(header: dict[str, Any], model: str) -> Optional[int]:
     """When a request taken on a direct path must have started
     (time.monotonic_ns), or None without a timeout: counted from when its
     client sent it (`sent_ns`, on the host's monotonic clock, which a
