@@ -270,6 +270,7 @@ class AsyncPaths:
         self._in_flight = [0] * len(members)
         self._mean_ns: Optional[float] = None       # of calls that found their instance idle
         self._waiting: collections.deque[asyncio.Future] = collections.deque()
+        self._woken = 0                 # calls woken for a place that have not taken it yet
 
     @property
     def lost(self) -> bool:
@@ -291,6 +292,13 @@ class AsyncPaths:
                     return i
         return -1
 
+    def _queued(self) -> bool:
+        """Are calls waiting for a place? (those cancelled or timed out are dropped)"""
+        waiting = self._waiting
+        while waiting and waiting[0].done():
+            waiting.popleft()
+        return bool(waiting) or self._woken > 0
+
     def _freed(self) -> None:
         """A call ended: the first waiting call (all of them when a path was
         lost: they may have nowhere to go now) looks again."""
@@ -299,6 +307,7 @@ class AsyncPaths:
             w = self._waiting.popleft()
             if not w.done():
                 w.set_result(None)
+                self._woken += 1         # until it runs: its place is kept from new calls
                 if not wake_all:
                     return
 
@@ -307,25 +316,36 @@ class AsyncPaths:
         """As AsyncLane.request, on the member `_place` chooses."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        woken = False
         while True:
-            i = self._place()
-            if i >= 0:
-                break
+            # calls waiting go first: a new call does not take the place one was woken for
+            if woken or not self._queued():
+                i = self._place()
+                if i >= 0:
+                    break
             if self.lost and all(m.lost for m in self.members):
                 raise self.members[0]._lost_error(sent=False)
             turn = loop.create_future()
-            self._waiting.append(turn)
+            if woken:
+                self._waiting.appendleft(turn)     # woken but beaten to it: still first
+            else:
+                self._waiting.append(turn)
+            woken = True
             try:
                 await asyncio.wait_for(turn, max(0.0, deadline - loop.time()))
             except asyncio.CancelledError:
                 if turn.done() and not turn.cancelled():
+                    self._woken -= 1
                     self._freed()           # its turn passes on to the next
                 raise
             except asyncio.TimeoutError:
-                # never sent: an error, not a NoAnswer (nothing may still run)
+                if turn.done() and not turn.cancelled():     # woken as its time ran out
+                    self._woken -= 1
+                    self._freed()
                 raise InferenceError(errors.DEADLINE_EXCEEDED,
                                      f"no instance of model '{self.model}' was free within "
                                      f"{timeout:g} s (this client's earlier calls were running)") from None
+            self._woken -= 1
         member = self.members[i]
         alone = not self._in_flight[i]
         self._in_flight[i] += 1
