@@ -29,7 +29,8 @@ from ..protocol import errors, lane, messages
 from ..protocol.errors import InferenceError
 from ..rules.ahead import may_send_ahead
 from ..shm.fdpass import DONTWAIT
-from .direct import _DirectLink
+from .direct import DirectLink, path_closed
+from .lane import assemble
 from .types import NoAnswer
 
 Reply = tuple[dict, list]
@@ -90,21 +91,10 @@ class AsyncLane:
             if not data:
                 self._lose()
                 return
-            kind = data[0]
-            if kind == lane.MORE:
-                self._pieces.append(bytes(data[1:]))     # the receive buffer is reused
+            answer = assemble(self._pieces, data, fds, link)
+            if answer is None:
                 continue
-            if kind != lane.LAST:
-                link.keep(data, fds)           # segments handed over, ahead of the answer naming them
-                continue
-            if self._pieces:
-                self._pieces.append(data[1:])
-                frames = lane.decode(b"".join(self._pieces))
-                self._pieces = []
-                payload = list(frames[1:])
-            else:
-                frames = lane.decode(data[1:])
-                payload = [bytes(f) for f in frames[1:]]   # out of the reused buffer
+            frames, payload = answer
             header = messages.unpack(frames[0])
             fut = self._pending.pop(header.get("id"), None) if header.__class__ is dict else None
             if fut is not None and not fut.done():
@@ -224,7 +214,7 @@ class AsyncDirect(AsyncLane):
         self.model = model
         self.name = ""                  # the daemon's name of the path (for ended_flow)
         self.version: Any = None        # the model version it serves (as the daemon said)
-        super().__init__(_DirectLink(sock), url, on_late)
+        super().__init__(DirectLink(sock), url, on_late)
 
     def spin(self, window_us: int) -> None:
         """The daemon's polling window: this end waits in the event loop instead."""
@@ -233,10 +223,7 @@ class AsyncDirect(AsyncLane):
         return InferenceError(errors.UNAVAILABLE, self._lost_error(True).message)
 
     def _lost_error(self, sent: bool) -> NoAnswer:
-        return NoAnswer(errors.UNAVAILABLE, f"the instance of model '{self.model}' that torchpool at "
-                                            f"{self._url} serves this client directly closed its path "
-                                            f"(it stopped, crashed or was unloaded, or the session "
-                                            f"ended)", sent=sent)
+        return path_closed(self.model, self._url, sent)
 
     def shut(self) -> None:
         self.close()             # calls still on it fail with CANCELLED

@@ -35,7 +35,14 @@ RETRY_S = 30.0          # a model that refused is asked again after this long
 ASK_S = 60.0            # while one thread asks for a path, the others take the lane
 
 
-class _DirectLink:
+def path_closed(model: str, url: str, sent: bool) -> NoAnswer:
+    """The error of a call on a direct path that closed (sync or asyncio)."""
+    return NoAnswer(errors.UNAVAILABLE, f"the instance of model '{model}' that torchpool at {url} serves "
+                                        f"this client directly closed its path (it stopped, crashed or "
+                                        f"was unloaded, or the session ended)", sent=sent)
+
+
+class DirectLink:
     """What a LaneSocket reads through: the socket, and no segments (a
     worker hands none over)."""
 
@@ -58,16 +65,13 @@ class DirectSocket(LaneSocket):
         self.model = model
         self.name = ""                  # the daemon's name of the path (for ended_flow)
         self.version: Any = None        # the model version it serves (as the daemon said)
-        super().__init__(_DirectLink(sock), url, on_late)
+        super().__init__(DirectLink(sock), url, on_late)
 
     def lost_error(self) -> InferenceError:
         return InferenceError(errors.UNAVAILABLE, self._lost_error(True).message)
 
     def _lost_error(self, sent: bool) -> NoAnswer:
-        return NoAnswer(errors.UNAVAILABLE, f"the instance of model '{self.model}' that torchpool at "
-                                            f"{self._url} serves this client directly closed its path "
-                                            f"(it stopped, crashed or was unloaded, or the session "
-                                            f"ended)", sent=sent)
+        return path_closed(self.model, self._url, sent)
 
     def shut(self) -> None:
         self.close(0)            # calls still on it fail with CANCELLED

@@ -25,6 +25,27 @@ from .channel import SharedSocket, _Waiter
 from .types import NoAnswer
 
 
+
+def assemble(pieces: list[bytes], data: Any, fds: list[int], link: Any) -> Optional[tuple[list[Any], list[Any]]]:
+    """One datagram read from a lane or a direct path: the answer's frames
+    and payload once it is whole; None while it comes in pieces (kept in
+    `pieces`) or for segments handed over ahead of the answer naming them
+    (given to `link.keep`)."""
+    kind = data[0]
+    if kind == lane.MORE:
+        pieces.append(bytes(data[1:]))     # the receive buffer is reused
+        return None
+    if kind != lane.LAST:
+        link.keep(data, fds)
+        return None
+    if pieces:
+        pieces.append(data[1:])
+        frames = lane.decode(b"".join(pieces))
+        pieces.clear()
+        return frames, list(frames[1:])
+    frames = lane.decode(data[1:])
+    return frames, [bytes(f) for f in frames[1:]]   # out of the reused buffer
+
 class LaneSocket(SharedSocket):
     zmq_fallback = True         # a call it could not send goes over ZeroMQ (sync.py)
 
@@ -80,21 +101,10 @@ class LaneSocket(SharedSocket):
         if not data:
             self._lose()
             return
-        kind = data[0]
-        if kind == lane.MORE:
-            self._pieces.append(bytes(data[1:]))     # the receive buffer is reused
+        answer = assemble(self._pieces, data, fds, link)
+        if answer is None:
             return
-        if kind != lane.LAST:
-            link.keep(data, fds)           # segments handed over, ahead of the answer naming them
-            return
-        if self._pieces:
-            self._pieces.append(data[1:])
-            frames = lane.decode(b"".join(self._pieces))
-            self._pieces = []
-            payload = list(frames[1:])
-        else:
-            frames = lane.decode(data[1:])
-            payload = [bytes(f) for f in frames[1:]]   # out of the reused buffer
+        frames, payload = answer
         self._deliver(me, messages.unpack(frames[0]), payload)
 
     def _lose(self) -> None:
