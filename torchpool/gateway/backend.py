@@ -8,6 +8,7 @@ error code gets, each caller's share and regions: callers.py) is here, once.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -322,13 +323,22 @@ class Backend:
                     log.info("the last connection of %s closed: its regions are unregistered", owner.name)
                 await self._close_regions(owner)
 
-    def _owner_of(self, caller: Caller) -> RegionOwner:
+    async def _owner_of(self, caller: Caller) -> RegionOwner:
         """The owner of the regions `caller` may use (owners.py), found at its
-        first use of regions: a loopback peer's uid, else the caller itself."""
+        first use of regions: a loopback peer's uid, else the caller itself.
+        (The kernel's socket table is read off the event loop: it grows with
+        the host's connections, and each new caller may ask once.)"""
         owner = caller.owner
         if owner is not None:
             return owner
-        uid = loopback_peer_uid(caller.address, caller.local_port) if caller.address is not None else None
+        uid = None
+        if caller.address is not None:
+            uid = await asyncio.get_running_loop().run_in_executor(
+                None, loopback_peer_uid, caller.address, caller.local_port)
+            if caller.owner is not None:        # found meanwhile, by another call of the caller
+                return caller.owner
+            if caller.gone:                     # forgotten meanwhile: nothing may hold it now
+                raise TorchpoolError(errors.CANCELLED, "the caller is gone")
         key: OwnerKey = ("uid", uid) if uid is not None else ("caller", id(caller))
         owner = self._owners.get(key)
         if owner is None:
@@ -434,7 +444,7 @@ class Backend:
         # has none: the daemon then says which region it does not know)
         client = self.client
         if regions:
-            owner = self._owner_of(caller)
+            owner = await self._owner_of(caller)
             client = owner.client or client
         await self.share.enter(caller)
         try:
@@ -464,7 +474,7 @@ class Backend:
 
     async def register_shm(self, caller: Caller, name: str, key: str, offset: int, byte_size: int) -> None:
         self.shm.check(name, key)
-        owner = self._owner_of(caller)
+        owner = await self._owner_of(caller)
         async with owner.lock:             # one region call of an owner at a time: they are rare
             if caller.gone:
                 raise TorchpoolError(errors.CANCELLED, f"region '{name}': the caller is gone")
@@ -485,7 +495,7 @@ class Backend:
                     await self._close_regions(owner)
 
     async def unregister_shm(self, caller: Caller, name: str = "") -> None:
-        owner = self._owner_of(caller)
+        owner = await self._owner_of(caller)
         async with owner.lock:
             if owner.client is None:
                 return                      # Triton: unregistering nothing succeeds
@@ -499,7 +509,7 @@ class Backend:
 
     async def shm_status(self, caller: Caller, name: str = "") -> list[dict]:
         # an owner with no regions asks in the shared session, which holds none
-        client = self._owner_of(caller).client or self.client
+        client = (await self._owner_of(caller)).client or self.client
         return await client.get_system_shared_memory_status(name or None)
 
     async def _close_regions(self, owner: RegionOwner) -> None:
