@@ -261,23 +261,29 @@ class AsyncPaths:
 
     @property
     def lost(self) -> bool:
-        live = [m for m in self.members if not m.lost]
-        return not live or (len(live) < len(self.members) and not any(self._in_flight))
+        some_lost, all_lost = False, True
+        for member in self.members:
+            if member.lost:
+                some_lost = True
+            else:
+                all_lost = False
+        return all_lost or (some_lost and not any(self._in_flight))
 
     def spin(self, window_us: int) -> None:
         """The daemon's polling window: these wait in the event loop instead."""
 
     def _place(self) -> int:
         """The member a call goes to now; -1 when it must wait."""
-        live = [i for i, m in enumerate(self.members) if not m.lost]
-        for i in live:
+        live, ahead = 0, -1          # (no lists: this runs for every call)
+        for i, member in enumerate(self.members):
+            if member.lost:
+                continue
             if not self._in_flight[i]:
                 return i
-        if may_send_ahead(len(live), self._mean_ns):
-            for i in live:
-                if self._in_flight[i] == 1:
-                    return i
-        return -1
+            live += 1
+            if ahead < 0 and self._in_flight[i] == 1:
+                ahead = i
+        return ahead if ahead >= 0 and may_send_ahead(live, self._mean_ns) else -1
 
     def _queued(self) -> bool:
         """Are calls waiting for a place? (those cancelled or timed out are dropped)"""
