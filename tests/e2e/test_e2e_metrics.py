@@ -157,6 +157,30 @@ def test_summaries_only_when_enabled(metrics_repository: Path, tmp_path: Path) -
         d.stop()
 
 
+def test_a_scrape_counts_every_direct_request_answered_before_it(metrics_repository: Path,
+                                                                   tmp_path: Path) -> None:
+    """A local client's plain calls go straight to the worker, which reports
+    them in a ring the broker reads every 0.1 s; a scrape has the broker
+    read it first, so each scrape right after an answer counts it."""
+    port = free_tcp_port()
+    d = Daemon(metrics_repository, tmp_path, "--metrics-port", str(port)).start()
+    try:
+        with Client(d.url, timeout=60) as c:
+            c.infer("addsub", ADDSUB)
+            wait_for(lambda: c._state.direct.open_path("addsub", "") is not None, 30, "the direct path")
+            base = value(scrape(port), "nv_inference_request_success", "addsub")
+            assert base is not None
+            before = c.server_metadata()["transfer"].get("requests_direct", 0)
+            for n in range(1, 21):
+                out = c.infer("addsub", ADDSUB)
+                np.testing.assert_array_equal(out["OUTPUT0"], A + A)
+                assert value(scrape(port), "nv_inference_request_success", "addsub") == base + n
+            # they were the worker's to report: they went on the direct path
+            assert c.server_metadata()["transfer"].get("requests_direct", 0) - before == 20
+    finally:
+        d.stop()
+
+
 def test_unknown_metrics_config_setting_stops_startup(metrics_repository: Path, tmp_path: Path) -> None:
     d = Daemon(metrics_repository, tmp_path, "--metrics-config", "summary_latency=true")
     d.start(wait_ready=False)

@@ -6,8 +6,10 @@ ZeroMQ sockets (the frontend), and timers. Nothing blocks in a handler.
 """
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -32,6 +34,30 @@ class Loop:
         self._writers: dict[int, Callable[[], None]] = {}   # fds waited on until writable
         self._timers: list[_Timer] = []
         self._seq = itertools.count()
+        self._door: Optional[int] = None           # eventfd: actions from other threads
+        self._from_threads: collections.deque[Callable[[], None]] = collections.deque()
+
+    def open_door(self) -> None:
+        """Let other threads have actions run here (`call_from_thread`): the
+        metrics server's thread, which must read the loop's state as of now."""
+        if self._door is None:
+            self._door = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self.watch(self._door, self._run_from_threads)
+
+    def call_from_thread(self, action: Callable[[], None]) -> None:
+        """Run `action` on the loop's thread soon (thread-safe; `open_door` first)."""
+        assert self._door is not None, "open_door() was not called"
+        self._from_threads.append(action)
+        os.eventfd_write(self._door, 1)
+
+    def _run_from_threads(self) -> None:
+        assert self._door is not None
+        try:
+            os.eventfd_read(self._door)
+        except BlockingIOError:
+            pass
+        while self._from_threads:
+            self._from_threads.popleft()()
 
     def watch(self, fd_or_socket: Any, handler: Callable[[], None]) -> None:
         """Call `handler` whenever `fd_or_socket` is readable."""

@@ -48,6 +48,7 @@ import gc
 import logging
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -84,6 +85,9 @@ from .supervisor import Supervisor
 from .systemd import Notifier, ServiceStatus
 
 log = logging.getLogger("torchpool.broker")
+
+# how long a scrape waits for the loop to read the workers' reports first
+METRICS_CATCH_UP_S = 0.5
 
 
 class ModelLoadFailed(Exception):
@@ -173,6 +177,7 @@ class Server:
             0.0, lambda: self._cancel_queued(sock, identity))
         self.loop.call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
         # bound before any model loads: a busy port fails at once
+        self.loop.open_door()                 # the metrics server's scrapes catch up first
         self.metrics = serve_metrics(o, self._metrics_snapshot, lambda: not self.should_exit,
                                      lambda: not self.should_exit and self.registry is not None
                                      and self.registry.server_ready(), metrics_config)
@@ -449,6 +454,22 @@ class Server:
             self.intake.direct.close_all(self.sessions.sessions.values())
 
     def _metrics_snapshot(self) -> MetricsSnapshot:
+        """The state for a scrape (on the metrics server's thread). The loop
+        first reads what the workers reported of their direct requests, as
+        a statistics call does: a scrape after an answer counts it (else up
+        to REPORTS_EVERY_S late). A loop too busy to do so within
+        METRICS_CATCH_UP_S leaves the scrape as it is."""
+        caught_up = threading.Event()
+
+        def catch_up() -> None:
+            try:
+                instances = getattr(self, "instances", None)    # (a scrape before they are made)
+                if instances is not None:
+                    instances.catch_up()
+            finally:
+                caught_up.set()
+        self.loop.call_from_thread(catch_up)
+        caught_up.wait(METRICS_CATCH_UP_S)
         # pending: accepted, not started (Triton's nv_inference_pending_request_count)
         shm = {"input_mapped": self.arena.mapped_bytes, "input_used": self.arena.used_bytes,
                "client_arenas": sum(s.arena_bytes for s in list(self.sessions.sessions.values()))}
