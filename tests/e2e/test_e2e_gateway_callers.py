@@ -504,6 +504,45 @@ def test_one_callers_thousand_calls_do_not_hold_back_another(queued: Daemon) -> 
     wait_for(lambda: request(queued.http, "GET", "/v2/health/ready")[0] == 200, 30, "the gateway to serve")
 
 
+def test_the_gateways_plain_calls_go_on_its_direct_paths(plain: Daemon) -> None:
+    """Triton's clients send small inputs as binary data (HTTP) or raw
+    contents (gRPC), or as JSON; the gateway passes them on as RawTensors,
+    which take its direct paths to the model's instances, as arrays do (the
+    AsyncClient's short way since issue 39, item 1: there the calls waiting
+    for an instance take turns by caller; they went the long way, through
+    the client's flow, onto the same paths in arrival order)."""
+    from torchpool.client import Client
+
+    def direct() -> int:
+        with Client(plain.url, timeout=30, local=False) as c:
+            return c.server_metadata()["transfer"].get("requests_direct", 0)
+
+    g_in = grpcclient.InferInput("INPUT__0", [16], "FP32")
+    g_in.set_data_from_numpy(X)
+    binary, text = httpclient.InferInput("INPUT__0", [16], "FP32"), httpclient.InferInput("INPUT__0", [16], "FP32")
+    binary.set_data_from_numpy(X, binary_data=True)
+    text.set_data_from_numpy(X, binary_data=False)
+    hc = http_client(plain)
+    try:
+        with grpc_client(plain) as g:
+            calls = {"gRPC": lambda: g.infer("identity", [g_in]).as_numpy("OUTPUT__0"),
+                     "HTTP binary": lambda: hc.infer("identity", [binary]).as_numpy("OUTPUT__0"),
+                     "HTTP JSON": lambda: hc.infer("identity", [text]).as_numpy("OUTPUT__0")}
+
+            def went_direct() -> bool:      # the gateway asks for its paths beside its first call
+                before = direct()
+                np.testing.assert_array_equal(calls["gRPC"](), X)
+                return direct() > before
+            wait_for(went_direct, 30, "a gRPC call on the gateway's direct path")
+            for name, call in calls.items():
+                before = direct()
+                for _ in range(10):
+                    np.testing.assert_array_equal(call(), X)
+                assert direct() - before == 10, name
+    finally:
+        hc.close()
+
+
 # --- item 9: low ----------------------------------------------------------------------------
 
 def test_a_5000_digit_integer_is_a_clear_400(plain: Daemon) -> None:

@@ -29,7 +29,7 @@ from ..protocol.errors import InferenceError
 from ..shm.fdpass import DONTWAIT, FdReceiver, close_all
 from ..rules.direct import plain_refusal
 from .lane import LaneSocket
-from .types import NoAnswer
+from .types import NoAnswer, RawTensor
 
 RETRY_S = 30.0          # a model that refused is asked again after this long
 ASK_S = 60.0            # while one thread asks for a path, the others take the lane
@@ -234,13 +234,18 @@ class DirectRequests:
 
     def inline_inputs(self, inputs: Mapping[str, Any]) -> bool:
         """Do these inputs go inline for sure, as a direct path takes them?
-        (small arrays not built by empty(); False without an arena)"""
+        (small arrays not built by empty(), and small RawTensors: the
+        gateways' inputs; False without an arena)"""
         arena = self.arena
         if arena is None:
             return False
         for value in inputs.values():
-            if type(value) is not np.ndarray or tensors.worth_descriptor(value.nbytes) or \
-                    (arena.user_blocks and arena.lookup(value) is not None):
+            kind = type(value)
+            if kind is np.ndarray:
+                if tensors.worth_descriptor(value.nbytes) or \
+                        (arena.user_blocks and arena.lookup(value) is not None):
+                    return False
+            elif kind is not RawTensor or tensors.worth_descriptor(memoryview(value.data).nbytes):
                 return False
         return True
 
