@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -264,5 +265,44 @@ def test_a_model_with_dynamic_batching_keeps_an_async_clients_calls_on_the_lane(
             await until(lambda: not c._asking, 20, "the client's ask for paths to end")
             assert c._state.direct.open_path("batch_probe", "") is None
             assert not c._state.direct.due("batch_probe", "")       # refused: asked again later
+
+    asyncio.run(main())
+
+
+def test_calls_waiting_for_an_instance_take_turns_by_caller(small: Daemon, observer: Client) -> None:
+    """One caller's many calls do not all go before another caller's one
+    (a gateway's connections: gateway/backend.py names each call's caller).
+    The model's one worker is stopped (SIGSTOP) while the calls arrive, so
+    what waits where is the test's doing: two of caller a's eight calls at
+    the worker (one running, one sent ahead), six waiting in the client;
+    then caller b's one call waits beside them. Once the worker runs
+    again, each freed place goes to the next caller in turn: a's third
+    call, then b's, then the rest of a's (in arrival order, b's call would
+    have been the ninth answered)."""
+    async def main() -> None:
+        async with AsyncClient(small.url, timeout=60) as c:
+            await open_paths(c, "slow", {"INPUT__0": np.array([1])})
+            paths = c._state.direct.open_path("slow", "")
+            assert isinstance(paths, AsyncPaths) and len(paths.members) == 1
+            order: list[str] = []
+
+            async def one(tag: str, k: int) -> None:
+                out = await c.infer("slow", {"INPUT__0": np.array([k])}, caller=tag[0])
+                assert int(out["OUTPUT__0"][0]) == k
+                order.append(tag)
+
+            (row,) = observer.statistics("slow")["model_stats"][0]["instances"]
+            worker = row["pid"]              # (an earlier test may have replaced the first one)
+            os.kill(worker, signal.SIGSTOP)
+            try:
+                calls = [asyncio.ensure_future(one(f"a{i}", i)) for i in range(1, 9)]
+                await until(lambda: paths.waiting() == {"a": 6}, 20, "six of a's calls waiting")
+                calls.append(asyncio.ensure_future(one("b1", 100)))
+                await until(lambda: paths.waiting() == {"a": 6, "b": 1}, 20, "b's call waiting beside them")
+                assert order == []
+            finally:
+                os.kill(worker, signal.SIGCONT)
+            await asyncio.gather(*calls)
+            assert order == ["a1", "a2", "a3", "b1", "a4", "a5", "a6", "a7", "a8"]
 
     asyncio.run(main())

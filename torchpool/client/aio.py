@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 import zmq
@@ -212,15 +212,20 @@ class AsyncClient(ClientBase):
     async def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
                     version: Any = None, timeout: Optional[float] = None, copy: bool = False,
                     priority: int = 0, sequence_id: Any = 0, sequence_start: bool = False,
-                    sequence_end: bool = False, sent: Optional[Callable[[], None]] = None) -> InferResult:
+                    sequence_end: bool = False, sent: Optional[Callable[[], None]] = None,
+                    caller: Hashable = None) -> InferResult:
         """As `Client.infer`. `sent()`, when given, is called once the request
         is on its way to the daemon, before its answer: a caller that must
-        keep its requests in order (a gRPC stream's) sends the next then."""
+        keep its requests in order (a gRPC stream's) sends the next then.
+        `caller`: whom the call is made for, where this client serves many
+        (a gateway's connections, a service's tenants): calls waiting here
+        for a free instance of their model take turns by caller, so one
+        caller's many calls do not all go before another's one."""
         seq = sequence_field(sequence_id, sequence_start, sequence_end)
         if not priority and seq is None:
             short = self._state.direct_request(model, inputs, outputs, version, timeout)
             if short is not None:
-                result = await self._direct_infer(short, copy, timeout, sent)
+                result = await self._direct_infer(short, copy, timeout, sent, caller)
                 if result is not None:
                     return result
         return await self._perform(
@@ -249,7 +254,7 @@ class AsyncClient(ClientBase):
             self._asking[key] = asyncio.ensure_future(ask())
 
     async def _direct_infer(self, short: tuple, copy: bool, timeout: Optional[float],
-                            sent: Optional[Callable[[], None]]) -> Optional[InferResult]:
+                            sent: Optional[Callable[[], None]], caller: Hashable) -> Optional[InferResult]:
         """A plain request on its model's open direct path, without the flow
         (sync.py's Client._direct_infer, awaited). None when the session was
         lost: then the flow says hello again and sends it."""
@@ -259,7 +264,7 @@ class AsyncClient(ClientBase):
         try:
             try:
                 header, payload = await path.request(frames, rid, self.timeout if timeout is None else timeout,
-                                                     sent)
+                                                     sent, caller)
             except NoAnswer as exc:
                 lost = exc.path or path    # (one of the model's paths)
                 if exc.sent and not lost.lost:

@@ -23,7 +23,7 @@ import asyncio
 import collections
 import socket
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 from ..protocol import errors, lane, messages
 from ..protocol.errors import InferenceError
@@ -137,10 +137,11 @@ class AsyncLane:
 
     # -- a call
     async def request(self, frames: list, rid: Any, timeout: float,
-                      sent: Optional[Callable[[], None]] = None) -> Reply:
+                      sent: Optional[Callable[[], None]] = None, caller: Hashable = None) -> Reply:
         """Send `frames` (one datagram: the caller checked lane.fits) and
         return the answer to `rid`; NoAnswer when none comes within
-        `timeout` s, or the socket says none will. `sent()` once it is sent."""
+        `timeout` s, or the socket says none will. `sent()` once it is sent.
+        (`caller`: as AsyncPaths'; calls on one socket go in the order sent.)"""
         if self._closed:
             raise InferenceError(errors.CANCELLED, "client closed")
         loop = asyncio.get_running_loop()
@@ -230,6 +231,70 @@ class AsyncDirect(AsyncLane):
         self._link.sock.close()
 
 
+class Turns:
+    """Calls waiting for a place, by caller: each place that frees goes to
+    the next caller in turn (round robin), and a caller's own calls keep
+    their order. One caller's thousand calls so wait behind each other, not
+    in front of another caller's one (a gateway's callers: gateway/backend.py).
+    A call cancelled or timed out is dropped when its turn comes."""
+
+    def __init__(self) -> None:
+        self._queues: dict[Hashable, collections.deque[asyncio.Future]] = {}
+        self._turns: collections.deque[Hashable] = collections.deque()     # callers waiting, next first
+
+    def add(self, caller: Hashable, turn: asyncio.Future, first: bool = False) -> None:
+        """`turn` waits behind `caller`'s others; `first`: before them, and
+        `caller` next (a call woken for a place another call took)."""
+        queue = self._queues.get(caller)
+        if queue is None:
+            queue = self._queues[caller] = collections.deque()
+        elif first:
+            self._turns.remove(caller)
+        else:
+            queue.append(turn)
+            return
+        if first:
+            queue.appendleft(turn)
+            self._turns.appendleft(caller)
+        else:
+            queue.append(turn)
+            self._turns.append(caller)
+
+    def _next_queue(self) -> Optional[collections.deque[asyncio.Future]]:
+        """The next caller's waiting calls (the callers before it, with none
+        left that wait, are dropped); None when no call waits."""
+        turns = self._turns
+        while turns:
+            queue = self._queues[turns[0]]
+            while queue and queue[0].done():
+                queue.popleft()
+            if queue:
+                return queue
+            del self._queues[turns.popleft()]
+        return None
+
+    def __bool__(self) -> bool:
+        return self._next_queue() is not None
+
+    def waiting(self) -> dict[Hashable, int]:
+        """Calls waiting (not cancelled or timed out), by caller."""
+        counts = {caller: sum(not turn.done() for turn in queue) for caller, queue in self._queues.items()}
+        return {caller: n for caller, n in counts.items() if n}
+
+    def pop(self) -> Optional[asyncio.Future]:
+        """The next caller's first waiting call (None when none waits)."""
+        queue = self._next_queue()
+        if queue is None:
+            return None
+        caller = self._turns.popleft()      # (None is a caller: an AsyncClient's own calls)
+        turn = queue.popleft()
+        if queue:
+            self._turns.append(caller)
+        else:
+            del self._queues[caller]
+        return turn
+
+
 class AsyncPaths:
     """Direct paths to each instance of a model, standing as one path.
 
@@ -238,8 +303,9 @@ class AsyncPaths:
     together: broker/direct.py), each call goes to an instance with nothing
     in flight, else ahead to a busy one where the daemon's rule allows that
     (rules/ahead.py: one instance, or executions that average under 2 ms),
-    else waits here, in order, for the first that frees: as the daemon's
-    scheduler places requests on its instances.
+    else waits here for the first that frees: in order, as the daemon's
+    scheduler places requests on its instances, or by `Turns` where calls
+    name their callers.
 
     A path whose instance stopped leaves the others serving; once none is
     left, or the lost ones are and nothing is in flight, the paths count as
@@ -256,7 +322,7 @@ class AsyncPaths:
         self.version = members[0].version
         self._in_flight = [0] * len(members)
         self._mean_ns: Optional[float] = None       # of calls that found their instance idle
-        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+        self._waiting = Turns()
         self._woken = 0                 # calls woken for a place that have not taken it yet
 
     @property
@@ -285,28 +351,31 @@ class AsyncPaths:
                 ahead = i
         return ahead if ahead >= 0 and may_send_ahead(live, self._mean_ns) else -1
 
+    def waiting(self) -> dict[Hashable, int]:
+        """Calls waiting here for a place, by caller."""
+        return self._waiting.waiting()
+
     def _queued(self) -> bool:
-        """Are calls waiting for a place? (those cancelled or timed out are dropped)"""
-        waiting = self._waiting
-        while waiting and waiting[0].done():
-            waiting.popleft()
-        return bool(waiting) or self._woken > 0
+        """Are calls waiting for a place?"""
+        return self._woken > 0 or bool(self._waiting)
 
     def _freed(self) -> None:
-        """A call ended: the first waiting call (all of them when a path was
+        """A call ended: the next waiting call (all of them when a path was
         lost: they may have nowhere to go now) looks again."""
         wake_all = any(m.lost for m in self.members)
-        while self._waiting:
-            w = self._waiting.popleft()
-            if not w.done():
-                w.set_result(None)
-                self._woken += 1         # until it runs: its place is kept from new calls
-                if not wake_all:
-                    return
+        while True:
+            w = self._waiting.pop()      # (not one cancelled or timed out)
+            if w is None:
+                return
+            w.set_result(None)
+            self._woken += 1             # until it runs: its place is kept from new calls
+            if not wake_all:
+                return
 
     async def request(self, frames: list, rid: Any, timeout: float,
-                      sent: Optional[Callable[[], None]] = None) -> Reply:
-        """As AsyncLane.request, on the member `_place` chooses."""
+                      sent: Optional[Callable[[], None]] = None, caller: Hashable = None) -> Reply:
+        """As AsyncLane.request, on the member `_place` chooses. Calls that
+        wait for a place take turns by `caller` (Turns)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         woken = False
@@ -319,10 +388,7 @@ class AsyncPaths:
             if self.lost and all(m.lost for m in self.members):
                 raise self.members[0]._lost_error(sent=False)
             turn = loop.create_future()
-            if woken:
-                self._waiting.appendleft(turn)     # woken but beaten to it: still first
-            else:
-                self._waiting.append(turn)
+            self._waiting.add(caller, turn, first=woken)     # woken but beaten to it: still first
             woken = True
             try:
                 await asyncio.wait_for(turn, max(0.0, deadline - loop.time()))

@@ -451,7 +451,7 @@ class Backend:
             result = await client.infer(
                 model, values, wanted, version or None, timeout=timeout, priority=priority,
                 sequence_id=sequence_id, sequence_start=sequence_start, sequence_end=sequence_end,
-                sent=sent)
+                sent=sent, caller=caller)
         finally:
             self.share.leave(caller)
         tensors = [output_tensor(name, value, binary.get(name, binary_default))
