@@ -1,12 +1,14 @@
 """callers.FairShare: each caller's places at the daemon, and turns between
-callers; http_bodies.BodyBudget: bytes held and who waits for them."""
+callers; callers.ReadAhead: a caller's streams read ahead, and which of them
+a freed place wakes; http_bodies.BodyBudget: bytes held and who waits for
+them."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from torchpool.gateway.callers import Caller, FairShare
+from torchpool.gateway.callers import Caller, FairShare, ReadAhead, StreamAhead
 from torchpool.gateway.http_bodies import BodyBudget, body_buffer
 
 
@@ -105,6 +107,44 @@ def test_a_cancelled_waiter_gives_its_turn_away() -> None:
         share.leave(a)                  # the place goes to b's next request, not the cancelled one
         await asyncio.wait_for(after, 5)
         assert b.in_flight == 1 and share.in_flight == 1 and share.waiting() == 0
+
+    run(scenario())
+
+
+async def _settle() -> None:
+    """Let every task that can run, run (the loop's turns, not time)."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def test_read_ahead_wakes_one_waiting_stream_per_freed_place_not_all() -> None:
+    """Stream a holds the caller's share (3); b, c and d have one request
+    each (a stream with none of its own always reads one) and wait to read
+    a second. Answers that leave the caller at or over its share wake no
+    stream (each answer woke all of them, hundreds per answer for hundreds
+    of streams: issue 39, item 1); d's last answer wakes d itself, and the
+    place it frees goes to the first waiting, b; c sleeps on."""
+    async def scenario() -> None:
+        room = ReadAhead(3)
+        a, b, c, d = (StreamAhead() for _ in range(4))
+        for _ in range(3):
+            await room.take(a)
+        for s in (b, c, d):
+            await room.take(s)
+        assert room.held == 6
+        second = {name: asyncio.ensure_future(room.take(s)) for name, s in (("b", b), ("c", c), ("d", d))}
+        await _settle()
+        assert not any(t.done() for t in second.values())
+        waiters = [s.waiter for s in (b, c, d)]
+        room.give(a, 3)                              # held 3: at the share, no place free
+        assert room.held == 3 and not any(w is None or w.done() for w in waiters)
+        room.give(d)                                 # d holds none now; held 2: one place
+        await _settle()
+        assert second["d"].done() and second["b"].done() and not second["c"].done()
+        assert (room.held, b.own, c.own, d.own) == (4, 2, 1, 1)
+        room.give(b, 2)                              # held 2: one place, to c
+        await _settle()
+        assert second["c"].done() and room.held == 3
 
     run(scenario())
 

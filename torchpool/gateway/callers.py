@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 
 class Caller:
@@ -121,28 +121,68 @@ class FairShare:
         return sum(len(c.waiting) for c in self._turns)
 
 
+class StreamAhead:
+    """One stream's part of its caller's ReadAhead: its requests read and
+    not answered, and its reader while it waits for room."""
+
+    __slots__ = ("own", "waiter")
+
+    def __init__(self) -> None:
+        self.own = 0
+        self.waiter: Optional[asyncio.Future] = None
+
+
 class ReadAhead:
     """A caller's streamed requests read and not yet answered, all its
     streams together: a stream reads another while the caller holds fewer
     than `limit`, or when it has none of its own waiting (so a stream whose
-    client reads its answers never waits for another stream's client)."""
+    client reads its answers never waits for another stream's client).
+
+    A stream that must wait is handed a place when one frees, first come
+    first served, one stream per place (or woken when its own last request
+    is answered), never all at once: a caller's hundreds of streams woken
+    for each answer kept the event loop busy re-checking them, and every
+    other caller's call waited for those rounds (issue 39, item 1)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
-        self._changed: Optional[asyncio.Future] = None
+        self._promised = 0              # places handed to waiting streams that have not taken them yet
+        self._waiting: deque[asyncio.Future] = deque()      # streams' readers, first first
 
-    async def take(self, own: Callable[[], int]) -> None:
-        """Wait for room for one more request of a stream holding `own()`."""
-        while own() and self.held >= self.limit:
-            if self._changed is None:
-                self._changed = asyncio.get_running_loop().create_future()
-            await asyncio.wait([self._changed])      # not cancelled with this waiter
+    async def take(self, stream: StreamAhead) -> None:
+        """Wait for room for one more request of `stream`, and count it."""
+        while stream.own and self.held + self._promised >= self.limit:
+            waiter = stream.waiter = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            try:
+                handed = await waiter       # True: a place; False: it holds none of its own now
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled() and waiter.result():
+                    self._promised -= 1     # handed a place as it was cancelled: the next one's
+                    self._hand_out()
+                raise
+            finally:
+                stream.waiter = None
+            if handed:
+                self._promised -= 1
+                break
         self.held += 1
+        stream.own += 1
 
-    def give(self, n: int = 1) -> None:
-        """`n` requests answered (or dropped): the waiting streams look again."""
+    def give(self, stream: StreamAhead, n: int = 1) -> None:
+        """`n` of `stream`'s requests answered (or dropped): each place freed
+        goes to the first waiting stream, and `stream` reads on once it
+        holds none."""
+        stream.own -= n
         self.held -= n
-        changed, self._changed = self._changed, None
-        if changed is not None and not changed.done():
-            changed.set_result(None)
+        if not stream.own and stream.waiter is not None and not stream.waiter.done():
+            stream.waiter.set_result(False)
+        self._hand_out()
+
+    def _hand_out(self) -> None:
+        while self.held + self._promised < self.limit and self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():           # (not a cancelled stream's, nor one woken already)
+                waiter.set_result(True)
+                self._promised += 1

@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
 from .backend import Backend, InferResponse, bad, grpc_status_name
-from .callers import Caller, ReadAhead
+from .callers import Caller, ReadAhead, StreamAhead
 from .chunks import tensor_bytes
 from .defaults import MAX_INPUT_BYTES
 from .grpc_peers import GrpcCallers
@@ -192,16 +192,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             caller.read_ahead = ReadAhead(self.stream_depth)
         room = caller.read_ahead
         ahead: asyncio.Queue = asyncio.Queue()      # bounded by `room`: a put never waits
-        own = [0]                                   # this stream's requests read and not answered
-        reader = asyncio.ensure_future(self._read_stream(requests, caller, ahead, room, own))
+        stream = StreamAhead()                      # this stream's requests read and not answered
+        reader = asyncio.ensure_future(self._read_stream(requests, caller, ahead, room, stream))
         try:
             while True:
                 answer = await ahead.get()
                 if answer is None:
                     break
                 yield await answer
-                own[0] -= 1
-                room.give()
+                room.give(stream)
             await reader                    # its error (the stream's), if it had one
         finally:
             reader.cancel()
@@ -209,19 +208,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 answer = ahead.get_nowait()
                 if answer is not None:
                     answer.cancel()
-            room.give(own[0])               # the caller's other streams read on
+            room.give(stream, stream.own)   # the caller's other streams read on
             self.callers.leave(caller)
 
     async def _read_stream(self, requests: Any, caller: Caller, ahead: asyncio.Queue,
-                           room: ReadAhead, own: list[int]) -> None:
+                           room: ReadAhead, stream: StreamAhead) -> None:
         """Start each request of a stream as it arrives, in order, once the
         caller has room ahead of its responses; None after the last (or when
         the stream fails)."""
         before: Optional[asyncio.Event] = None
         try:
             async for parsed in requests:
-                await room.take(lambda: own[0])
-                own[0] += 1
+                await room.take(stream)
                 sent = asyncio.Event()
                 ahead.put_nowait(asyncio.ensure_future(self._stream_one(parsed, caller, before, sent)))
                 before = sent
