@@ -49,6 +49,10 @@ ratios are meaningful even on a noisy 2-core machine.
      file in one separate Python process with the same threads; and issue
      27.0's ResNet-18 with the default threads against hand-set ones
      (`--only models`, --skip-models, --real-models).
+
+Not in the full run (an attack, not a way of calling): `--only offender`, a
+new gRPC caller's latency alone and beside 4 x 100 gRPC streams whose
+answers are never read (bench_offender.py).
 """
 from __future__ import annotations
 
@@ -78,6 +82,7 @@ from bench_gateways import (PyTriton, bench_gateways, free_port, pytriton_python
 from gateway_echo import EchoProcess  # noqa: E402
 from bench_local import bench_local, render_local  # noqa: E402
 from bench_many import bench_many, render_many  # noqa: E402
+from bench_offender import bench_offender, render_offender  # noqa: E402
 from bench_models import DEFAULT_NAMES, MODELS, bench_models, render_models  # noqa: E402
 from bench_anchors import bench_anchors, render_anchors  # noqa: E402
 from bench_cpu import bench_cpu, render_cpu  # noqa: E402
@@ -303,7 +308,7 @@ def main() -> int:
     parser.add_argument("--skip-models", action="store_true", help="leave out the real-models section")
     parser.add_argument("--real-models", default=",".join(DEFAULT_NAMES),
                         help=f"the real models' section: a comma list of {', '.join(MODELS)} (default %(default)s)")
-    parser.add_argument("--only", choices=["gateways", "pt2", "cpu", "anchors", "models", "many"],
+    parser.add_argument("--only", choices=["gateways", "pt2", "cpu", "anchors", "models", "many", "offender"],
                         help="run this section alone")
     parser.add_argument("--out", default=str(ROOT / "bench-results"))
     args = parser.parse_args()
@@ -330,6 +335,9 @@ def main() -> int:
         return report(results, args.out)
     if args.only == "many":
         results["many"] = bench_many(args.quick)
+        return report(results, args.out)
+    if args.only == "offender":
+        results["offender"] = bench_offender(Daemon, free_port, args.quick)
         return report(results, args.out)
     with tempfile.TemporaryDirectory(prefix="torchpool-bench-") as tmp:
         work = Path(tmp)
@@ -401,6 +409,8 @@ def render(r: dict) -> str:
         lines += render_cpu(r["cpu"])
     if "anchors" in r:
         lines += render_anchors(r["anchors"])
+    if "offender" in r:
+        lines += render_offender(r["offender"], us)
     return "\n".join(lines)
 
 
