@@ -159,6 +159,53 @@ def test_the_rules_client_modules_load_nothing_of_the_servers() -> None:
         assert {floor_of(t) for t in graph[name]} <= {0}, (name, graph[name])
 
 
+def private_imports() -> list[tuple[str, str]]:
+    """(module, name) for each name starting with `_` a torchpool module
+    imports from another torchpool module. A module named so (the C
+    extensions: `from . import _bytescan`) is a module, not a private name."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if not source.startswith("torchpool") or source == name:
+                continue
+            folder = PACKAGE.parent.joinpath(*source.split("."))
+            if not folder.is_dir():              # a module: what it imports lies beside it
+                folder = folder.parent
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__") \
+                        and not any(folder.glob(f"{alias.name}.*")):
+                    found.append((name, f"{source}.{alias.name}"))
+    return found
+
+
+# Private names still imported across modules, each to be deleted here once
+# gone (the list only shrinks; the client's are being typed on another branch).
+ALLOWED_PRIVATE_IMPORTS = {
+    ("torchpool.client.arena", "torchpool.shm.arena._FreeList"),
+    ("torchpool.client.flows", "torchpool.client.inputs._NeedRoom"),
+    ("torchpool.client.inputs", "torchpool.client.outputs._Encoded"),
+    ("torchpool.client.lane", "torchpool.client.channel._Waiter"),
+}
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A name starting with `_` is its module's own: what another module
+    needs is public (worker.settings imported config.parameters._boolean)."""
+    found = set(private_imports())
+    assert found <= ALLOWED_PRIVATE_IMPORTS, sorted(found - ALLOWED_PRIVATE_IMPORTS)
+    gone = ALLOWED_PRIVATE_IMPORTS - found
+    assert not gone, f"these are gone: delete them from ALLOWED_PRIVATE_IMPORTS: {sorted(gone)}"
+
+
 def script_imports() -> dict[str, set[str]]:
     """The torchpool modules each file in scripts/ imports."""
     found: dict[str, set[str]] = {}

@@ -84,7 +84,7 @@ _TRUE_SPELLINGS = frozenset({"true", "on", "1"})
 _FALSE_SPELLINGS = frozenset({"false", "off", "0"})
 
 
-def _boolean(model: str, key: str, value: str) -> bool:
+def read_boolean(model: str, key: str, value: str) -> bool:
     word = str(value).strip().lower()
     if word in _TRUE_SPELLINGS:
         return True
@@ -124,14 +124,14 @@ def _paths(model: str, key: str, value: str) -> tuple[str, ...]:
 
 # config key -> (ModelParameters field, reader)
 _READERS: dict[str, tuple[str, Callable[[str, str, str], Any]]] = {
-    "INFERENCE_MODE": ("inference_mode", _boolean),
-    "DISABLE_OPTIMIZED_EXECUTION": ("disable_optimized_execution", _boolean),
-    "DISABLE_CUDNN": ("disable_cudnn", _boolean),
-    "ENABLE_CACHE_CLEANING": ("enable_cache_cleaning", _boolean),
-    "ENABLE_WEIGHT_SHARING": ("enable_weight_sharing", _boolean),
-    "ENABLE_JIT_PROFILING": ("jit_profiling", _boolean),
-    "ENABLE_JIT_EXECUTOR": ("jit_executor", _boolean),
-    "ENABLE_TENSOR_FUSER": ("tensor_fuser", _boolean),
+    "INFERENCE_MODE": ("inference_mode", read_boolean),
+    "DISABLE_OPTIMIZED_EXECUTION": ("disable_optimized_execution", read_boolean),
+    "DISABLE_CUDNN": ("disable_cudnn", read_boolean),
+    "ENABLE_CACHE_CLEANING": ("enable_cache_cleaning", read_boolean),
+    "ENABLE_WEIGHT_SHARING": ("enable_weight_sharing", read_boolean),
+    "ENABLE_JIT_PROFILING": ("jit_profiling", read_boolean),
+    "ENABLE_JIT_EXECUTOR": ("jit_executor", read_boolean),
+    "ENABLE_TENSOR_FUSER": ("tensor_fuser", read_boolean),
     "INTRA_OP_THREAD_COUNT": ("intra_op_threads", _thread_count),
     "INTER_OP_THREAD_COUNT": ("inter_op_threads", _thread_count),
     "TORCHPOOL_EXECUTION_TIMEOUT_S": ("execution_timeout", _seconds),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ContextManager, Mapping, Optional
 
 from torchpool.config.parameters import ModelParameters, ParameterError, model_parameters
-from torchpool.config.parameters import _boolean as read_boolean   # Triton's spellings, one owner
+from torchpool.config.parameters import read_boolean   # Triton's spellings, one owner
 from torchpool.config.parameters import parse_parameters as _parse
 from torchpool.protocol.errors import INTERNAL, INVALID_ARG, TorchpoolError
 
