@@ -170,12 +170,17 @@ def test_system_shared_memory_is_off_for_remote_callers(plain: Daemon, segments)
     if os.getuid() != 0:
         pytest.skip("making another user's segment needs root")
     victim = segments("tpt-victim-", unused_uid(), SECRET)
-    expected = ("failed to register system shared memory region 'r': this server does not let remote "
-                "callers use system shared memory (start it with --allow-client-shm=true)")
+    # Triton's UNSUPPORTED (HTTP 501, gRPC UNIMPLEMENTED) and words, for
+    # register and unregister; status stays allowed (empty), as in Triton
+    # (qa/L0_shared_memory test_client_shm_disabled_by_default)
+    expected = "Client shared memory is disabled. Start the server with '--allow-client-shm=true' to enable."
     client = http_client(plain)
     try:
         exc = fails(client.register_system_shared_memory, "r", "/" + victim.key, 64)
-        assert (exc.status(), exc.message()) == ("503", expected)
+        assert (exc.status(), exc.message()) == ("501", expected)
+        for name in ("r", ""):
+            exc = fails(client.unregister_system_shared_memory, name)
+            assert (exc.status(), exc.message()) == ("501", expected)
         assert "system_shared_memory" not in client.get_server_metadata()["extensions"]
         assert client.get_system_shared_memory_status() == []
         # a request naming the region is refused by the daemon: nothing of that name here
@@ -187,7 +192,11 @@ def test_system_shared_memory_is_off_for_remote_callers(plain: Daemon, segments)
         client.close()
     with grpc_client(plain) as g:
         exc = fails(g.register_system_shared_memory, "r", victim.key, 64)
-        assert exc.status() == "StatusCode.UNAVAILABLE" and exc.message() == expected
+        assert (exc.status(), exc.message()) == ("StatusCode.UNIMPLEMENTED", expected)
+        for name in ("r", ""):
+            exc = fails(g.unregister_system_shared_memory, name)
+            assert (exc.status(), exc.message()) == ("StatusCode.UNIMPLEMENTED", expected)
+        assert not g.get_system_shared_memory_status().regions
     assert victim.read() == SECRET
 
 

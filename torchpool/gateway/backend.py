@@ -102,12 +102,15 @@ class ShmPolicy:
     allowed: bool = ALLOW_CLIENT_SHM
     prefixes: tuple[str, ...] = ()
 
-    def check(self, name: str, key: str) -> None:
+    def check_allowed(self) -> None:
+        """Refuse a register or unregister while remote callers may use none
+        (Triton's UNSUPPORTED and words; its status calls stay allowed)."""
         if not self.allowed:
-            raise TorchpoolError(errors.UNAVAILABLE, f"failed to register system shared memory region "
-                                                     f"'{name}': this server does not let remote "
-                                                     f"callers use system shared memory (start it with "
-                                                     f"--allow-client-shm=true)")
+            raise TorchpoolError(errors.UNSUPPORTED, "Client shared memory is disabled. Start the server "
+                                                     "with '--allow-client-shm=true' to enable.")
+
+    def check(self, name: str, key: str) -> None:
+        self.check_allowed()
         # the prefix is matched on the name shm_open sees: '/x' and '//x' are 'x'
         # (Triton's 'triton_' check was passed with leading slashes)
         bare = key.lstrip("/")
@@ -495,6 +498,7 @@ class Backend:
                     await self._close_regions(owner)
 
     async def unregister_shm(self, caller: Caller, name: str = "") -> None:
+        self.shm.check_allowed()
         owner = await self._owner_of(caller)
         async with owner.lock:
             if owner.client is None:
