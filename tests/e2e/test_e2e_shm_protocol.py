@@ -538,10 +538,16 @@ def test_registration_rejections_never_echo_the_key(session: Session) -> None:
     try:
         cases = {
             "reserved": (dict(key="torchpool.deadbeef.1.in0", byte_size=4096, offset=0), "reserved"),
-            "missing": (dict(key=key + "-missing", byte_size=4096, offset=0), "cannot open"),
+            # one answer (Triton's) for every segment the daemon cannot use
+            "missing": (dict(key=key + "-missing", byte_size=4096, offset=0),
+                        "failed to register shared memory region 'x': invalid args"),
             "slash": (dict(key=key + "/../" + key, byte_size=4096, offset=0), "after the leading one"),
-            "too big": (dict(key=key, byte_size=4097, offset=0), "exceeds"),
-            "overflow": (dict(key=key, byte_size=2**64 - 1, offset=1), "not an integer"),
+            "too big": (dict(key=key, byte_size=4097, offset=0),
+                        "failed to register shared memory region 'x': invalid args"),
+            "past the end": (dict(key=key, byte_size=0, offset=4097),
+                             "failed to register shared memory region 'x': invalid args"),
+            "overflow": (dict(key=key, byte_size=2**64 - 1, offset=1),
+                         "failed to register shared memory region 'x': invalid args"),
             "negative": (dict(key=key, byte_size=64, offset=-1), "not an integer"),
             "no room for a nonce": (dict(key=key, byte_size=4, offset=4090),
                                     "the segment has 6 bytes from offset 4090; the daemon needs 8 there"),
@@ -605,6 +611,15 @@ def test_keys_with_tritons_reserved_prefix_are_refused(session: Session) -> None
         assert (ans["ok"], ans["error"]) == (False, {"code": "INVALID_ARG", "message": (
             f"cannot register shared memory region 'my_test_shm_name' with key '{key}' as the key contains "
             f"the reserved prefix '{prefix}'")}), key
+
+
+def test_keys_of_slashes_alone_are_refused_in_tritons_words(session: Session) -> None:
+    """Triton's ValidateSharedMemoryKey (qa/L0_shared_memory test_register_invalid_shm_key)."""
+    for key in ("/", "///"):
+        ans = session.call("register_system_shared_memory", name="my_test_shm_name", key=key, byte_size=10000,
+                           offset=0)
+        assert (ans["ok"], ans["error"]) == (False, {"code": "INVALID_ARG", "message": (
+            f"cannot register shared memory region 'my_test_shm_name' - invalid shm key '{key}'")}), key
 
 
 def test_regions_smaller_than_the_nonce_register(session: Session, shm_daemon: Daemon) -> None:

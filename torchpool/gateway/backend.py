@@ -21,6 +21,7 @@ from ..client import AsyncClient, OutputRef, RawTensor, RegionOutput, SharedMemo
 from ..client.regions import SegmentUnusable
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
+from ..protocol.names import unusable_segment
 from .callers import Caller, FairShare
 from .owners import OwnerKey, RegionOwner
 from .tcp_table import loopback_peer_uid
@@ -492,7 +493,7 @@ class Backend:
                 # the gateway opens the segment with the daemon's rights: why it
                 # failed (missing, forbidden, a symlink, its size) is not the
                 # caller's to learn; one answer for all, the broker's
-                raise bad(f"region '{name}': the daemon cannot open that segment") from None
+                raise unusable_segment(name) from None
             finally:
                 if not owner.names:
                     await self._close_regions(owner)
