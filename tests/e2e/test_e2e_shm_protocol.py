@@ -491,11 +491,24 @@ def test_region_output_too_small(session: Session, region) -> None:
     assert ans["error"]["code"] == "INVALID_ARG" and "needs 64 bytes" in ans["error"]["message"]
 
 
-@pytest.mark.parametrize("nbytes,offset", [(64, 8190), (64, 2**63), (2**64 - 1, 0), (64, -1)])
-def test_region_bounds_on_every_request(session: Session, region, nbytes: int, offset: int) -> None:
+@pytest.mark.parametrize("nbytes,offset,text", [
+    (64, 8190, "Invalid offset + byte size for shared memory region: 'r'"),
+    (2**64 - 1, 0, "Invalid offset + byte size for shared memory region: 'r'"),
+    (0, 8192, "Invalid offset for shared memory region: 'r'"),
+    (64, 2**63, "Invalid offset for shared memory region: 'r'"),
+    (64, 2**64 - 32, "Invalid offset for shared memory region: 'r'"),
+    (2**64 - 32, 32, "Integer overflow detected: byte_size (18446744073709551584) + offset (32) exceeds "
+                     "maximum value (18446744073709551615) for region 'r'"),
+    (64, -1, "in region 'r': offset -1 is not an integer in [0, 2^64)"),
+])
+def test_region_bounds_on_every_request(session: Session, region, nbytes: int, offset: int, text: str) -> None:
+    """Offsets and byte sizes are unsigned 64-bit (Triton's); a request out
+    of its region is refused with Triton's checks, in its order and words
+    (qa/L0_shared_memory test_infer_*_out_of_bound, test_infer_integer_overflow)."""
     ans = session.infer("addsub", [tensor("INPUT0", "region", ["r", nbytes, offset]),
                                    tensor("INPUT1", "data", B.tobytes())])
     assert ans["error"]["code"] == "INVALID_ARG", ans
+    assert text in ans["error"]["message"], ans
     assert region[0] not in ans["error"]["message"]
 
 

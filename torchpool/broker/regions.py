@@ -115,8 +115,16 @@ class Region:
         return self.guarded is not None and self.guarded.faulted
 
     def check(self, what: str, offset: Any, nbytes: Any) -> None:
-        """A request's (offset, nbytes) within the region and the segment now."""
-        check_range(what, offset, nbytes, self.byte_size)
+        """A request's (offset, nbytes) within the region and the segment now:
+        Triton's checks in its order and words (SharedMemoryManager::GetMemoryInfo)."""
+        check_uint64(what, offset, nbytes)
+        if offset >= self.byte_size:
+            raise bad(f"Invalid offset for shared memory region: '{self.name}'")
+        if nbytes > SIZE_MAX - offset:
+            raise bad(f"Integer overflow detected: byte_size ({nbytes}) + offset ({offset}) exceeds maximum "
+                      f"value ({SIZE_MAX}) for region '{self.name}'")
+        if offset + nbytes > self.byte_size:
+            raise bad(f"Invalid offset + byte size for shared memory region: '{self.name}'")
         end = self.offset + offset + nbytes
         if self.broken or end > os.fstat(self.fd).st_size or end > len(self.buf):
             raise bad(f"{what}: region '{self.name}' is smaller than registered "
