@@ -170,12 +170,17 @@ def test_system_shared_memory_is_off_for_remote_callers(plain: Daemon, segments)
     if os.getuid() != 0:
         pytest.skip("making another user's segment needs root")
     victim = segments("tpt-victim-", unused_uid(), SECRET)
-    expected = ("failed to register system shared memory region 'r': this server does not let remote "
-                "callers use system shared memory (start it with --allow-client-shm=true)")
+    # Triton's UNSUPPORTED (HTTP 501, gRPC UNIMPLEMENTED) and words, for
+    # register and unregister; status stays allowed (empty), as in Triton
+    # (qa/L0_shared_memory test_client_shm_disabled_by_default)
+    expected = "Client shared memory is disabled. Start the server with '--allow-client-shm=true' to enable."
     client = http_client(plain)
     try:
         exc = fails(client.register_system_shared_memory, "r", "/" + victim.key, 64)
-        assert (exc.status(), exc.message()) == ("503", expected)
+        assert (exc.status(), exc.message()) == ("501", expected)
+        for name in ("r", ""):
+            exc = fails(client.unregister_system_shared_memory, name)
+            assert (exc.status(), exc.message()) == ("501", expected)
         assert "system_shared_memory" not in client.get_server_metadata()["extensions"]
         assert client.get_system_shared_memory_status() == []
         # a request naming the region is refused by the daemon: nothing of that name here
@@ -187,7 +192,11 @@ def test_system_shared_memory_is_off_for_remote_callers(plain: Daemon, segments)
         client.close()
     with grpc_client(plain) as g:
         exc = fails(g.register_system_shared_memory, "r", victim.key, 64)
-        assert exc.status() == "StatusCode.UNAVAILABLE" and exc.message() == expected
+        assert (exc.status(), exc.message()) == ("StatusCode.UNIMPLEMENTED", expected)
+        for name in ("r", ""):
+            exc = fails(g.unregister_system_shared_memory, name)
+            assert (exc.status(), exc.message()) == ("StatusCode.UNIMPLEMENTED", expected)
+        assert not g.get_system_shared_memory_status().regions
     assert victim.read() == SECRET
 
 
@@ -221,12 +230,17 @@ def test_only_allowed_key_prefixes_are_registered(shm_on: Daemon, segments) -> N
     assert victim.read() == SECRET
 
 
+# Triton's text for a region out of its segment's bounds, torchpool's for every
+# segment the daemon cannot use
+UNUSABLE = "failed to register shared memory region 'r': invalid args"
+
+
 def test_a_remote_caller_learns_nothing_of_dev_shm_from_why_a_key_failed(shm_on: Daemon, segments) -> None:
     """The gateway opens a region's segment with the daemon's rights. It
     used to say why that failed ("No shared memory exists", "Permission
     denied", "Too many levels of symbolic links", "does not fit the segment's
     8 bytes"): a remote caller could map /dev/shm under the allowed prefixes.
-    Now every key the daemon cannot use gets one answer, the broker's."""
+    Now every key the daemon cannot use gets one answer (Triton's words)."""
     small = segments(data=bytes(8))                      # exists, but is smaller than the region
     link = Path("/dev/shm") / f"{ALLOWED}link{uuid.uuid4().hex[:8]}"
     link.symlink_to("/etc/hostname")
@@ -238,16 +252,14 @@ def test_a_remote_caller_learns_nothing_of_dev_shm_from_why_a_key_failed(shm_on:
         try:
             for key in keys:
                 exc = fails(client.register_system_shared_memory, "r", key, 64)
-                assert (exc.status(), exc.message()) == ("400", "region 'r': the daemon cannot open that "
-                                                                "segment"), key
+                assert (exc.status(), exc.message()) == ("400", UNUSABLE), key
             assert client.get_system_shared_memory_status() == []
         finally:
             client.close()
         with grpc_client(shm_on) as g:
             for key in keys:
                 exc = fails(g.register_system_shared_memory, "r", key, 64)
-                assert (exc.status(), exc.message()) == ("StatusCode.INVALID_ARGUMENT",
-                                                         "region 'r': the daemon cannot open that segment"), key
+                assert (exc.status(), exc.message()) == ("StatusCode.INVALID_ARGUMENT", UNUSABLE), key
             mine = segments()                          # a key it can use still registers
             g.register_system_shared_memory("mine", mine.key, 64)
             assert list(g.get_system_shared_memory_status().regions) == ["mine"]

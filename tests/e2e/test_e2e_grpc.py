@@ -403,6 +403,38 @@ def test_system_shared_memory_inputs_and_outputs(client, regions) -> None:
                                                  "Unable to find system shared memory region: 'grpc_in'")
 
 
+def test_shared_memory_keys_and_bounds_in_tritons_words(client, regions) -> None:
+    """qa/L0_shared_memory's texts over gRPC (its int64 fields: no 2^64 - 32 here)."""
+    for key in ("/", "///"):
+        error = failure(client.register_system_shared_memory, "my_test_shm_name", key, 10000)
+        assert (error.status(), error.message()) == (
+            "StatusCode.INVALID_ARGUMENT",
+            f"cannot register shared memory region 'my_test_shm_name' - invalid shm key '{key}'")
+    prefix = "triton_python_backend_shm_region_"
+    for key in (f"{prefix}_k", f"/{prefix}_k", f"///{prefix}_k"):
+        error = failure(client.register_system_shared_memory, "my_test_shm_name", key, 10000)
+        assert (error.status(), error.message()) == (
+            "StatusCode.INVALID_ARGUMENT",
+            f"cannot register shared memory region 'my_test_shm_name' with key '{key}' as the key contains "
+            f"the reserved prefix '{prefix}'")
+    key, _ = regions("grpc_bounds", 64)
+    for byte_size, offset in ((65, 0), (64, 1), (1, 64), (0, 65)):
+        error = failure(client.register_system_shared_memory, "grpc_bounds", key, byte_size, offset=offset)
+        assert (error.status(), error.message()) == (
+            "StatusCode.INVALID_ARGUMENT", "failed to register shared memory region 'grpc_bounds': invalid args")
+    assert not client.get_system_shared_memory_status().regions
+
+    client.register_system_shared_memory("grpc_bounds", key, 64)
+    a = np.arange(16, dtype=np.float32).reshape(1, 16)
+    for byte_size, offset, text in ((64, 64, "Invalid offset for shared memory region: 'grpc_bounds'"),
+                                    (64, 1, "Invalid offset + byte size for shared memory region: "
+                                            "'grpc_bounds'")):
+        output = grpcclient.InferRequestedOutput("OUTPUT__0")
+        output.set_shared_memory("grpc_bounds", byte_size, offset=offset)
+        error = failure(client.infer, F32, addsub_inputs(a, a), outputs=[output])
+        assert (error.status(), error.message()) == ("StatusCode.INVALID_ARGUMENT", text), (byte_size, offset)
+
+
 # --- repository and statistics ---------------------------------------------------------------
 
 def test_repository_index_load_unload(client) -> None:

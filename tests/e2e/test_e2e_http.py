@@ -354,10 +354,13 @@ def test_system_shared_memory(client, regions) -> None:
 
 def test_system_shared_memory_errors(client, regions, http_port: int) -> None:
     key, _ = regions("http_small", 64)
+    # one answer, Triton's words, whether the segment is missing or too small
     exc = fails(client.register_system_shared_memory, "http_missing", "/tpt_http_no_such_key", 64)
-    assert exc.status() == "400" and "http_missing" in exc.message()
+    assert (exc.status(), exc.message()) == ("400", "failed to register shared memory region 'http_missing': "
+                                                    "invalid args")
     exc = fails(client.register_system_shared_memory, "http_big", key, 4096)      # larger than the segment
-    assert exc.status() == "400" and "http_big" in exc.message()
+    assert (exc.status(), exc.message()) == ("400", "failed to register shared memory region 'http_big': "
+                                                    "invalid args")
     # the daemon's own segments are not a client's to name
     exc = fails(client.register_system_shared_memory, "http_own", "/torchpool.x.1.arena", 64)
     assert exc.status() == "400" and "http_own" in exc.message()
@@ -385,6 +388,52 @@ def test_registering_a_name_twice_is_refused_in_tritons_words(client, regions) -
         assert [r["name"] for r in client.get_system_shared_memory_status()] == ["http_twice"]
     finally:
         client.unregister_system_shared_memory("http_twice")
+
+
+def test_shared_memory_keys_and_bounds_in_tritons_words(client, regions) -> None:
+    """qa/L0_shared_memory's texts: keys of slashes alone and keys under
+    Triton's reserved prefix (leading slashes or not) are refused; a region
+    out of its segment's bounds is 'invalid args'; an output out of its
+    region's bounds, with HTTP's uint64 offsets and byte sizes (2^64 - 32
+    included), gets Triton's three texts."""
+    for key in ("/", "///"):
+        exc = fails(client.register_system_shared_memory, "my_test_shm_name", key, 10000)
+        assert (exc.status(), exc.message()) == (
+            "400", f"cannot register shared memory region 'my_test_shm_name' - invalid shm key '{key}'")
+    prefix = "triton_python_backend_shm_region_"
+    for key in (f"{prefix}_k", f"/{prefix}_k", f"///{prefix}_k"):
+        exc = fails(client.register_system_shared_memory, "my_test_shm_name", key, 10000)
+        assert (exc.status(), exc.message()) == (
+            "400", f"cannot register shared memory region 'my_test_shm_name' with key '{key}' as the key "
+                   f"contains the reserved prefix '{prefix}'")
+    key, _ = regions("http_bounds", 64)
+    for byte_size, offset in ((65, 0), (64, 1), (1, 64), (0, 65)):
+        exc = fails(client.register_system_shared_memory, "http_bounds", key, byte_size, offset=offset)
+        assert (exc.status(), exc.message()) == ("400", "failed to register shared memory region "
+                                                        "'http_bounds': invalid args")
+    assert client.get_system_shared_memory_status() == []
+
+    client.register_system_shared_memory("http_bounds", key, 64)
+    try:
+        inputs = [tensor("INPUT__0", A), tensor("INPUT__1", B)]
+        for byte_size, offset, text in (
+                (64, 2**64 - 32, "Invalid offset for shared memory region: 'http_bounds'"),
+                (64, 64, "Invalid offset for shared memory region: 'http_bounds'"),
+                (64, 1, "Invalid offset + byte size for shared memory region: 'http_bounds'"),
+                (2**64 - 32, 32, "Integer overflow detected: byte_size (18446744073709551584) + offset (32) "
+                                 "exceeds maximum value (18446744073709551615) for region 'http_bounds'")):
+            output = httpclient.InferRequestedOutput("OUTPUT__0")
+            output.set_shared_memory("http_bounds", byte_size, offset=offset)
+            exc = fails(client.infer, F32, inputs, outputs=[output])
+            assert (exc.status(), exc.message()) == ("400", text), (byte_size, offset)
+        # 2^64 is past uint64: the parser refuses it
+        output = httpclient.InferRequestedOutput("OUTPUT__0")
+        output.set_shared_memory("http_bounds", 64, offset=2**64)
+        exc = fails(client.infer, F32, inputs, outputs=[output])
+        assert exc.status() == "400" and "Unable to parse 'shared_memory_offset': expected an unsigned " \
+                                         "integer" in exc.message()
+    finally:
+        client.unregister_system_shared_memory("http_bounds")
 
 
 def test_cuda_shared_memory_is_not_supported(client) -> None:

@@ -491,11 +491,24 @@ def test_region_output_too_small(session: Session, region) -> None:
     assert ans["error"]["code"] == "INVALID_ARG" and "needs 64 bytes" in ans["error"]["message"]
 
 
-@pytest.mark.parametrize("nbytes,offset", [(64, 8190), (64, 2**63), (2**64 - 1, 0), (64, -1)])
-def test_region_bounds_on_every_request(session: Session, region, nbytes: int, offset: int) -> None:
+@pytest.mark.parametrize("nbytes,offset,text", [
+    (64, 8190, "Invalid offset + byte size for shared memory region: 'r'"),
+    (2**64 - 1, 0, "Invalid offset + byte size for shared memory region: 'r'"),
+    (0, 8192, "Invalid offset for shared memory region: 'r'"),
+    (64, 2**63, "Invalid offset for shared memory region: 'r'"),
+    (64, 2**64 - 32, "Invalid offset for shared memory region: 'r'"),
+    (2**64 - 32, 32, "Integer overflow detected: byte_size (18446744073709551584) + offset (32) exceeds "
+                     "maximum value (18446744073709551615) for region 'r'"),
+    (64, -1, "in region 'r': offset -1 is not an integer in [0, 2^64)"),
+])
+def test_region_bounds_on_every_request(session: Session, region, nbytes: int, offset: int, text: str) -> None:
+    """Offsets and byte sizes are unsigned 64-bit (Triton's); a request out
+    of its region is refused with Triton's checks, in its order and words
+    (qa/L0_shared_memory test_infer_*_out_of_bound, test_infer_integer_overflow)."""
     ans = session.infer("addsub", [tensor("INPUT0", "region", ["r", nbytes, offset]),
                                    tensor("INPUT1", "data", B.tobytes())])
     assert ans["error"]["code"] == "INVALID_ARG", ans
+    assert text in ans["error"]["message"], ans
     assert region[0] not in ans["error"]["message"]
 
 
@@ -538,10 +551,16 @@ def test_registration_rejections_never_echo_the_key(session: Session) -> None:
     try:
         cases = {
             "reserved": (dict(key="torchpool.deadbeef.1.in0", byte_size=4096, offset=0), "reserved"),
-            "missing": (dict(key=key + "-missing", byte_size=4096, offset=0), "cannot open"),
+            # one answer (Triton's) for every segment the daemon cannot use
+            "missing": (dict(key=key + "-missing", byte_size=4096, offset=0),
+                        "failed to register shared memory region 'x': invalid args"),
             "slash": (dict(key=key + "/../" + key, byte_size=4096, offset=0), "after the leading one"),
-            "too big": (dict(key=key, byte_size=4097, offset=0), "exceeds"),
-            "overflow": (dict(key=key, byte_size=2**64 - 1, offset=1), "not an integer"),
+            "too big": (dict(key=key, byte_size=4097, offset=0),
+                        "failed to register shared memory region 'x': invalid args"),
+            "past the end": (dict(key=key, byte_size=0, offset=4097),
+                             "failed to register shared memory region 'x': invalid args"),
+            "overflow": (dict(key=key, byte_size=2**64 - 1, offset=1),
+                         "failed to register shared memory region 'x': invalid args"),
             "negative": (dict(key=key, byte_size=64, offset=-1), "not an integer"),
             "no room for a nonce": (dict(key=key, byte_size=4, offset=4090),
                                     "the segment has 6 bytes from offset 4090; the daemon needs 8 there"),
@@ -605,6 +624,15 @@ def test_keys_with_tritons_reserved_prefix_are_refused(session: Session) -> None
         assert (ans["ok"], ans["error"]) == (False, {"code": "INVALID_ARG", "message": (
             f"cannot register shared memory region 'my_test_shm_name' with key '{key}' as the key contains "
             f"the reserved prefix '{prefix}'")}), key
+
+
+def test_keys_of_slashes_alone_are_refused_in_tritons_words(session: Session) -> None:
+    """Triton's ValidateSharedMemoryKey (qa/L0_shared_memory test_register_invalid_shm_key)."""
+    for key in ("/", "///"):
+        ans = session.call("register_system_shared_memory", name="my_test_shm_name", key=key, byte_size=10000,
+                           offset=0)
+        assert (ans["ok"], ans["error"]) == (False, {"code": "INVALID_ARG", "message": (
+            f"cannot register shared memory region 'my_test_shm_name' - invalid shm key '{key}'")}), key
 
 
 def test_regions_smaller_than_the_nonce_register(session: Session, shm_daemon: Daemon) -> None:

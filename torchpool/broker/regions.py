@@ -26,11 +26,12 @@ import posix_ipc
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
 from ..protocol.messages import REGION_TOKEN_MIN_BYTES, region_token_bytes
-from ..protocol.names import check_os_name, is_path_component
+from ..protocol.names import check_shm_key, unusable_segment
 from ..shm import guard
 from ..shm.naming import PREFIX
 
-MAX_INT = (1 << 63) - 1
+# Offsets and byte sizes are unsigned 64-bit values, as in Triton (its SIZE_MAX)
+SIZE_MAX = (1 << 64) - 1
 CHALLENGE_TTL_S = 30.0        # a registration must answer its challenge within this
 
 
@@ -38,11 +39,16 @@ def bad(message: str) -> TorchpoolError:
     return TorchpoolError(errors.INVALID_ARG, message)
 
 
+def check_uint64(what: str, offset: Any, nbytes: Any) -> None:
+    """offset and nbytes are ints in [0, 2^64)."""
+    for label, v in (("offset", offset), ("byte size", nbytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > SIZE_MAX:
+            raise bad(f"{what}: {label} {v!r} is not an integer in [0, 2^64)")
+
+
 def check_range(what: str, offset: Any, nbytes: Any, size: int) -> None:
     """offset and nbytes are ints, >= 0, and offset + nbytes fits in size."""
-    for label, v in (("offset", offset), ("byte size", nbytes)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > MAX_INT:
-            raise bad(f"{what}: {label} {v!r} is not an integer in [0, 2^63)")
+    check_uint64(what, offset, nbytes)
     if offset + nbytes > size:
         raise bad(f"{what}: offset {offset} + byte size {nbytes} = {offset + nbytes} exceeds "
                    f"the {size} bytes available")
@@ -109,8 +115,16 @@ class Region:
         return self.guarded is not None and self.guarded.faulted
 
     def check(self, what: str, offset: Any, nbytes: Any) -> None:
-        """A request's (offset, nbytes) within the region and the segment now."""
-        check_range(what, offset, nbytes, self.byte_size)
+        """A request's (offset, nbytes) within the region and the segment now:
+        Triton's checks in its order and words (SharedMemoryManager::GetMemoryInfo)."""
+        check_uint64(what, offset, nbytes)
+        if offset >= self.byte_size:
+            raise bad(f"Invalid offset for shared memory region: '{self.name}'")
+        if nbytes > SIZE_MAX - offset:
+            raise bad(f"Integer overflow detected: byte_size ({nbytes}) + offset ({offset}) exceeds maximum "
+                      f"value ({SIZE_MAX}) for region '{self.name}'")
+        if offset + nbytes > self.byte_size:
+            raise bad(f"Invalid offset + byte size for shared memory region: '{self.name}'")
         end = self.offset + offset + nbytes
         if self.broken or end > os.fstat(self.fd).st_size or end > len(self.buf):
             raise bad(f"{what}: region '{self.name}' is smaller than registered "
@@ -149,19 +163,9 @@ class Challenge:
     given_key: str = ""
 
 
-# Triton's own segments (its Python backend's), refused as Triton refuses them
-TRITON_RESERVED_PREFIX = "triton_python_backend_shm_region_"
-
-
 def region_key(name: str, key: Any) -> str:
     """The shm_open name a register call gives, checked (without the leading '/')."""
-    bare = key.lstrip("/") if isinstance(key, str) else None
-    if bare is not None and bare.startswith(TRITON_RESERVED_PREFIX) and is_path_component(bare):
-        # leading slashes do not get round it (Triton's test); the key is a
-        # plain name past them, so showing it shows nothing raw
-        raise bad(f"cannot register shared memory region '{name}' with key '{key}' as the key contains "
-                  f"the reserved prefix '{TRITON_RESERVED_PREFIX}'")
-    key = check_os_name(f"region '{name}': 'key'", key)
+    key = check_shm_key(name, key)
     if key.startswith(PREFIX):
         raise bad(f"region '{name}': that key is reserved for the daemon's own segments "
                   f"(names starting with '{PREFIX}')")
@@ -179,13 +183,15 @@ def open_challenge(peer: Peer, name: str, key: str, offset: Any, byte_size: Any,
         shm = posix_ipc.SharedMemory("/" + key)
     except (posix_ipc.Error, ValueError, OSError):
         # the same answer whether it is missing or forbidden: no probing of names
-        raise bad(f"region '{name}': the daemon cannot open that segment") from None
+        raise unusable_segment(name) from None
     fd = shm.fd
     try:
         st = os.fstat(fd)
         if not peer.may_write(st):
-            raise bad(f"region '{name}': the daemon cannot open that segment")
-        check_range(f"region '{name}'", offset, byte_size, st.st_size)
+            raise unusable_segment(name)
+        check_uint64(f"region '{name}'", offset, byte_size)
+        if offset + byte_size > st.st_size:
+            raise unusable_segment(name)
         token_bytes = region_token_bytes(st.st_size, offset)
         if token_bytes < REGION_TOKEN_MIN_BYTES:
             raise bad(f"region '{name}': the segment has {st.st_size - offset} bytes from offset {offset}; "

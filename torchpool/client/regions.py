@@ -14,7 +14,7 @@ from ..protocol import errors
 from ..protocol.errors import InferenceError, TorchpoolError
 from ..protocol.messages import (OP_REGISTER, OP_SHM_STATUS, OP_UNREGISTER, REGION_TOKEN_BYTES,
                                  REGION_TOKEN_MIN_BYTES)
-from ..protocol.names import check_os_name
+from ..protocol.names import check_shm_key
 from .local import LocalLink
 from .types import Flow, OutputRef, SharedMemoryRef
 
@@ -52,7 +52,7 @@ class RegionFlows:
         import posix_ipc
 
         try:
-            check_os_name(f"region '{name}': key", key)
+            check_shm_key(name, key)         # Triton's key rules, in its words, before the OS sees it
         except TorchpoolError as exc:        # posix_ipc would crash this process on a NUL
             raise InferenceError(exc.code, exc.message) from None
         if not isinstance(offset, int) or not isinstance(byte_size, int) or offset < 0 or byte_size < 0:

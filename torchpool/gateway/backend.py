@@ -21,6 +21,7 @@ from ..client import AsyncClient, OutputRef, RawTensor, RegionOutput, SharedMemo
 from ..client.regions import SegmentUnusable
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
+from ..protocol.names import unusable_segment
 from .callers import Caller, FairShare
 from .owners import OwnerKey, RegionOwner
 from .tcp_table import loopback_peer_uid
@@ -102,12 +103,15 @@ class ShmPolicy:
     allowed: bool = ALLOW_CLIENT_SHM
     prefixes: tuple[str, ...] = ()
 
-    def check(self, name: str, key: str) -> None:
+    def check_allowed(self) -> None:
+        """Refuse a register or unregister while remote callers may use none
+        (Triton's UNSUPPORTED and words; its status calls stay allowed)."""
         if not self.allowed:
-            raise TorchpoolError(errors.UNAVAILABLE, f"failed to register system shared memory region "
-                                                     f"'{name}': this server does not let remote "
-                                                     f"callers use system shared memory (start it with "
-                                                     f"--allow-client-shm=true)")
+            raise TorchpoolError(errors.UNSUPPORTED, "Client shared memory is disabled. Start the server "
+                                                     "with '--allow-client-shm=true' to enable.")
+
+    def check(self, name: str, key: str) -> None:
+        self.check_allowed()
         # the prefix is matched on the name shm_open sees: '/x' and '//x' are 'x'
         # (Triton's 'triton_' check was passed with leading slashes)
         bare = key.lstrip("/")
@@ -489,12 +493,13 @@ class Backend:
                 # the gateway opens the segment with the daemon's rights: why it
                 # failed (missing, forbidden, a symlink, its size) is not the
                 # caller's to learn; one answer for all, the broker's
-                raise bad(f"region '{name}': the daemon cannot open that segment") from None
+                raise unusable_segment(name) from None
             finally:
                 if not owner.names:
                     await self._close_regions(owner)
 
     async def unregister_shm(self, caller: Caller, name: str = "") -> None:
+        self.shm.check_allowed()
         owner = await self._owner_of(caller)
         async with owner.lock:
             if owner.client is None:

@@ -78,8 +78,11 @@ class InferCall:
 
 # --- JSON field checks (TritonJson's AsUInt / AsBool / AsString) ------------------
 
-def _uint(value: Any, what: str) -> int:
-    if type(value) is not int or value < 0 or value >= 1 << 63:
+def _uint(value: Any, what: str, bits: int = 63) -> int:
+    """An unsigned integer below 2^bits: 63 for most fields, 64 for the
+    shared-memory offsets and byte sizes (Triton's uint64; the daemon checks
+    them against the region in Triton's words)."""
+    if type(value) is not int or value < 0 or value >= 1 << bits:
         raise bad(f"Unable to parse '{what}': expected an unsigned integer, got {_short(value)}")
     return value
 
@@ -371,8 +374,8 @@ def _parse_input(item: dict, size: int, offset: int, json_end: Optional[int],
         tensor.values = _list(item["data"], f"data' of '{name}")
     elif kind == "shared_memory_region":
         tensor.region = _str(params["shared_memory_region"], "shared_memory_region")
-        tensor.byte_size = _uint(params.get("shared_memory_byte_size", 0), "shared_memory_byte_size")
-        tensor.offset = _uint(params.get("shared_memory_offset", 0), "shared_memory_offset")
+        tensor.byte_size = _uint(params.get("shared_memory_byte_size", 0), "shared_memory_byte_size", 64)
+        tensor.offset = _uint(params.get("shared_memory_offset", 0), "shared_memory_offset", 64)
     else:
         n = _uint(params["binary_data_size"], f"binary_data_size' of '{name}")
         if json_end is None and n:
@@ -400,8 +403,8 @@ def _parse_output(item: dict, model: str) -> OutputRequest:
         if out.binary:
             raise bad("Output can't set both 'shared_memory_region' and 'binary_data'")
         out.region = _str(params["shared_memory_region"], "shared_memory_region")
-        out.byte_size = _uint(params.get("shared_memory_byte_size", 0), "shared_memory_byte_size")
-        out.offset = _uint(params.get("shared_memory_offset", 0), "shared_memory_offset")
+        out.byte_size = _uint(params.get("shared_memory_byte_size", 0), "shared_memory_byte_size", 64)
+        out.offset = _uint(params.get("shared_memory_offset", 0), "shared_memory_offset", 64)
     return out
 
 

@@ -12,6 +12,8 @@ bad one is the client's INVALID_ARG naming what was wrong.
 
     check_os_name(what, value)   -> the name, without a leading '/'
     is_path_component(value)     -> whether it passes (no exception)
+    check_shm_key(name, key)     -> a register call's key: Triton's key rules, then this one
+    unusable_segment(name)       -> the one answer for a segment the daemon cannot use
 """
 from __future__ import annotations
 
@@ -61,6 +63,38 @@ def check_os_name(what: str, value: object) -> str:
                                                  f"of 1 to {MAX_NAME_BYTES} bytes with no NUL "
                                                  f"and no '/' after a leading one")
     return value[1:] if value.startswith("/") else value
+
+
+# Triton's own segments (its Python backend's), refused as Triton refuses them
+TRITON_RESERVED_PREFIX = "triton_python_backend_shm_region_"
+
+
+def check_shm_key(name: str, key: object) -> str:
+    """The key of a register call for region `name`, checked as Triton's
+    ValidateSharedMemoryKey checks it (not only slashes; not its reserved
+    prefix, leading slashes or not), in Triton's words, then as a name the
+    OS is given (check_os_name: so `///x` is refused, not normalised).
+    Triton's words repeat the key: only where it is slashes, or a plain name
+    past them, so showing it shows nothing raw."""
+    if isinstance(key, str):
+        bare = key.lstrip("/")
+        if not bare:
+            raise TorchpoolError(errors.INVALID_ARG, f"cannot register shared memory region '{name}' - "
+                                                     f"invalid shm key '{key}'")
+        if bare.startswith(TRITON_RESERVED_PREFIX) and is_path_component(bare):
+            raise TorchpoolError(errors.INVALID_ARG, f"cannot register shared memory region '{name}' with "
+                                                     f"key '{key}' as the key contains the reserved prefix "
+                                                     f"'{TRITON_RESERVED_PREFIX}'")
+    return check_os_name(f"region '{name}': 'key'", key)
+
+
+def unusable_segment(name: str) -> TorchpoolError:
+    """The answer to a register whose segment the daemon cannot use: missing,
+    forbidden, a symlink, a directory, smaller than offset + byte size. One
+    text for all (Triton's for a region out of its segment's bounds), so that
+    nobody maps /dev/shm by asking: the OS's reason and the size stay here."""
+    return TorchpoolError(errors.INVALID_ARG, f"failed to register shared memory region '{name}': "
+                                              f"invalid args")
 
 
 def model_name_problem(value: object) -> str:
