@@ -150,7 +150,7 @@ class MappedSegments:
         """Map a segment we were handed (taking its fd); replaces one of the same name."""
         old = self._segments.pop(name, None)
         if old is not None:
-            old.close()
+            self._close(old)         # as a dropped one (a GPU worker unregisters it first)
         seg = self._segments[name] = Segment.from_fd(name, fd, writable=writable, keep_fd=keep_fd)
         return seg
 

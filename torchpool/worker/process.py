@@ -46,6 +46,7 @@ from .binding import ExecutionError, ModelLoadError
 from .capture import CaptureRegion, OutputCapture, reuse_input
 from .classify import Classified
 from .direct import DirectClients
+from .gpu_copies import DeviceCopies, HostPinning, cuda_pinning
 from .lending import LendingAreas
 from .loader import load_instance
 from .parent import tie_to_the_broker
@@ -84,7 +85,10 @@ class Worker:
         self.sock = sock
         # the broker hands us each segment's fd; the last unmap frees its pages: off this thread
         self.reaper = Reaper("torchpool-worker-reaper")
-        self.inputs_shm = MappedSegments(self.reaper.close)
+        self.inputs_shm = MappedSegments(self._unmap_input)
+        # on a GPU (load()): the segments page-locked for it, and the instance's stream
+        self.pinning: Optional[HostPinning] = None
+        self.copies: Optional[DeviceCopies] = None
         self.receiver = FdReceiver(internal.MAX_MESSAGE)
         self.regions = RegionMaps()
         self.outputs = Arena(lambda i: f"{spec.segment_prefix}{i}", spec.arena_chunk,
@@ -159,6 +163,9 @@ class Worker:
         # paid now, not on the first answer.
         self.outputs.free(self.outputs.alloc(1))
         self.on_cpu = self.device is None or torch.device(self.device).type == "cpu"
+        if not self.on_cpu and torch.device(self.device).type == "cuda":
+            self.pinning = cuda_pinning(self.label)
+            self.copies = DeviceCopies(self.device)
         self.clean_cache = self.settings.enable_cache_cleaning
         self.capture = OutputCapture.create(f"{self.spec.segment_prefix}capture", self.announce,
                                             self.spec.output_capture_mib << 20)
@@ -322,18 +329,26 @@ class Worker:
                 region: Optional[CaptureRegion] = None) -> dict:
         """The model's outputs; large tensors it makes land in `region`, else
         the capture region (unless `capture` is False: answers that travel inline)."""
-        capture = self.capture if capture else None
-        if capture is None:
-            results = self.binding.run(self.module, inputs, names)
-        else:
-            capture.on(region)
-            try:
-                results = self.binding.run(self.module, inputs, names)
-            finally:
-                capture.off()     # never while outputs are copied
+        copies = self.copies
+        if copies is None:
+            results = self._run_model(inputs, names, self.capture if capture else None, region)
+        else:                           # on a GPU: the model's kernels after its inputs' copies
+            with copies.on_stream():
+                results = self._run_model(inputs, names, self.capture if capture else None, region)
+            copies.finish()             # once per batch: then its outputs are read
         if self.clean_cache:
             after_execution(self.settings, self.device)
         return results
+
+    def _run_model(self, inputs: dict, names: Optional[list], capture: Optional[OutputCapture],
+                   region: Optional[CaptureRegion]) -> dict:
+        if capture is None:
+            return self.binding.run(self.module, inputs, names)
+        capture.on(region)
+        try:
+            return self.binding.run(self.module, inputs, names)
+        finally:
+            capture.off()     # never while outputs are copied
 
     def copy_out_of(self, area: CaptureRegion, out: list) -> list:
         """The batch's outputs in `area`, copied into this worker's arena (they
@@ -415,10 +430,22 @@ class Worker:
     def view_input(self, d: internal.InputDescriptor) -> Any:
         name, datatype, shape, segment, offset, nbytes, generation, _ = d
         buf = self._buffer(segment, offset, nbytes, generation, name)
-        return self.tensor(name, datatype, shape, buf, offset, nbytes)
+        pinned = False
+        if self.pinning is not None and segment.__class__ is str:     # a daemon or client arena segment
+            address = _address_of(buf)
+            pinned = address is not None and self.pinning.pin(segment, address, len(buf))
+        return self.tensor(name, datatype, shape, buf, offset, nbytes, pinned)
 
-    def tensor(self, name: str, datatype: str, shape: list, buf: Any, offset: int, nbytes: int) -> Any:
-        """Input `name` as the model takes it, a view of `buf[offset:offset + nbytes]`."""
+    def _unmap_input(self, seg: Segment) -> None:
+        """An input segment goes: unregistered from the GPU first, then unmapped (off this thread)."""
+        if self.pinning is not None:
+            self.pinning.unpin(seg.name)
+        self.reaper.close(seg)
+
+    def tensor(self, name: str, datatype: str, shape: list, buf: Any, offset: int, nbytes: int,
+               pinned: bool = False) -> Any:
+        """Input `name` as the model takes it, a view of `buf[offset:offset + nbytes]`
+        (on a GPU, a copy there: asynchronous when `buf` is page-locked)."""
         if datatype == "BYTES":
             return self._strings(name, memoryview(buf)[offset:offset + nbytes], math.prod(shape))
         dtype, itemsize, array_type = _tensor_type(datatype)
@@ -428,7 +455,9 @@ class Worker:
             tensor = torch.from_numpy(np.ndarray(shape, array_type, buf, offset))
         else:
             tensor = torch.frombuffer(buf, dtype=dtype, count=nbytes // itemsize, offset=offset).view(shape)
-        if not self.on_cpu:
+        if self.copies is not None:
+            tensor = self.copies.to_device(tensor, pinned)
+        elif not self.on_cpu:
             tensor = tensor.to(self.device)
         return tensor
 
@@ -499,6 +528,18 @@ class Worker:
 
 
 @functools.cache
+def _address_of(buf: Any) -> Optional[int]:
+    """Where a writable mapping starts (the export is dropped at once: the
+    mapping can still be closed); None for a read-only one."""
+    try:
+        view = ctypes.c_char.from_buffer(buf)
+    except TypeError:
+        return None
+    address = ctypes.addressof(view)
+    del view
+    return address
+
+
 def _tensor_type(datatype: str) -> tuple[torch.dtype, int, Optional[np.dtype]]:
     """(torch dtype, bytes per element, numpy dtype if numpy has it) of a wire
     datatype: read per request, looked up in protocol.datatypes once."""
