@@ -18,9 +18,10 @@ asks again.
 """
 from __future__ import annotations
 
+import collections
 import socket
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -30,6 +31,12 @@ from ..shm.fdpass import DONTWAIT, FdReceiver, close_all
 from ..rules.direct import plain_refusal
 from .lane import LaneSocket
 from .types import NoAnswer, RawTensor
+
+if TYPE_CHECKING:
+    from .arena import ClientArena
+    from .local import LocalLink
+    from .outputs import Release, _Encoded
+    from .types import InferResult
 
 RETRY_S = 30.0          # a model that refused is asked again after this long
 ASK_S = 60.0            # while one thread asks for a path, the others take the lane
@@ -152,12 +159,12 @@ class DirectPaths:
         # asked once: the calls of other threads meanwhile take the lane
         self._paths[key] = time.monotonic() + ASK_S
         self._asking.add(key)
-        ask = {"model": model, "version": version}
+        fields: dict[str, object] = {"model": model, "version": version}
         if state.direct_group is not None:
-            ask["all"] = True                # a path to each instance (broker/direct.py)
+            fields["all"] = True             # a path to each instance (broker/direct.py)
         fds: list[int] = []
         try:
-            header, _ = yield from state.exchange(messages.OP_DIRECT, timeout, ask, lane=True)
+            header, _ = yield from state.exchange(messages.OP_DIRECT, timeout, fields, lane=True)
             result = header["result"]
             names = result.get("paths") or [result["direct"]]
             for name in names:
@@ -208,6 +215,29 @@ class DirectRequests:
     flow. Mixed into `ClientState` (flows.py): uses its arena, lane, paths,
     encoding and decoding."""
 
+    # ClientState's (set in its __init__; methods of flows.py and inputs.py); declared for the checker only
+    local: bool
+    arena: Optional[ClientArena]
+    direct: DirectPaths
+    session: Optional[str]
+    direct_factory: Optional[Callable[[socket.socket, str], Any]]
+    link: Optional[LocalLink]
+    releases: collections.deque[Release]
+
+    if TYPE_CHECKING:
+        def _encode_inline(self, inputs: Mapping[str, Any]) -> _Encoded: ...
+
+        def finish(self, enc: _Encoded, arena: Optional[ClientArena], answered: bool,
+                   rid: Any = None, token: Optional[str] = None) -> None: ...
+
+        def _infer_header(self, model: str, version: Any, enc: _Encoded, outputs: Optional[Sequence[Any]],
+                          timeout: Optional[float], priority: int, sequence: Optional[dict]) -> dict: ...
+
+        def open_lane(self) -> Any: ...
+
+        def _answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: _Encoded,
+                      arena: Optional[ClientArena]) -> InferResult: ...
+
     def direct_request(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
                        version: Optional[Union[int, str]], timeout: Optional[float] = None) -> Optional[tuple]:
         """(path, id, frames, encoded inputs, session) of a request that goes
@@ -253,9 +283,11 @@ class DirectRequests:
         """May this session's requests go on direct paths now? (a lane is open,
         the daemon offers paths, and no lent outputs wait to be given back:
         those go with a request to the daemon)"""
+        link = self.link        # (not None when a lane is open)
         return self.direct_factory is not None and self.open_lane() is not None and \
-            self.link.direct_ok and not self.releases
+            link is not None and link.direct_ok and not self.releases
 
-    def direct_answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: Any) -> Any:
+    def direct_answered(self, header: dict, payload: list, copy: bool, token: Optional[str],
+                        enc: _Encoded) -> InferResult:
         """The outputs of a `direct_request`'s answer. Under `lock`."""
         return self._answered(header, payload, copy, token, enc, None)
