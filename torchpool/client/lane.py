@@ -62,6 +62,7 @@ class LaneSocket(SharedSocket):
         if self.lost:
             error = self._lost_error(sent=False)
         else:
+            assert w.frames is not None     # each call is sent once
             datagram = lane.request(w.frames)
             while True:
                 try:
