@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+from typing import Any, Awaitable, Callable, Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 import zmq
@@ -14,7 +14,7 @@ from ..protocol.errors import InferenceError
 from .arena import DEFAULT_ARENA_CAP
 from .common import (DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control,
                      error_of, send_goodbye_and_close)
-from .aio_lane import AsyncDirect, AsyncLane, AsyncPaths
+from .aio_lane import AsyncDirect, AsyncLane, AsyncPaths, Reply
 from .flows import SessionLost, is_session_error, run_async, sequence_field
 from .regions import needs_session
 from .types import Call, NoAnswer
@@ -44,7 +44,7 @@ class AsyncClient(ClientBase):
                  arena_cap: int = DEFAULT_ARENA_CAP, server_key: Optional[ServerKey] = None,
                  client_key: Optional[ClientKey] = None) -> None:
         self._open(url, timeout, local, arena_cap, zmq.asyncio.Context.instance(), server_key, client_key)
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[object, asyncio.Future] = {}    # by request id (as the answer says it)
         self._marks: dict[int, Mark] = {}        # the connection's story when each was sent
         self._reader: Optional[asyncio.Task] = None
         self._watcher: Optional[asyncio.Task] = None
@@ -147,10 +147,11 @@ class AsyncClient(ClientBase):
     async def _perform(self, make_flow: Callable, timeout: Optional[float], session: bool = False,
                        sent: Optional[Callable[[], None]] = None) -> Any:
         st = self._state
-        send = self._send
+        send: Callable[[Call], Awaitable[Reply]] = self._send
         if sent is not None:
-            def send(call: Call) -> Any:
+            def send_marked(call: Call) -> Awaitable[Reply]:
                 return self._send(call, sent if call.request else None)
+            send = send_marked
         for attempt in range(2):
             if st.needs_hello(session):
                 if self._hello_lock is None:
@@ -324,8 +325,8 @@ class AsyncClient(ClientBase):
         """Say goodbye, wait (briefly) for the daemon to acknowledge, close."""
         if not self._closer.alive:
             return
-        if wait > 0 and self._state.session is not None:
-            call = self._state.goodbye_call(None)
+        call = self._state.goodbye_call(None) if wait > 0 else None     # None: no session
+        if call is not None:
             try:
                 await self._call(call.frames, call.rid, wait)
             except (InferenceError, zmq.ZMQError):

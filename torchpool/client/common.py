@@ -111,7 +111,7 @@ def curve_keys(server_key: Optional[ServerKey], client_key: Optional[ClientKey])
             raise ValueError("client_key: expected a (public, secret) pair of 40-character Z85 keys")
     else:
         public, secret = _certificate(client_key, "client_key")
-        if _z85_key(secret) is None:
+        if secret is None or _z85_key(secret) is None:
             raise ValueError(f"client_key: {os.fspath(client_key)!r} holds no secret key (give the "
                              f"NAME.key_secret file, not NAME.key)")
     if zmq.curve_public(secret) != public:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeGuard
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class _Daemon:
                 "failed": self.failed, "why": self.why}
 
 
-def _went_away(exc: BaseException) -> bool:
+def _went_away(exc: BaseException) -> TypeGuard[NoAnswer]:
     """The daemon could not be reached or its connection dropped (not: it is slow)."""
     return isinstance(exc, NoAnswer) and exc.code == errors.UNAVAILABLE
 
