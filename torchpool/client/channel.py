@@ -52,7 +52,7 @@ class _Waiter:
 
     __slots__ = ("rid", "frames", "deadline", "mark", "reply", "error", "promoted", "event")
 
-    def __init__(self, rid: Any, frames: list, deadline: float = 0.0) -> None:
+    def __init__(self, rid: int, frames: list, deadline: float = 0.0) -> None:
         self.rid = rid
         self.frames: Optional[list] = frames    # None once sent
         self.deadline = deadline                 # time.monotonic() when the caller gives up
@@ -73,13 +73,13 @@ class SharedSocket:
     `on_late(header)` gets each answer nobody waits for any more (a call
     that timed out): it must give back what that request held."""
 
-    def __init__(self, sock: Any, watch: Optional[ConnectionWatch], on_late: Callable[[Any], None]) -> None:
+    def __init__(self, sock: Any, watch: Optional[ConnectionWatch], on_late: Callable[[object], None]) -> None:
         self._sock = sock
         self._watch = watch
         self._on_late = on_late
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)     # notified when nobody reads
-        self._waiting: dict[Any, _Waiter] = {}
+        self._waiting: dict[object, _Waiter] = {}     # by request id (as an answer says it)
         self._outbox: collections.deque[_Waiter] = collections.deque()
         self._reader: Optional[_Waiter] = None
         self._closed = False
@@ -94,7 +94,7 @@ class SharedSocket:
             self._poll_items.append((watch.fd, _POLLIN))
 
     # -- a call
-    def request(self, frames: list, rid: Any, timeout: float) -> Reply:
+    def request(self, frames: list, rid: int, timeout: float) -> Reply:
         """Send `frames` and return the reply to `rid`; NoAnswer when none
         comes within `timeout` s (or the connection says none will)."""
         now = time.monotonic()

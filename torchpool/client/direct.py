@@ -60,18 +60,18 @@ class DirectLink:
     def recv(self) -> tuple[memoryview, list[int]]:
         return self._receiver.recv(self.sock, DONTWAIT)
 
-    def keep(self, data: Any, fds: list[int]) -> None:
+    def keep(self, data: memoryview, fds: list[int]) -> None:
         close_all(fds)
 
 
 class DirectSocket(LaneSocket):
     zmq_fallback = False        # a call it did not take goes over the lane (flows.py)
 
-    def __init__(self, sock: socket.socket, model: str, url: str, on_late: Callable[[Any], None]) -> None:
+    def __init__(self, sock: socket.socket, model: str, url: str, on_late: Callable[[object], None]) -> None:
         sock.setblocking(False)
         self.model = model
         self.name = ""                  # the daemon's name of the path (for ended_flow)
-        self.version: Any = None        # the model version it serves (as the daemon said)
+        self.version: object = None     # the model version it serves (as the daemon said)
         super().__init__(DirectLink(sock), url, on_late)
 
     def lost_error(self) -> InferenceError:

@@ -323,7 +323,7 @@ class MultiClient:
     def __enter__(self) -> "MultiClient":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -32,9 +32,9 @@ def register_several_daemons(factory: Callable[..., Any]) -> None:
     _several_daemons = factory
 
 
-def _late_answers(state: ClientState) -> Callable[[Any], None]:
+def _late_answers(state: ClientState) -> Callable[[object], None]:
     """What the channel does with an answer nobody waits for any more."""
-    def late(header: Any) -> None:
+    def late(header: object) -> None:
         with state.lock:
             state.late_reply(header)
     return late
