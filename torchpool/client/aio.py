@@ -18,7 +18,7 @@ from .aio_lane import AsyncDirect, AsyncLane, AsyncPaths, Reply
 from .flows import SessionLost, is_session_error, run_async, sequence_field
 from .regions import needs_session
 from .types import Call, NoAnswer
-from .types import InferResult
+from .types import InferResult, ModelConfig, SequenceId, Version
 from .watch import Mark
 
 
@@ -181,15 +181,15 @@ class AsyncClient(ClientBase):
     async def server_ready(self, timeout: Optional[float] = None) -> bool:
         return bool(await self._control(messages.OP_SERVER_READY, timeout))
 
-    async def model_ready(self, name: str, version: Any = None) -> bool:
+    async def model_ready(self, name: str, version: Version = None) -> bool:
         return bool(await self._control(messages.OP_MODEL_READY, model=name,
                                         version=self._version_field(version)))
 
-    async def model_metadata(self, name: str, version: Any = None) -> dict:
+    async def model_metadata(self, name: str, version: Version = None) -> dict:
         return await self._control(messages.OP_MODEL_METADATA, model=name,
                                    version=self._version_field(version))
 
-    async def model_config(self, name: str, version: Any = None) -> dict:
+    async def model_config(self, name: str, version: Version = None) -> dict:
         return await self._control(messages.OP_MODEL_CONFIG, model=name,
                                    version=self._version_field(version))
 
@@ -199,11 +199,11 @@ class AsyncClient(ClientBase):
     async def server_metadata(self) -> dict:
         return await self._control(messages.OP_SERVER_METADATA)
 
-    async def statistics(self, model: Optional[str] = None, version: Any = None) -> dict:
+    async def statistics(self, model: Optional[str] = None, version: Version = None) -> dict:
         return await self._control(messages.OP_STATISTICS, model=model or "",
                                    version=self._version_field(version))
 
-    async def load(self, name: str, config: Any = None, timeout: Optional[float] = None) -> None:
+    async def load(self, name: str, config: ModelConfig = None, timeout: Optional[float] = None) -> None:
         await self._control(messages.OP_LOAD, timeout, model=name,
                             config=json.dumps(config) if isinstance(config, dict) else config)
 
@@ -211,8 +211,8 @@ class AsyncClient(ClientBase):
         await self._control(messages.OP_UNLOAD, timeout, model=name)
 
     async def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
-                    version: Any = None, timeout: Optional[float] = None, copy: bool = False,
-                    priority: int = 0, sequence_id: Any = 0, sequence_start: bool = False,
+                    version: Version = None, timeout: Optional[float] = None, copy: bool = False,
+                    priority: int = 0, sequence_id: SequenceId = 0, sequence_start: bool = False,
                     sequence_end: bool = False, sent: Optional[Callable[[], None]] = None,
                     caller: Hashable = None) -> InferResult:
         """As `Client.infer`. `sent()`, when given, is called once the request

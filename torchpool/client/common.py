@@ -12,6 +12,7 @@ from zmq.utils import z85
 from ..protocol import errors, messages, tensors
 from ..protocol.errors import InferenceError
 from .flows import Call, ClientState
+from .types import Version
 from .values import output_array, prepare_input
 from .watch import ConnectionWatch, timeout_error
 
@@ -34,7 +35,7 @@ CONNECT_TIMEOUT_MS = 2000
 # --- inline requests, with no session (kept for callers that build frames) ---------
 
 def encode_infer(request_id: int, model: str, inputs: Mapping[str, Any],
-                 outputs: Optional[Sequence[str]], version: Any, timeout: Optional[float]) -> list:
+                 outputs: Optional[Sequence[str]], version: Version, timeout: Optional[float]) -> list:
     """The frames of an inline infer request: header first, then large tensors."""
     entries: list[dict] = []
     frames: list = []
@@ -197,7 +198,7 @@ class ClientBase:
         return self._watch.no_answer(timeout)
 
     @staticmethod
-    def _version_field(version: Any) -> str:
+    def _version_field(version: Version) -> str:
         return "" if version is None else str(version)
 
     def transfer_stats(self) -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .arena import ClientArena
     from .local import LocalLink
     from .outputs import Release, _Encoded
-    from .types import InferResult
+    from .types import InferResult, Version
 
 RETRY_S = 30.0          # a model that refused is asked again after this long
 ASK_S = 60.0            # while one thread asks for a path, the others take the lane
@@ -230,7 +230,7 @@ class DirectRequests:
         def finish(self, enc: _Encoded, arena: Optional[ClientArena], answered: bool,
                    rid: Any = None, token: Optional[str] = None) -> None: ...
 
-        def _infer_header(self, model: str, version: Any, enc: _Encoded, outputs: Optional[Sequence[Any]],
+        def _infer_header(self, model: str, version: Version, enc: _Encoded, outputs: Optional[Sequence[Any]],
                           timeout: Optional[float], priority: int, sequence: Optional[dict]) -> dict: ...
 
         def open_lane(self) -> Any: ...
@@ -239,7 +239,7 @@ class DirectRequests:
                       arena: Optional[ClientArena]) -> InferResult: ...
 
     def direct_request(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
-                       version: Optional[Union[int, str]], timeout: Optional[float] = None) -> Optional[tuple]:
+                       version: Version, timeout: Optional[float] = None) -> Optional[tuple]:
         """(path, id, frames, encoded inputs, session) of a request that goes
         to the open direct path of its model, encoded as `infer_flow` encodes
         it; None when it needs the flow (no path open yet, inputs that go by

@@ -37,7 +37,7 @@ from .direct import DirectPaths, DirectRequests, takes_direct
 from .local import LocalLink
 from .outputs import OutputDecoding, Release, Quarantined, _Encoded
 from .regions import RegionFlows
-from .types import Call, Classification, Flow, InferResult, NoAnswer, OutputRef
+from .types import Call, Classification, Flow, InferResult, NoAnswer, OutputRef, SequenceId, Version
 
 
 class SessionLost(Exception):
@@ -303,7 +303,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         return True
 
     def infer_flow(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
-                   version: Any, timeout: Optional[float], copy: bool, priority: int = 0,
+                   version: Version, timeout: Optional[float], copy: bool, priority: int = 0,
                    sequence: Optional[dict] = None) -> Flow:
         arena = self.arena if self.local else None
         if arena is None:
@@ -346,7 +346,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         finally:
             self.finish(enc, arena, answered, rid, token)
 
-    def _infer_header(self, model: str, version: Any, enc: _Encoded, outputs: Optional[Sequence[Any]],
+    def _infer_header(self, model: str, version: Version, enc: _Encoded, outputs: Optional[Sequence[Any]],
                       timeout: Optional[float], priority: int, sequence: Optional[dict]) -> dict:
         wanted = None
         if outputs is not None:
@@ -418,7 +418,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         return dict(self.stats)
 
 
-def sequence_field(sequence_id: Any, start: bool, end: bool) -> Optional[dict]:
+def sequence_field(sequence_id: SequenceId, start: bool, end: bool) -> Optional[dict]:
     """The `sequence` header field of a request (None when it names no sequence)."""
     if not sequence_id and not start and not end:
         return None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, Optional
+from typing import Any, Generator, Optional, Union
 
 import numpy as np
 
@@ -173,3 +173,13 @@ class Call:
 
 
 Flow = Generator[Call, Any, Any]
+
+Version = Optional[Union[int, str]]
+"""A model version as callers name it: its number (as int or text); None (or
+"") for the version the model's policy picks."""
+
+SequenceId = Union[int, str]
+"""A sequence's id: a non-zero int or a non-empty str (0 / "": no sequence)."""
+
+ModelConfig = Union[dict[str, object], str, None]
+"""A configuration given to `load`: a dict, or its JSON text; None: the model's file."""
