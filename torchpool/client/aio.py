@@ -14,10 +14,10 @@ from ..protocol.errors import InferenceError
 from .arena import DEFAULT_ARENA_CAP
 from .common import (DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control,
                      error_of, send_goodbye_and_close)
-from .aio_lane import AsyncDirect, AsyncLane, AsyncPaths, Reply
+from .aio_lane import AsyncDirect, AsyncLane, AsyncPaths
 from .flows import SessionLost, is_session_error, run_async, sequence_field
 from .regions import needs_session
-from .types import Call, NoAnswer
+from .types import Call, Flow, NoAnswer, Reply
 from .types import InferResult, ModelConfig, SequenceId, Version
 from .watch import Mark
 
@@ -144,7 +144,7 @@ class AsyncClient(ClientBase):
             raise error_of(header)
         return header, payload
 
-    async def _perform(self, make_flow: Callable, timeout: Optional[float], session: bool = False,
+    async def _perform(self, make_flow: Callable[[], Flow], timeout: Optional[float], session: bool = False,
                        sent: Optional[Callable[[], None]] = None) -> Any:
         st = self._state
         send: Callable[[Call], Awaitable[Reply]] = self._send

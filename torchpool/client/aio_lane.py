@@ -31,9 +31,8 @@ from ..rules.ahead import may_send_ahead
 from ..shm.fdpass import DONTWAIT
 from .direct import DirectLink, path_closed
 from .lane import LaneLink, assemble
-from .types import NoAnswer
+from .types import NoAnswer, Reply
 
-Reply = tuple[dict, list]
 _READS_PER_WAKE = 64        # answers read per wake-up before the loop runs others
 
 

@@ -32,10 +32,9 @@ import zmq
 from ..protocol import errors, messages
 from ..protocol.errors import InferenceError
 from ..rules.spin import SpinWait
-from .types import NoAnswer
+from .types import NoAnswer, Reply
 from .watch import ConnectionWatch, Mark
 
-Reply = tuple[dict, list]
 # Reading the monitor costs a few us, too much for every call: a send right
 # after a poll (the hot path) trusts that poll. Anything that happened in so
 # short a gap is the daemon going away, which the request then hears about.

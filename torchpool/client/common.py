@@ -12,7 +12,7 @@ from zmq.utils import z85
 from ..protocol import errors, messages, tensors
 from ..protocol.errors import InferenceError
 from .flows import Call, ClientState
-from .types import Version
+from .types import Flow, Version
 from .values import output_array, prepare_input
 from .watch import ConnectionWatch, timeout_error
 
@@ -217,7 +217,7 @@ class ClientBase:
         """True once the daemon agreed this client shares its host (arena in use)."""
         return self._state.local
 
-    def _control_flow(self, op: str, timeout: Optional[float], fields: dict) -> Callable:
+    def _control_flow(self, op: str, timeout: Optional[float], fields: dict[str, object]) -> Callable[[], Flow]:
         return lambda: self._state.control_flow(op, timeout, fields)
 
     def _check_open(self) -> None:

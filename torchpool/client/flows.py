@@ -23,7 +23,7 @@ import itertools
 import math
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from .direct import DirectPaths, DirectRequests, takes_direct
 from .local import LocalLink
 from .outputs import OutputDecoding, Release, Quarantined, _Encoded
 from .regions import RegionFlows
-from .types import Call, Classification, Flow, InferResult, NoAnswer, OutputRef, SequenceId, Version
+from .types import Call, Classification, Flow, InferResult, NoAnswer, OutputRef, Reply, SequenceId, Version
 
 
 class SessionLost(Exception):
@@ -428,7 +428,7 @@ def sequence_field(sequence_id: SequenceId, start: bool, end: bool) -> Optional[
 _NO_LOCK = contextlib.nullcontext()
 
 
-def run_sync(flow: Flow, send: Callable[[Call], Any], lock: Optional[threading.Lock] = None) -> Any:
+def run_sync(flow: Flow, send: Callable[[Call], Reply], lock: Optional[threading.Lock] = None) -> Any:
     """Drive a flow with a blocking `send(call) -> (header, frames)`. With
     `lock` (the state's, for a client shared by threads) each step of the
     flow runs under it, and the waits for answers do not."""
@@ -449,7 +449,7 @@ def run_sync(flow: Flow, send: Callable[[Call], Any], lock: Optional[threading.L
         return stop.value
 
 
-async def run_async(flow: Flow, send: Callable[[Call], Any]) -> Any:
+async def run_async(flow: Flow, send: Callable[[Call], Awaitable[Reply]]) -> Any:
     """Drive a flow with an awaitable `send(call) -> (header, frames)`."""
     try:
         call = next(flow)

@@ -18,7 +18,7 @@ from .lane import LaneSocket
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control, error_of
 from .flows import ClientState, SessionLost, is_session_error, run_sync, sequence_field
 from .regions import needs_session
-from .types import Call, NoAnswer
+from .types import Call, Flow, NoAnswer
 from .types import InferResult, ModelConfig, SequenceId, Version
 
 
@@ -123,7 +123,7 @@ class Client(ClientBase):
             raise error_of(header)
         return header, payload
 
-    def _perform(self, make_flow: Callable, timeout: Optional[float], session: bool = False) -> Any:
+    def _perform(self, make_flow: Callable[[], Flow], timeout: Optional[float], session: bool = False) -> Any:
         """Run a flow; say hello first when due; once more after a lost session."""
         st = self._state
         for attempt in range(2):

@@ -172,7 +172,11 @@ class Call:
         self.request = request       # the inference request itself (not a hello, a grow, ...)
 
 
-Flow = Generator[Call, Any, Any]
+Reply = tuple[dict, list]
+"""An answer: its header and its payload frames."""
+
+# a flow yields the calls it wants sent and is sent each one's answer
+Flow = Generator[Call, Reply, Any]
 
 Version = Optional[Union[int, str]]
 """A model version as callers name it: its number (as int or text); None (or
