@@ -16,13 +16,16 @@ import os
 import socket
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 from ..broker.usage import PSS_EVERY_S
 from .errors import FAILURE, CliError
 from .inputs import input_value, output_row, parse_specs
 from .preflight import reason
 from .urls import check_url, tcp_host_port
+
+if TYPE_CHECKING:
+    from ..client import Client
 
 CONNECT_TIMEOUT = 5.0
 # `ps` asks again this long for the PSS of workers the daemon had not read yet
@@ -34,6 +37,7 @@ def check_reachable(url: str) -> None:
     """CliError(FAILURE) when nothing listens at `url` (checked as --url first)."""
     check_url("--url", url)
     hint = "is `torchpool serve` running there?"
+    address: Union[str, tuple[str, int]]            # a unix socket's path, or (host, port)
     if url.startswith("ipc://"):
         path = url[len("ipc://"):]
         if not os.path.exists(path):
@@ -58,7 +62,7 @@ def check_reachable(url: str) -> None:
 
 
 @contextmanager
-def connected(args: argparse.Namespace) -> Iterator[Any]:
+def connected(args: argparse.Namespace) -> Iterator[Client]:
     """A Client on --url; the server's errors (and ours) as CliError(FAILURE)."""
     from ..client import Client
     from ..protocol.errors import TorchpoolError

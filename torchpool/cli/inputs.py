@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import numpy as np
 
 from ..protocol.datatypes import WIRE_DATATYPES, numpy_dtype
 from .errors import USAGE, CliError
+
+if TYPE_CHECKING:
+    from ..client import RawTensor
 
 SYNTAX = "NAME=JSON[:DATATYPE] or NAME=@FILE.npy[:DATATYPE]"
 # Triton's order, for messages (the same set as protocol.datatypes.WIRE_DATATYPES)
@@ -68,10 +71,11 @@ def parse_specs(texts: list[str]) -> list[InputSpec]:
     return specs
 
 
-def input_value(spec: InputSpec, declared: Mapping[str, str]) -> Any:
+def input_value(spec: InputSpec, declared: Mapping[str, str]) -> Union[np.ndarray, RawTensor]:
     """The value for Client.infer. `declared`: input name -> the model's datatype."""
     if spec.path is not None:
-        return _from_file(spec)
+        return _from_file(spec, spec.path)
+    assert spec.json_text is not None       # parse_spec gives one of path and json_text
     try:
         data = json.loads(spec.json_text)
     except json.JSONDecodeError as exc:
@@ -81,21 +85,21 @@ def input_value(spec: InputSpec, declared: Mapping[str, str]) -> Any:
     return _from_json(spec, data, datatype)
 
 
-def _leaves(data: Any) -> list:
+def _leaves(data: object) -> list[object]:
     """The scalars of nested JSON lists, in order (ragged or not)."""
     if not isinstance(data, list):
         return [data]
     return [leaf for item in data for leaf in _leaves(item)]
 
 
-def _guess(data: Any) -> str:
+def _guess(data: object) -> str:
     """No :DATATYPE and the model does not declare the input (the server will
     say so): strings make BYTES, numbers FP32."""
     leaves = _leaves(data)
     return "BYTES" if leaves and all(isinstance(x, str) for x in leaves) else "FP32"
 
 
-def _from_json(spec: InputSpec, data: Any, datatype: str) -> Any:
+def _from_json(spec: InputSpec, data: Any, datatype: str) -> Union[np.ndarray, RawTensor]:
     what = f"--input {spec.text}"
     strings = [isinstance(x, str) for x in _leaves(data)]
     if datatype == "BYTES" and not all(strings):
@@ -119,18 +123,19 @@ def _from_json(spec: InputSpec, data: Any, datatype: str) -> Any:
         raise CliError(USAGE, f"{what}: cannot make a tensor of {datatype} from it: {why}") from None
 
 
-def _from_file(spec: InputSpec) -> Any:
+def _from_file(spec: InputSpec, path: str) -> Union[np.ndarray, RawTensor]:
+    """`spec`'s value from its .npy file `path` (spec.path)."""
     what = f"--input {spec.text}"
     try:
-        arr = np.load(spec.path, allow_pickle=False)
+        arr = np.load(path, allow_pickle=False)
     except OSError as exc:
-        raise CliError(USAGE, f"{what}: cannot read {spec.path}: {exc.strerror or exc}") from None
+        raise CliError(USAGE, f"{what}: cannot read {path}: {exc.strerror or exc}") from None
     except ValueError as exc:
         # object arrays need pickle, which would run code from the file
-        raise CliError(USAGE, f"{what}: {spec.path} is not a plain .npy array ({exc}); for BYTES "
+        raise CliError(USAGE, f"{what}: {path} is not a plain .npy array ({exc}); for BYTES "
                               f"give a JSON list of strings") from None
     if not isinstance(arr, np.ndarray):
-        raise CliError(USAGE, f"{what}: {spec.path} holds several arrays (.npz); give one .npy file")
+        raise CliError(USAGE, f"{what}: {path} holds several arrays (.npz); give one .npy file")
     if spec.datatype is None:
         return arr
     try:
@@ -143,7 +148,7 @@ def _from_file(spec: InputSpec) -> Any:
         raise CliError(USAGE, f"{what}: cannot convert {arr.dtype} to {spec.datatype}: {exc}") from None
 
 
-def _bf16(values: np.ndarray) -> Any:
+def _bf16(values: np.ndarray) -> RawTensor:
     """float32 -> bfloat16 bits, rounded to nearest even, as a RawTensor
     (numpy has no bfloat16; the client sends a RawTensor's bytes as they are)."""
     from ..client import RawTensor
@@ -151,7 +156,7 @@ def _bf16(values: np.ndarray) -> Any:
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
     rounded[np.isnan(values)] = 0x7FC0
-    return RawTensor("BF16", list(values.shape), rounded.tobytes())
+    return RawTensor("BF16", values.shape, rounded.tobytes())
 
 
 def output_row(name: str, value: Any) -> dict:

@@ -84,7 +84,9 @@ def check_listen(urls: Sequence[str]) -> None:
 def _claim_ipc(url: str) -> None:
     from ..broker.frontend import ipc_path
 
-    _claim(f"--listen {url}", ipc_path(url), socket.SOCK_STREAM)
+    path = ipc_path(url)
+    assert path is not None         # called for ipc:// URLs only
+    _claim(f"--listen {url}", path, socket.SOCK_STREAM)
 
 
 def check_local_socket(option: Optional[str], listen: Sequence[str]) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+from typing import Any, Awaitable, Callable, Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 import zmq
@@ -17,8 +17,8 @@ from .common import (DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, Serve
 from .aio_lane import AsyncDirect, AsyncLane, AsyncPaths
 from .flows import SessionLost, is_session_error, run_async, sequence_field
 from .regions import needs_session
-from .types import Call, NoAnswer
-from .types import InferResult
+from .types import Call, Flow, NoAnswer, Reply
+from .types import InferResult, ModelConfig, SequenceId, Version
 from .watch import Mark
 
 
@@ -44,7 +44,7 @@ class AsyncClient(ClientBase):
                  arena_cap: int = DEFAULT_ARENA_CAP, server_key: Optional[ServerKey] = None,
                  client_key: Optional[ClientKey] = None) -> None:
         self._open(url, timeout, local, arena_cap, zmq.asyncio.Context.instance(), server_key, client_key)
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[object, asyncio.Future] = {}    # by request id (as the answer says it)
         self._marks: dict[int, Mark] = {}        # the connection's story when each was sent
         self._reader: Optional[asyncio.Task] = None
         self._watcher: Optional[asyncio.Task] = None
@@ -144,13 +144,14 @@ class AsyncClient(ClientBase):
             raise error_of(header)
         return header, payload
 
-    async def _perform(self, make_flow: Callable, timeout: Optional[float], session: bool = False,
+    async def _perform(self, make_flow: Callable[[], Flow], timeout: Optional[float], session: bool = False,
                        sent: Optional[Callable[[], None]] = None) -> Any:
         st = self._state
-        send = self._send
+        send: Callable[[Call], Awaitable[Reply]] = self._send
         if sent is not None:
-            def send(call: Call) -> Any:
+            def send_marked(call: Call) -> Awaitable[Reply]:
                 return self._send(call, sent if call.request else None)
+            send = send_marked
         for attempt in range(2):
             if st.needs_hello(session):
                 if self._hello_lock is None:
@@ -180,15 +181,15 @@ class AsyncClient(ClientBase):
     async def server_ready(self, timeout: Optional[float] = None) -> bool:
         return bool(await self._control(messages.OP_SERVER_READY, timeout))
 
-    async def model_ready(self, name: str, version: Any = None) -> bool:
+    async def model_ready(self, name: str, version: Version = None) -> bool:
         return bool(await self._control(messages.OP_MODEL_READY, model=name,
                                         version=self._version_field(version)))
 
-    async def model_metadata(self, name: str, version: Any = None) -> dict:
+    async def model_metadata(self, name: str, version: Version = None) -> dict:
         return await self._control(messages.OP_MODEL_METADATA, model=name,
                                    version=self._version_field(version))
 
-    async def model_config(self, name: str, version: Any = None) -> dict:
+    async def model_config(self, name: str, version: Version = None) -> dict:
         return await self._control(messages.OP_MODEL_CONFIG, model=name,
                                    version=self._version_field(version))
 
@@ -198,11 +199,11 @@ class AsyncClient(ClientBase):
     async def server_metadata(self) -> dict:
         return await self._control(messages.OP_SERVER_METADATA)
 
-    async def statistics(self, model: Optional[str] = None, version: Any = None) -> dict:
+    async def statistics(self, model: Optional[str] = None, version: Version = None) -> dict:
         return await self._control(messages.OP_STATISTICS, model=model or "",
                                    version=self._version_field(version))
 
-    async def load(self, name: str, config: Any = None, timeout: Optional[float] = None) -> None:
+    async def load(self, name: str, config: ModelConfig = None, timeout: Optional[float] = None) -> None:
         await self._control(messages.OP_LOAD, timeout, model=name,
                             config=json.dumps(config) if isinstance(config, dict) else config)
 
@@ -210,8 +211,8 @@ class AsyncClient(ClientBase):
         await self._control(messages.OP_UNLOAD, timeout, model=name)
 
     async def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
-                    version: Any = None, timeout: Optional[float] = None, copy: bool = False,
-                    priority: int = 0, sequence_id: Any = 0, sequence_start: bool = False,
+                    version: Version = None, timeout: Optional[float] = None, copy: bool = False,
+                    priority: int = 0, sequence_id: SequenceId = 0, sequence_start: bool = False,
                     sequence_end: bool = False, sent: Optional[Callable[[], None]] = None,
                     caller: Hashable = None) -> InferResult:
         """As `Client.infer`. `sent()`, when given, is called once the request
@@ -324,8 +325,8 @@ class AsyncClient(ClientBase):
         """Say goodbye, wait (briefly) for the daemon to acknowledge, close."""
         if not self._closer.alive:
             return
-        if wait > 0 and self._state.session is not None:
-            call = self._state.goodbye_call(None)
+        call = self._state.goodbye_call(None) if wait > 0 else None     # None: no session
+        if call is not None:
             try:
                 await self._call(call.frames, call.rid, wait)
             except (InferenceError, zmq.ZMQError):
@@ -343,5 +344,5 @@ class AsyncClient(ClientBase):
     async def __aenter__(self) -> "AsyncClient":
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()

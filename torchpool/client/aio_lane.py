@@ -23,17 +23,16 @@ import asyncio
 import collections
 import socket
 import time
-from typing import Any, Callable, Hashable, Optional
+from typing import Callable, Hashable, Optional, Union
 
 from ..protocol import errors, lane, messages
 from ..protocol.errors import InferenceError
 from ..rules.ahead import may_send_ahead
 from ..shm.fdpass import DONTWAIT
 from .direct import DirectLink, path_closed
-from .lane import assemble
-from .types import NoAnswer
+from .lane import LaneLink, assemble
+from .types import NoAnswer, Reply
 
-Reply = tuple[dict, list]
 _READS_PER_WAKE = 64        # answers read per wake-up before the loop runs others
 
 
@@ -47,15 +46,15 @@ class AsyncLane:
 
     zmq_fallback = True         # a call it could not send goes over ZeroMQ (aio.py)
 
-    def __init__(self, link: Any, url: str, on_late: Callable[[Any], None]) -> None:
+    def __init__(self, link: LaneLink, url: str, on_late: Callable[[object], None]) -> None:
         self._link = link
         self._url = url
         self._on_late = on_late
         self.fd = link.sock.fileno()
         self.lost = False                  # closed by the far end: nothing more comes
         self._closed = False               # closed by us
-        self._pieces: list[bytes] = []     # of an answer that came in several datagrams
-        self._pending: dict[Any, asyncio.Future] = {}
+        self._pieces: list[Union[bytes, memoryview]] = []     # of an answer that came in several datagrams
+        self._pending: dict[object, asyncio.Future] = {}     # by request id (as an answer says it)
         self._writable: list[asyncio.Future] = []      # sends waiting for room
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         try:
@@ -87,7 +86,7 @@ class AsyncLane:
             except BlockingIOError:
                 return
             except OSError:
-                data, fds = b"", []
+                data, fds = memoryview(b""), []    # (empty: lost)
             if not data:
                 self._lose()
                 return
@@ -136,7 +135,7 @@ class AsyncLane:
         await asyncio.wait((w, answer), return_when=asyncio.FIRST_COMPLETED)
 
     # -- a call
-    async def request(self, frames: list, rid: Any, timeout: float,
+    async def request(self, frames: list, rid: int, timeout: float,
                       sent: Optional[Callable[[], None]] = None, caller: Hashable = None) -> Reply:
         """Send `frames` (one datagram: the caller checked lane.fits) and
         return the answer to `rid`; NoAnswer when none comes within
@@ -210,11 +209,11 @@ class AsyncDirect(AsyncLane):
 
     zmq_fallback = False        # a call it did not take goes over the lane (flows.py)
 
-    def __init__(self, sock: socket.socket, model: str, url: str, on_late: Callable[[Any], None]) -> None:
+    def __init__(self, sock: socket.socket, model: str, url: str, on_late: Callable[[object], None]) -> None:
         sock.setblocking(False)
         self.model = model
         self.name = ""                  # the daemon's name of the path (for ended_flow)
-        self.version: Any = None        # the model version it serves (as the daemon said)
+        self.version: object = None     # the model version it serves (as the daemon said)
         super().__init__(DirectLink(sock), url, on_late)
 
     def spin(self, window_us: int) -> None:
@@ -372,7 +371,7 @@ class AsyncPaths:
             if not wake_all:
                 return
 
-    async def request(self, frames: list, rid: Any, timeout: float,
+    async def request(self, frames: list, rid: int, timeout: float,
                       sent: Optional[Callable[[], None]] = None, caller: Hashable = None) -> Reply:
         """As AsyncLane.request, on the member `_place` chooses. Calls that
         wait for a place take turns by `caller` (Turns)."""

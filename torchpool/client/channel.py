@@ -32,10 +32,9 @@ import zmq
 from ..protocol import errors, messages
 from ..protocol.errors import InferenceError
 from ..rules.spin import SpinWait
-from .types import NoAnswer
+from .types import NoAnswer, Reply
 from .watch import ConnectionWatch, Mark
 
-Reply = tuple[dict, list]
 # Reading the monitor costs a few us, too much for every call: a send right
 # after a poll (the hot path) trusts that poll. Anything that happened in so
 # short a gap is the daemon going away, which the request then hears about.
@@ -52,9 +51,9 @@ class _Waiter:
 
     __slots__ = ("rid", "frames", "deadline", "mark", "reply", "error", "promoted", "event")
 
-    def __init__(self, rid: Any, frames: list, deadline: float = 0.0) -> None:
+    def __init__(self, rid: int, frames: list, deadline: float = 0.0) -> None:
         self.rid = rid
-        self.frames = frames
+        self.frames: Optional[list] = frames    # None once sent
         self.deadline = deadline                 # time.monotonic() when the caller gives up
         self.mark: Optional[Mark] = None        # the connection's story when it was sent
         self.reply: Optional[Reply] = None
@@ -73,13 +72,13 @@ class SharedSocket:
     `on_late(header)` gets each answer nobody waits for any more (a call
     that timed out): it must give back what that request held."""
 
-    def __init__(self, sock: Any, watch: Optional[ConnectionWatch], on_late: Callable[[Any], None]) -> None:
+    def __init__(self, sock: Any, watch: Optional[ConnectionWatch], on_late: Callable[[object], None]) -> None:
         self._sock = sock
         self._watch = watch
         self._on_late = on_late
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)     # notified when nobody reads
-        self._waiting: dict[Any, _Waiter] = {}
+        self._waiting: dict[object, _Waiter] = {}     # by request id (as an answer says it)
         self._outbox: collections.deque[_Waiter] = collections.deque()
         self._reader: Optional[_Waiter] = None
         self._closed = False
@@ -94,7 +93,7 @@ class SharedSocket:
             self._poll_items.append((watch.fd, _POLLIN))
 
     # -- a call
-    def request(self, frames: list, rid: Any, timeout: float) -> Reply:
+    def request(self, frames: list, rid: int, timeout: float) -> Reply:
         """Send `frames` and return the reply to `rid`; NoAnswer when none
         comes within `timeout` s (or the connection says none will)."""
         now = time.monotonic()
@@ -127,12 +126,14 @@ class SharedSocket:
 
     def _wait(self, me: _Waiter, deadline: float) -> None:
         """Wait for another thread to hand us our answer, or the socket."""
+        event = me.event
+        assert event is not None        # request() gave it one: it is not the reader
         while True:
             remaining = deadline - time.monotonic()
             if remaining > 0:
-                me.event.wait(remaining)
+                event.wait(remaining)
             with self._lock:
-                me.event.clear()
+                event.clear()
                 promoted, me.promoted = me.promoted, False
                 done = me.reply is not None or me.error is not None
                 if not (promoted or done):
@@ -207,27 +208,35 @@ class SharedSocket:
         self._spin_poll = functools.partial(_zmq_poll, self._poll_items)   # built once, not per wait
 
     def _no_answer(self, timeout: float) -> NoAnswer:
-        return self._watch.no_answer(timeout)
+        watch = self._watch
+        assert watch is not None        # a LaneSocket (no watch) overrides this
+        return watch.no_answer(timeout)
 
     def _on_deadline(self) -> None:
-        self._watch.drain()            # the freshest story for the error
+        watch = self._watch
+        assert watch is not None        # a LaneSocket (no watch) overrides this
+        watch.drain()                  # the freshest story for the error
 
     def _on_monitor(self) -> None:
-        if self._watch.socket.closed:     # close() gave up waiting for this reader
+        watch = self._watch
+        assert watch is not None        # a LaneSocket (no watch) overrides this
+        if watch.socket.closed:           # close() gave up waiting for this reader
             raise zmq.ZMQError(zmq.ENOTSOCK)
-        self._watch.drain()
+        watch.drain()
         self._fail_lost()
 
     def _transmit(self, w: _Waiter, now: Optional[float] = None) -> None:
         """Send one request (the reader's thread only); `now`: the time, if
         the caller just read it."""
         watch = self._watch
+        assert watch is not None        # a LaneSocket (no watch) overrides this
         if (time.monotonic() if now is None else now) - self._polled > _FRESH_S:
             watch.drain()     # events from while nobody polled happened before this send
         error = None if watch.connected else watch.before_send()
         if error is None:
             w.mark = watch.mark()
             frames = w.frames
+            assert frames is not None       # each call is sent once
             try:
                 if len(frames) == 1:       # a tiny request: one frame, no multipart loop
                     self._sock.send(frames[0], _NOBLOCK)
@@ -273,13 +282,14 @@ class SharedSocket:
             # the reader's own answer needs no lock: no other thread gives it
             # anything (close() at most an error, and the answer wins)
             self._waiting.pop(rid, None)
-            me.reply = (header, payload)
+            w.reply = (header, payload)         # (w is me)
         elif not self._finish(w, reply=(header, payload)):
             self._on_late(header)               # the late answer of a call that timed out
 
     def _fail_lost(self) -> None:
         """Fail every sent call the connection's events say will get no answer."""
         watch = self._watch
+        assert watch is not None        # a LaneSocket (no watch) overrides this
         with self._lock:
             waiting = list(self._waiting.values())
         for w in waiting:
@@ -309,6 +319,7 @@ class SharedSocket:
                 del self._waiting[me.rid]          # our time is up
             self._reader = None
             for w in self._waiting.values():       # someone else waits: they read now
+                assert w.event is not None         # only the reader has none, and `me` is gone
                 self._reader = w
                 w.promoted = True
                 w.event.set()

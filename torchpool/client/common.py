@@ -12,6 +12,7 @@ from zmq.utils import z85
 from ..protocol import errors, messages, tensors
 from ..protocol.errors import InferenceError
 from .flows import Call, ClientState
+from .types import Flow, Version
 from .values import output_array, prepare_input
 from .watch import ConnectionWatch, timeout_error
 
@@ -34,7 +35,7 @@ CONNECT_TIMEOUT_MS = 2000
 # --- inline requests, with no session (kept for callers that build frames) ---------
 
 def encode_infer(request_id: int, model: str, inputs: Mapping[str, Any],
-                 outputs: Optional[Sequence[str]], version: Any, timeout: Optional[float]) -> list:
+                 outputs: Optional[Sequence[str]], version: Version, timeout: Optional[float]) -> list:
     """The frames of an inline infer request: header first, then large tensors."""
     entries: list[dict] = []
     frames: list = []
@@ -111,7 +112,7 @@ def curve_keys(server_key: Optional[ServerKey], client_key: Optional[ClientKey])
             raise ValueError("client_key: expected a (public, secret) pair of 40-character Z85 keys")
     else:
         public, secret = _certificate(client_key, "client_key")
-        if _z85_key(secret) is None:
+        if secret is None or _z85_key(secret) is None:
             raise ValueError(f"client_key: {os.fspath(client_key)!r} holds no secret key (give the "
                              f"NAME.key_secret file, not NAME.key)")
     if zmq.curve_public(secret) != public:
@@ -197,7 +198,7 @@ class ClientBase:
         return self._watch.no_answer(timeout)
 
     @staticmethod
-    def _version_field(version: Any) -> str:
+    def _version_field(version: Version) -> str:
         return "" if version is None else str(version)
 
     def transfer_stats(self) -> dict:
@@ -216,7 +217,7 @@ class ClientBase:
         """True once the daemon agreed this client shares its host (arena in use)."""
         return self._state.local
 
-    def _control_flow(self, op: str, timeout: Optional[float], fields: dict) -> Callable:
+    def _control_flow(self, op: str, timeout: Optional[float], fields: dict[str, object]) -> Callable[[], Flow]:
         return lambda: self._state.control_flow(op, timeout, fields)
 
     def _check_open(self) -> None:

@@ -18,9 +18,10 @@ asks again.
 """
 from __future__ import annotations
 
+import collections
 import socket
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -30,6 +31,12 @@ from ..shm.fdpass import DONTWAIT, FdReceiver, close_all
 from ..rules.direct import plain_refusal
 from .lane import LaneSocket
 from .types import NoAnswer, RawTensor
+
+if TYPE_CHECKING:
+    from .arena import ClientArena
+    from .local import LocalLink
+    from .outputs import Release, _Encoded
+    from .types import InferResult, Version
 
 RETRY_S = 30.0          # a model that refused is asked again after this long
 ASK_S = 60.0            # while one thread asks for a path, the others take the lane
@@ -53,18 +60,18 @@ class DirectLink:
     def recv(self) -> tuple[memoryview, list[int]]:
         return self._receiver.recv(self.sock, DONTWAIT)
 
-    def keep(self, data: Any, fds: list[int]) -> None:
+    def keep(self, data: memoryview, fds: list[int]) -> None:
         close_all(fds)
 
 
 class DirectSocket(LaneSocket):
     zmq_fallback = False        # a call it did not take goes over the lane (flows.py)
 
-    def __init__(self, sock: socket.socket, model: str, url: str, on_late: Callable[[Any], None]) -> None:
+    def __init__(self, sock: socket.socket, model: str, url: str, on_late: Callable[[object], None]) -> None:
         sock.setblocking(False)
         self.model = model
         self.name = ""                  # the daemon's name of the path (for ended_flow)
-        self.version: Any = None        # the model version it serves (as the daemon said)
+        self.version: object = None     # the model version it serves (as the daemon said)
         super().__init__(DirectLink(sock), url, on_late)
 
     def lost_error(self) -> InferenceError:
@@ -152,12 +159,12 @@ class DirectPaths:
         # asked once: the calls of other threads meanwhile take the lane
         self._paths[key] = time.monotonic() + ASK_S
         self._asking.add(key)
-        ask = {"model": model, "version": version}
+        fields: dict[str, object] = {"model": model, "version": version}
         if state.direct_group is not None:
-            ask["all"] = True                # a path to each instance (broker/direct.py)
+            fields["all"] = True             # a path to each instance (broker/direct.py)
         fds: list[int] = []
         try:
-            header, _ = yield from state.exchange(messages.OP_DIRECT, timeout, ask, lane=True)
+            header, _ = yield from state.exchange(messages.OP_DIRECT, timeout, fields, lane=True)
             result = header["result"]
             names = result.get("paths") or [result["direct"]]
             for name in names:
@@ -208,8 +215,31 @@ class DirectRequests:
     flow. Mixed into `ClientState` (flows.py): uses its arena, lane, paths,
     encoding and decoding."""
 
+    # ClientState's (set in its __init__; methods of flows.py and inputs.py); declared for the checker only
+    local: bool
+    arena: Optional[ClientArena]
+    direct: DirectPaths
+    session: Optional[str]
+    direct_factory: Optional[Callable[[socket.socket, str], Any]]
+    link: Optional[LocalLink]
+    releases: collections.deque[Release]
+
+    if TYPE_CHECKING:
+        def _encode_inline(self, inputs: Mapping[str, Any]) -> _Encoded: ...
+
+        def finish(self, enc: _Encoded, arena: Optional[ClientArena], answered: bool,
+                   rid: Any = None, token: Optional[str] = None) -> None: ...
+
+        def _infer_header(self, model: str, version: Version, enc: _Encoded, outputs: Optional[Sequence[Any]],
+                          timeout: Optional[float], priority: int, sequence: Optional[dict]) -> dict: ...
+
+        def open_lane(self) -> Any: ...
+
+        def _answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: _Encoded,
+                      arena: Optional[ClientArena]) -> InferResult: ...
+
     def direct_request(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
-                       version: Optional[Union[int, str]], timeout: Optional[float] = None) -> Optional[tuple]:
+                       version: Version, timeout: Optional[float] = None) -> Optional[tuple]:
         """(path, id, frames, encoded inputs, session) of a request that goes
         to the open direct path of its model, encoded as `infer_flow` encodes
         it; None when it needs the flow (no path open yet, inputs that go by
@@ -253,9 +283,11 @@ class DirectRequests:
         """May this session's requests go on direct paths now? (a lane is open,
         the daemon offers paths, and no lent outputs wait to be given back:
         those go with a request to the daemon)"""
+        link = self.link        # (not None when a lane is open)
         return self.direct_factory is not None and self.open_lane() is not None and \
-            self.link.direct_ok and not self.releases
+            link is not None and link.direct_ok and not self.releases
 
-    def direct_answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: Any) -> Any:
+    def direct_answered(self, header: dict, payload: list, copy: bool, token: Optional[str],
+                        enc: _Encoded) -> InferResult:
         """The outputs of a `direct_request`'s answer. Under `lock`."""
         return self._answered(header, payload, copy, token, enc, None)

@@ -23,7 +23,7 @@ import itertools
 import math
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -35,9 +35,9 @@ from .arena import DEFAULT_ARENA_CAP, ClientArena, OutputMaps, block_size, local
 from .inputs import InputEncoding, _NeedRoom
 from .direct import DirectPaths, DirectRequests, takes_direct
 from .local import LocalLink
-from .outputs import OutputDecoding
+from .outputs import OutputDecoding, Release, Quarantined, _Encoded
 from .regions import RegionFlows
-from .types import Call, Classification, Flow, NoAnswer, OutputRef
+from .types import Call, Classification, Flow, InferResult, NoAnswer, OutputRef, Reply, SequenceId, Version
 
 
 class SessionLost(Exception):
@@ -86,10 +86,10 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         self.direct = DirectPaths()
         self.local_socket: Optional[str] = None  # where it is (regions attach without an arena)
         self.outputs = OutputMaps()
-        self.releases: collections.deque = collections.deque()   # (session, [seg, off, gen])
+        self.releases: collections.deque[Release] = collections.deque()   # (session, [seg, off, gen])
         self.regions: dict[str, tuple[str, int, int]] = {}      # name -> (key, byte_size, offset)
         # requests we stopped waiting for: id -> (session, arena, copy blocks, empty() blocks)
-        self.quarantine: dict[Any, tuple[Optional[str], Optional[ClientArena], list, list]] = {}
+        self.quarantine: dict[object, Quarantined] = {}
         self.stats = {"bytes_copied": 0, "bytes_zero_copy": 0, "bytes_inline": 0}
         self.closed = False
         # A sync client may be shared by threads: the steps of its flows (and
@@ -197,13 +197,14 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                 self.local = False
                 break
             arena, link = ClientArena(self.arena_cap), None
+            lane_factory = self.lane_factory
             try:
                 if res.get("block_header", tensors.BLOCK_HEADER_BYTES) != tensors.BLOCK_HEADER_BYTES:
                     raise ValueError(f"block header of {res.get('block_header')} bytes")
                 # the side channel: only a client on the daemon's host reaches it
-                link = LocalLink.attach(path, token, timeout, lane=self.lane_factory is not None)
-                if link.lane_ok:
-                    link.lane = self.lane_factory(link)
+                link = LocalLink.attach(path, token, timeout, lane=lane_factory is not None)
+                if link.lane_ok and lane_factory is not None:     # (lane_ok only when asked for)
+                    link.lane = lane_factory(link)
                 while link.arena:
                     name, fd = link.arena.pop(0)
                     arena.map_segment(name, fd)     # takes the fd
@@ -247,7 +248,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         self._drop_session()
 
     # -- generic requests on the session
-    def exchange(self, op: str, timeout: Optional[float], fields: dict, lane: bool = False) -> Flow:
+    def exchange(self, op: str, timeout: Optional[float], fields: dict[str, object], lane: bool = False) -> Flow:
         """One request with `session` and releases (over the session's lane
         when `lane` and it has one); session errors become SessionLost."""
         extra = self.session_fields()
@@ -262,7 +263,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                 raise SessionLost(token, exc) from None
             raise
 
-    def control_flow(self, op: str, timeout: Optional[float], fields: dict) -> Flow:
+    def control_flow(self, op: str, timeout: Optional[float], fields: dict[str, object]) -> Flow:
         header, _ = yield from self.exchange(op, timeout, fields)
         return header.get("result")
 
@@ -289,7 +290,9 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
             # on the lane when there is one: its answer names a segment handed over there
             header, _ = yield from self.exchange(OP_ARENA_GROW, timeout, {"size": need}, lane=True)
             name = (header.get("result") or {})["segment"]
-            arena.map_segment(name, self.link.take(name))
+            link = self.link
+            assert link is not None         # an arena comes with its session's side channel
+            arena.map_segment(name, link.take(name))
         except (NoAnswer, SessionLost):
             raise
         except (InferenceError, KeyError, TypeError, OSError, ValueError):
@@ -300,7 +303,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         return True
 
     def infer_flow(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
-                   version: Any, timeout: Optional[float], copy: bool, priority: int = 0,
+                   version: Version, timeout: Optional[float], copy: bool, priority: int = 0,
                    sequence: Optional[dict] = None) -> Flow:
         arena = self.arena if self.local else None
         if arena is None:
@@ -343,7 +346,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         finally:
             self.finish(enc, arena, answered, rid, token)
 
-    def _infer_header(self, model: str, version: Any, enc: Any, outputs: Optional[Sequence[Any]],
+    def _infer_header(self, model: str, version: Version, enc: _Encoded, outputs: Optional[Sequence[Any]],
                       timeout: Optional[float], priority: int, sequence: Optional[dict]) -> dict:
         wanted = None
         if outputs is not None:
@@ -365,8 +368,8 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
             header["output_shm"] = True
         return header
 
-    def _answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: Any,
-                  arena: Optional[ClientArena]) -> Any:
+    def _answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: _Encoded,
+                  arena: Optional[ClientArena]) -> InferResult:
         s = self.stats
         s["bytes_copied"] += enc.stats[0]
         s["bytes_zero_copy"] += enc.stats[1]
@@ -415,7 +418,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         return dict(self.stats)
 
 
-def sequence_field(sequence_id: Any, start: bool, end: bool) -> Optional[dict]:
+def sequence_field(sequence_id: SequenceId, start: bool, end: bool) -> Optional[dict]:
     """The `sequence` header field of a request (None when it names no sequence)."""
     if not sequence_id and not start and not end:
         return None
@@ -425,7 +428,7 @@ def sequence_field(sequence_id: Any, start: bool, end: bool) -> Optional[dict]:
 _NO_LOCK = contextlib.nullcontext()
 
 
-def run_sync(flow: Flow, send: Callable[[Call], Any], lock: Optional[threading.Lock] = None) -> Any:
+def run_sync(flow: Flow, send: Callable[[Call], Reply], lock: Optional[threading.Lock] = None) -> Any:
     """Drive a flow with a blocking `send(call) -> (header, frames)`. With
     `lock` (the state's, for a client shared by threads) each step of the
     flow runs under it, and the waits for answers do not."""
@@ -446,7 +449,7 @@ def run_sync(flow: Flow, send: Callable[[Call], Any], lock: Optional[threading.L
         return stop.value
 
 
-async def run_async(flow: Flow, send: Callable[[Call], Any]) -> Any:
+async def run_async(flow: Flow, send: Callable[[Call], Awaitable[Reply]]) -> Any:
     """Drive a flow with an awaitable `send(call) -> (header, frames)`."""
     try:
         call = next(flow)

@@ -13,7 +13,7 @@ from ..protocol import errors, tensors
 from ..protocol.messages import INLINE_BUDGET
 from ..protocol.errors import InferenceError
 from .arena import ClientArena, block_size
-from .outputs import _Encoded
+from .outputs import Quarantined, _Encoded
 from .types import SharedMemoryRef
 from .values import nbytes_of, prepare_input
 
@@ -24,6 +24,10 @@ class _NeedRoom(Exception):
 
 
 class InputEncoding:
+    # ClientState's (set in its __init__); declared for the checker only
+    session: Optional[str]
+    quarantine: dict[object, Quarantined]
+
     def encode_inputs(self, inputs: Mapping[str, Any], arena: Optional[ClientArena]) -> _Encoded:
         """Entries and payload frames; inputs go to the arena when there is one.
         Raises _NeedRoom (having freed what it took) when the arena is full."""

@@ -16,8 +16,9 @@ one waiting thread reads for all); what differs is the transport:
 from __future__ import annotations
 
 import select
+import socket
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Protocol, Union
 
 from ..protocol import errors, lane, messages
 from ..shm.fdpass import DONTWAIT
@@ -26,7 +27,20 @@ from .types import NoAnswer
 
 
 
-def assemble(pieces: list[bytes], data: Any, fds: list[int], link: Any) -> Optional[tuple[list[Any], list[Any]]]:
+class LaneLink(Protocol):
+    """What a lane reads through: a LocalLink (the session's side channel) or
+    a DirectLink (a direct path's socket)."""
+
+    sock: socket.socket
+
+    def recv(self) -> tuple[memoryview, list[int]]: ...
+
+    def keep(self, data: memoryview, fds: list[int]) -> None:
+        """A datagram that is no answer: keep the segments handed over in it (or close its fds)."""
+
+
+def assemble(pieces: list[Union[bytes, memoryview]], data: memoryview, fds: list[int],
+             link: LaneLink) -> Optional[tuple[list[memoryview], list[Union[memoryview, bytes]]]]:
     """One datagram read from a lane or a direct path: the answer's frames
     and payload once it is whole; None while it comes in pieces (kept in
     `pieces`) or for segments handed over ahead of the answer naming them
@@ -49,12 +63,12 @@ def assemble(pieces: list[bytes], data: Any, fds: list[int], link: Any) -> Optio
 class LaneSocket(SharedSocket):
     zmq_fallback = True         # a call it could not send goes over ZeroMQ (sync.py)
 
-    def __init__(self, link: Any, url: str, on_late: Callable[[Any], None]) -> None:
+    def __init__(self, link: LaneLink, url: str, on_late: Callable[[object], None]) -> None:
         self._link = link
         self._url = url
         self.fd = link.sock.fileno()
         self.lost = False                  # the daemon closed it: nothing more comes
-        self._pieces: list[bytes] = []     # of an answer that came in several datagrams
+        self._pieces: list[Union[bytes, memoryview]] = []     # of an answer that came in several datagrams
         super().__init__(self.fd, None, on_late)
 
     def _transmit(self, w: _Waiter, now: Optional[float] = None) -> None:
@@ -62,6 +76,7 @@ class LaneSocket(SharedSocket):
         if self.lost:
             error = self._lost_error(sent=False)
         else:
+            assert w.frames is not None     # each call is sent once
             datagram = lane.request(w.frames)
             while True:
                 try:
@@ -97,7 +112,7 @@ class LaneSocket(SharedSocket):
         except BlockingIOError:
             return
         except OSError:
-            data, fds = b"", []
+            data, fds = memoryview(b""), []    # (empty: lost)
         if not data:
             self._lose()
             return

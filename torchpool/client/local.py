@@ -98,7 +98,7 @@ class LocalLink:
         BlockingIOError when none waits."""
         return self._receiver.recv(self.sock, DONTWAIT)
 
-    def keep(self, data: Any, fds: list[int]) -> None:
+    def keep(self, data: memoryview, fds: list[int]) -> None:
         """Keep the fds of segments the daemon handed over, by name, for take()."""
         try:
             names = [s["segment"] for s in messages.unpack(data)["segments"]]

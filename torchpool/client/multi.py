@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeGuard
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from ..protocol.errors import InferenceError
 from .arena import DEFAULT_ARENA_CAP
 from .common import DEFAULT_TIMEOUT, ClientKey, ServerKey
 from .sync import Client, register_several_daemons
-from .types import InferResult, NoAnswer
+from .types import InferResult, ModelConfig, NoAnswer, SequenceId, Version
 
 DEFAULT_HEALTH_INTERVAL = 1.0   # seconds between checks of a daemon that is down
 PROBE_TIMEOUT = 2.0             # how long a health check waits for `server_ready`
@@ -72,7 +72,7 @@ class _Daemon:
                 "failed": self.failed, "why": self.why}
 
 
-def _went_away(exc: BaseException) -> bool:
+def _went_away(exc: BaseException) -> TypeGuard[NoAnswer]:
     """The daemon could not be reached or its connection dropped (not: it is slow)."""
     return isinstance(exc, NoAnswer) and exc.code == errors.UNAVAILABLE
 
@@ -108,7 +108,8 @@ class MultiClient:
             raise
         self._lock = threading.Lock()
         self._turn = 0                                # round robin among equals
-        self._sequences: dict[Any, _Daemon] = {}       # sequence id -> the daemon that holds it
+        # (type name, sequence id) -> the daemon that holds it
+        self._sequences: dict[tuple[str, SequenceId], _Daemon] = {}
         self._stop = threading.Event()
         self._nudge = threading.Event()               # check now: a daemon is in doubt
         self._health = threading.Thread(target=_health_loop, name="torchpool-health", daemon=True,
@@ -202,8 +203,8 @@ class MultiClient:
 
     # -- inference
     def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
-              version: Any = None, timeout: Optional[float] = None, copy: bool = False,
-              priority: int = 0, sequence_id: Any = 0, sequence_start: bool = False,
+              version: Version = None, timeout: Optional[float] = None, copy: bool = False,
+              priority: int = 0, sequence_id: SequenceId = 0, sequence_start: bool = False,
               sequence_end: bool = False) -> InferResult:
         """As `Client.infer`, on one of the daemons (see the module doc)."""
         def attempt(daemon: _Daemon) -> InferResult:
@@ -213,7 +214,7 @@ class MultiClient:
             return self._run(attempt)
         return self._run_in_sequence(attempt, sequence_id, sequence_start, sequence_end)
 
-    def _run_in_sequence(self, attempt: Callable[[_Daemon], Any], sequence_id: Any, start: bool,
+    def _run_in_sequence(self, attempt: Callable[[_Daemon], Any], sequence_id: SequenceId, start: bool,
                          end: bool) -> Any:
         """A sequence's first request picks its daemon; the others follow it
         there. (A sequence that never ends is remembered until close().)"""
@@ -266,7 +267,7 @@ class MultiClient:
         """True if any daemon is ready."""
         return self._any(lambda c: c.server_ready(timeout))
 
-    def model_ready(self, name: str, version: Any = None) -> bool:
+    def model_ready(self, name: str, version: Version = None) -> bool:
         """True if the model is ready on any daemon."""
         return self._any(lambda c: c.model_ready(name, version))
 
@@ -281,10 +282,10 @@ class MultiClient:
                 continue
         return False
 
-    def model_metadata(self, name: str, version: Any = None) -> dict:
+    def model_metadata(self, name: str, version: Version = None) -> dict:
         return self._read(lambda c: c.model_metadata(name, version))
 
-    def model_config(self, name: str, version: Any = None) -> dict:
+    def model_config(self, name: str, version: Version = None) -> dict:
         return self._read(lambda c: c.model_config(name, version))
 
     def repository_index(self) -> list[dict]:
@@ -293,7 +294,7 @@ class MultiClient:
     def server_metadata(self) -> dict:
         return self._read(lambda c: c.server_metadata())
 
-    def load(self, name: str, config: Any = None, timeout: Optional[float] = None) -> None:
+    def load(self, name: str, config: ModelConfig = None, timeout: Optional[float] = None) -> None:
         """Load (or reload) the model on every daemon; the first failure is raised after all tried."""
         self._every(lambda c: c.load(name, config, timeout))
 
@@ -323,7 +324,7 @@ class MultiClient:
     def __enter__(self) -> "MultiClient":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -8,16 +8,23 @@ waiting for only gives back what it held.
 """
 from __future__ import annotations
 
+import collections
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
 from ..protocol import datatypes, errors, tensors
 from ..protocol.errors import InferenceError, TorchpoolError
-from .arena import ArenaBlock, ClientArena
+from .arena import ArenaBlock, ClientArena, OutputMaps
 from .types import InferResult, RegionOutput
 from .values import as_value
+
+
+# an output lent to session `token`, to give back: (token, [segment, offset, generation])
+Release = tuple[Optional[str], list[Union[str, int]]]
+# what a request we stopped waiting for still holds: (session, arena, copy blocks, empty() blocks)
+Quarantined = tuple[Optional[str], Optional[ClientArena], list[ArenaBlock], list[ArenaBlock]]
 
 
 class _Encoded:
@@ -34,6 +41,13 @@ class _Encoded:
 class OutputDecoding:
     """Mixed into ClientState: uses its `session`, `outputs` (OutputMaps),
     `releases`, `quarantine` and `arena`."""
+
+    # ClientState's (set in its __init__); declared for the checker only
+    session: Optional[str]
+    outputs: OutputMaps
+    releases: collections.deque[Release]
+    quarantine: dict[object, Quarantined]
+    arena: Optional[ClientArena]
 
     def decode_outputs(self, header: dict, frames: Sequence[Any], copy: bool,
                        token: Optional[str] = None, enc: Optional[_Encoded] = None,
@@ -73,7 +87,7 @@ class OutputDecoding:
         released to the daemon once the view is garbage (at once with
         `copy`, or for BYTES and BF16, which are converted)."""
         segment, offset, nbytes, generation = tensors.shm_ref(e)
-        rel = (token, [segment, offset, generation])
+        rel: Release = (token, [segment, offset, generation])
         datatype, shape = e[tensors.DATATYPE], e[tensors.SHAPE]
         keep = False
         try:
@@ -93,7 +107,7 @@ class OutputDecoding:
             if not keep:
                 self.releases.append(rel)
 
-    def late_reply(self, header: Any) -> None:
+    def late_reply(self, header: object) -> None:
         """The answer of a request we stopped waiting for: free its blocks and
         hand back any outputs it was lent."""
         if not isinstance(header, dict):
@@ -133,6 +147,8 @@ def _reused_output(e: dict, copy: bool, enc: Optional[_Encoded], arena: Optional
                                               f"request did not send")
     base = kept.get(block)
     if base is None:
+        # not kept yet: one of enc.blocks (kept starts empty), which `arena` gave out
+        assert enc is not None and arena is not None
         base = kept[block] = arena.keep(block)
         enc.blocks.remove(block)          # no longer freed with the request
     start = offset - block.data_offset

@@ -8,7 +8,7 @@ afterwards. Regions need a local session (the daemon must know who we are).
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 from ..protocol import errors
 from ..protocol.errors import InferenceError, TorchpoolError
@@ -45,6 +45,18 @@ class SegmentUnusable(InferenceError):
 
 class RegionFlows:
     """Mixed into ClientState: uses its `exchange`, `control_flow` and `regions`."""
+
+    # ClientState's (set in its __init__, defined in flows.py); declared for the checker only
+    link: Optional[LocalLink]
+    local_socket: Optional[str]
+    session: Optional[str]
+    regions: dict[str, tuple[str, int, int]]     # name -> (key, byte_size, offset)
+
+    if TYPE_CHECKING:
+        def exchange(self, op: str, timeout: Optional[float], fields: dict[str, object],
+                     lane: bool = False) -> Flow: ...
+
+        def control_flow(self, op: str, timeout: Optional[float], fields: dict[str, object]) -> Flow: ...
 
     def register_flow(self, name: str, key: str, byte_size: int, offset: int,
                       timeout: Optional[float]) -> Flow:

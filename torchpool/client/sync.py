@@ -18,8 +18,8 @@ from .lane import LaneSocket
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control, error_of
 from .flows import ClientState, SessionLost, is_session_error, run_sync, sequence_field
 from .regions import needs_session
-from .types import Call, NoAnswer
-from .types import InferResult
+from .types import Call, Flow, NoAnswer
+from .types import InferResult, ModelConfig, SequenceId, Version
 
 
 # What Client([url, ...]) makes: multi.MultiClient, which registers itself
@@ -32,9 +32,9 @@ def register_several_daemons(factory: Callable[..., Any]) -> None:
     _several_daemons = factory
 
 
-def _late_answers(state: ClientState) -> Callable[[Any], None]:
+def _late_answers(state: ClientState) -> Callable[[object], None]:
     """What the channel does with an answer nobody waits for any more."""
-    def late(header: Any) -> None:
+    def late(header: object) -> None:
         with state.lock:
             state.late_reply(header)
     return late
@@ -123,7 +123,7 @@ class Client(ClientBase):
             raise error_of(header)
         return header, payload
 
-    def _perform(self, make_flow: Callable, timeout: Optional[float], session: bool = False) -> Any:
+    def _perform(self, make_flow: Callable[[], Flow], timeout: Optional[float], session: bool = False) -> Any:
         """Run a flow; say hello first when due; once more after a lost session."""
         st = self._state
         for attempt in range(2):
@@ -155,13 +155,13 @@ class Client(ClientBase):
     def server_ready(self, timeout: Optional[float] = None) -> bool:
         return bool(self._control(messages.OP_SERVER_READY, timeout))
 
-    def model_ready(self, name: str, version: Any = None) -> bool:
+    def model_ready(self, name: str, version: Version = None) -> bool:
         return bool(self._control(messages.OP_MODEL_READY, model=name, version=self._version_field(version)))
 
-    def model_metadata(self, name: str, version: Any = None) -> dict:
+    def model_metadata(self, name: str, version: Version = None) -> dict:
         return self._control(messages.OP_MODEL_METADATA, model=name, version=self._version_field(version))
 
-    def model_config(self, name: str, version: Any = None) -> dict:
+    def model_config(self, name: str, version: Version = None) -> dict:
         return self._control(messages.OP_MODEL_CONFIG, model=name, version=self._version_field(version))
 
     def repository_index(self) -> list[dict]:
@@ -170,12 +170,12 @@ class Client(ClientBase):
     def server_metadata(self) -> dict:
         return self._control(messages.OP_SERVER_METADATA)
 
-    def statistics(self, model: Optional[str] = None, version: Any = None) -> dict:
+    def statistics(self, model: Optional[str] = None, version: Version = None) -> dict:
         """Triton's statistics: {"model_stats": [{name, version, inference_count,
         execution_count, inference_stats: {success, fail, queue, compute_*}, batch_stats}]}."""
         return self._control(messages.OP_STATISTICS, model=model or "", version=self._version_field(version))
 
-    def load(self, name: str, config: Any = None, timeout: Optional[float] = None) -> None:
+    def load(self, name: str, config: ModelConfig = None, timeout: Optional[float] = None) -> None:
         """Load or reload a model (--model-control-mode explicit); returns once
         it serves. `config` (dict or JSON text) overrides its config file."""
         self._control(messages.OP_LOAD, timeout, model=name,
@@ -187,8 +187,8 @@ class Client(ClientBase):
 
     # -- inference
     def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
-              version: Any = None, timeout: Optional[float] = None, copy: bool = False,
-              priority: int = 0, sequence_id: Any = 0, sequence_start: bool = False,
+              version: Version = None, timeout: Optional[float] = None, copy: bool = False,
+              priority: int = 0, sequence_id: SequenceId = 0, sequence_start: bool = False,
               sequence_end: bool = False) -> InferResult:
         """Run `model` on `inputs`; returns {output name: numpy array}.
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, Optional
+from typing import Any, Generator, Optional, Union
 
 import numpy as np
 
@@ -172,4 +172,18 @@ class Call:
         self.request = request       # the inference request itself (not a hello, a grow, ...)
 
 
-Flow = Generator[Call, Any, Any]
+Reply = tuple[dict, list]
+"""An answer: its header and its payload frames."""
+
+# a flow yields the calls it wants sent and is sent each one's answer
+Flow = Generator[Call, Reply, Any]
+
+Version = Optional[Union[int, str]]
+"""A model version as callers name it: its number (as int or text); None (or
+"") for the version the model's policy picks."""
+
+SequenceId = Union[int, str]
+"""A sequence's id: a non-zero int or a non-empty str (0 / "": no sequence)."""
+
+ModelConfig = Union[dict[str, object], str, None]
+"""A configuration given to `load`: a dict, or its JSON text; None: the model's file."""

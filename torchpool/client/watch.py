@@ -25,13 +25,21 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Optional
+from typing import Optional, TypedDict
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..protocol import errors
 from .types import NoAnswer
+
+class MonitorEvent(TypedDict):
+    """One event of a socket's monitor, as zmq's parse_monitor_message gives it."""
+
+    event: int
+    value: int
+    endpoint: bytes
+
 
 _monitor_ids = itertools.count()     # inproc names are never reused, even after a client is gone
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -132,7 +140,7 @@ class ConnectionWatch:
         while not sock.closed and sock.get(zmq.EVENTS) & zmq.POLLIN:
             self._feed(parse_monitor_message(sock.recv_multipart(zmq.NOBLOCK)))
 
-    def _feed(self, event: dict) -> None:
+    def _feed(self, event: MonitorEvent) -> None:
         kind = event["event"]
         if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.connected, self.handshake = True, None
