@@ -189,11 +189,12 @@ def test_version_not_ready_is_unavailable_and_only_unknown_ones_not_found(
 
 
 
-def test_latest_version_of_a_removed_model_is_not_found(test_repository: Path, tmp_path: Path) -> None:
+def test_a_removed_model_is_not_found_and_loads_again_when_put_back(test_repository: Path, tmp_path: Path) -> None:
     """L0_lifecycle's test_dynamic_model_load_unload: once a model is removed from a
     polled repository, a request for its latest version is Triton's NOT_FOUND
     "Request for unknown model: '<m>' has no available versions"
-    (ModelLifeCycle::GetModel), over ZeroMQ, HTTP (404) and gRPC."""
+    (ModelLifeCycle::GetModel), over ZeroMQ, HTTP (404) and gRPC; put back
+    unchanged, the next scan loads it again."""
     import shutil
     import signal
 
@@ -231,6 +232,12 @@ def test_latest_version_of_a_removed_model_is_not_found(test_repository: Path, t
             with pytest.raises(InferenceError) as exc:
                 c.infer("versioned_all", x, version=3)
             assert exc.value.code == errors.UNAVAILABLE and "version 3 is not at ready state" in exc.value.message
+            # put back unchanged, it loads again at the next scan, as in Triton
+            shutil.copytree(test_repository / "versioned_all", repo / "versioned_all")
+            d.proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: c.model_ready("versioned_all"), 60, "the model put back to load")
+            assert c.infer("versioned_all", x)["OUTPUT0"][0, 0] == 3.0
+            assert h.is_model_ready("versioned_all", "3") and g.is_model_ready("versioned_all", "3")
     finally:
         assert d.stop() == 0, d.log()
 
