@@ -1,6 +1,6 @@
 """Triton's own client QA (qa/L0_infer, qa/L0_batcher, qa/L0_sequence_batcher,
-qa/L0_shared_memory, and of qa/L0_http and qa/L0_grpc the Python client tests)
-against torchpool's HTTP and gRPC endpoints.
+qa/L0_shared_memory, qa/L0_lifecycle, qa/L0_implicit_state, and of qa/L0_http and
+qa/L0_grpc the Python client tests) against torchpool's HTTP and gRPC endpoints.
 
   Triton server tree (checkout, extracted tree, or bare git repository)
       │ copy qa/common + the suite's qa/L0_* into a temporary directory
@@ -89,6 +89,11 @@ class Case:
     expected: Optional[int]         # tests the run must count (None: not checked)
     serve_args: list[str] = field(default_factory=list)   # test.sh's SERVER_ARGS beyond the repository
     test_file: Optional[str] = None  # under qa/, when not the suite's
+    # test.sh's steps before it starts the server for this run (rm -fr models; cp -r ...),
+    # given the work directory; for suites whose test edits its repository in place
+    setup: Optional[Callable[[Path], None]] = None
+    # lines test.sh greps the server's log for after the run (`grep -c "..." $SERVER_LOG`)
+    log_expect: tuple[str, ...] = ()
 
 
 @dataclass
@@ -115,7 +120,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="scripts/triton-qa",
         description="Run one of Triton's own QA suites (qa/L0_infer, qa/L0_batcher, "
-                    "qa/L0_sequence_batcher, qa/L0_shared_memory, qa/L0_http, qa/L0_grpc) with the "
+                    "qa/L0_sequence_batcher, qa/L0_shared_memory, qa/L0_http, qa/L0_grpc, qa/L0_lifecycle, "
+                    "qa/L0_implicit_state) with the "
                     "libtorch models of its generators against torchpool's KServe v2 HTTP and gRPC "
                     "endpoints.")
     p.add_argument("--triton-server", required=True, type=Path, metavar="DIR",
@@ -602,6 +608,144 @@ def grpc_cases(configs: list[str]) -> list[Case]:
             Case("python_grpc_aio_test", "models", [], {}, 18, ["--allow-client-shm=true"],
                  "L0_grpc/python_grpc_aio_test.py")]
 
+# ------------------------------------------------------------------ L0_lifecycle
+
+# lifecycle_test.py works on ./models (and ./libtorch_float32_float32_float32, which
+# it copies in and out of it) from its own folder: each run's repository is made
+# there afresh, as test.sh's `rm -fr models; mkdir models; cp -r ...` before it
+LIFECYCLE_MODELS = "qa/L0_lifecycle/models"
+FLOAT32 = "libtorch_float32_float32_float32"
+
+
+def build_lifecycle_sources(qa: Path, work: Path) -> dict[str, list[str]]:
+    """$DATADIR/qa_model_repository for BACKENDS=libtorch (gen_qa_models.py
+    --libtorch); each run's `models` is made from it by the run's setup. No model
+    is required READY at start: some runs start with models that must not load."""
+    generate(qa, work, "gen_qa_models.py", ["--libtorch"], "qa_model_repository")
+    return {LIFECYCLE_MODELS: []}
+
+
+def lifecycle_model(work: Path, dest: Path, source: str, name: Optional[str] = None) -> Path:
+    """cp -r $DATADIR/qa_model_repository/<source> dest/[name]; another name is a
+    stand-in (Triton's onnx_/plan_float32_float32_float32: the same add/sub on
+    FP32 [16] with the same versions, which the QA's infer_util addresses by the
+    platform the metadata names, so TorchScript's OUTPUT__0 names are used)."""
+    config = copy_model(work / "qa_model_repository" / source, dest, name)
+    if name and name != source:
+        sed(config, f'^name: "{source}"', f'name: "{name}"')
+    return config
+
+
+def fresh_lifecycle_models(work: Path) -> Path:
+    """rm -fr models libtorch_float32_float32_float32 config.pbtxt.*; mkdir models"""
+    here = work / LIFECYCLE_MODELS
+    shutil.rmtree(here, ignore_errors=True)
+    shutil.rmtree(here.parent / FLOAT32, ignore_errors=True)
+    for stale in here.parent.glob("config.pbtxt.*"):
+        stale.unlink()
+    here.mkdir()
+    return here
+
+
+def _rename_version(old: str, new: str) -> Callable[[Path], None]:
+    def setup(work: Path) -> None:
+        # cp -r .../libtorch_float32_float32_float32 models/.; mv .../3 .../<new>
+        models = fresh_lifecycle_models(work)
+        lifecycle_model(work, models, FLOAT32)
+        (models / FLOAT32 / old).rename(models / FLOAT32 / new)
+    return setup
+
+
+def _setup_model_load_unload(work: Path) -> None:
+    # test.sh: openvino, onnx, plan models in `models`; the test uses only onnx (a
+    # stand-in here), and copies ./libtorch_float32_float32_float32 in and out
+    models = fresh_lifecycle_models(work)
+    lifecycle_model(work, models, FLOAT32, "onnx_float32_float32_float32")
+    lifecycle_model(work, models.parent, FLOAT32)
+
+
+def _setup_version_load_unload(work: Path) -> None:
+    lifecycle_model(work, fresh_lifecycle_models(work), "libtorch_int32_int32_int32")
+
+
+def _setup_model_modify(work: Path) -> None:
+    # test.sh: for i in libtorch plan: the model, config.pbtxt.$i without its
+    # version_policy, config.pbtxt.wrong.$i naming wrong_output0_labels.txt (label ->
+    # label9); plan_float32_float32_float32 is a stand-in
+    models = fresh_lifecycle_models(work)
+    for backend in ("libtorch", "plan"):
+        name = f"{backend}_float32_float32_float32"
+        config = lifecycle_model(work, models, FLOAT32, name)
+        text = config.read_text()
+        (models.parent / f"config.pbtxt.{backend}").write_text(
+            "".join(line for line in text.splitlines(keepends=True) if not line.startswith("version_policy")))
+        (models.parent / f"config.pbtxt.wrong.{backend}").write_text(
+            "\n".join(re.sub("output0_labels", "wrong_output0_labels", line, count=1) for line in text.split("\n")))
+        labels = (config.parent / "output0_labels.txt").read_text()
+        (config.parent / "wrong_output0_labels.txt").write_text(
+            "\n".join(re.sub("label", "label9", line, count=1) for line in labels.split("\n")))
+
+
+POLL = ["--repository-poll-secs=1", "--model-control-mode=poll"]
+# test.sh's LifeCycleTest runs whose models are libtorch or have a stand-in: test ->
+# (setup, SERVER_ARGS beyond --model-repository (test.sh's --exit-timeout-secs=5
+# left out: torchpool's shutdown has its own --stop-timeout), log lines grepped)
+LIFECYCLE_TESTS: dict[str, tuple[Callable[[Path], None], list[str], tuple[str, ...]]] = {
+    "test_parse_ignore_zero_prefixed_version": (
+        _rename_version("3", "003"), ["--exit-on-error=false"],
+        ("ignore version directory '003' which contains leading zeros in its directory name",)),
+    "test_parse_ignore_non_intergral_version": (
+        _rename_version("3", "abc"), ["--exit-on-error=false"],
+        ("ignore version directory 'abc' which fails to convert to integral number",)),
+    "test_dynamic_model_load_unload": (_setup_model_load_unload, POLL, ()),
+    "test_dynamic_model_load_unload_disabled": (_setup_model_load_unload, ["--model-control-mode=none"], ()),
+    "test_dynamic_version_load_unload": (_setup_version_load_unload, POLL, ()),
+    "test_dynamic_version_load_unload_disabled": (_setup_version_load_unload, ["--model-control-mode=none"], ()),
+    "test_dynamic_model_modify": (_setup_model_modify, POLL, ()),
+}
+
+
+def lifecycle_cases(configs: list[str]) -> list[Case]:
+    """test.sh's runs: `python lifecycle_test.py LifeCycleTest.<test>` against a
+    server started for it on the models it prepared; check_test_results expects 1."""
+    return [Case(test, LIFECYCLE_MODELS, [f"LifeCycleTest.{test}"], {}, 1, list(args), setup=setup,
+                 log_expect=expect)
+            for test, (setup, args, expect) in LIFECYCLE_TESTS.items()]
+
+
+# ------------------------------------------------------------------ L0_implicit_state
+
+IMPLICIT_MODEL = "libtorch_nobatch_sequence_int32"
+
+
+def build_implicit_state_repositories(qa: Path, work: Path) -> dict[str, list[str]]:
+    """L0_implicit_state/test.sh for BACKEND=libtorch: from
+    qa_sequence_implicit_model_repository (gen_qa_implicit_models.py --libtorch)
+    libtorch_nobatch_sequence_int32 and a copy, ..._output, that also declares the
+    state as the output OUTPUT_STATE__1. The other models of its `models` folder
+    are of Triton's C++ implicit_state test backend (libtriton_implicit_state.so)."""
+    generated = generate(qa, work, "gen_qa_implicit_models.py", ["--libtorch"],
+                         "qa_sequence_implicit_model_repository")
+    models = work / "implicit_models"
+    copy_model(generated / IMPLICIT_MODEL, models)
+    output = f"{IMPLICIT_MODEL}_output"
+    config = copy_model(generated / IMPLICIT_MODEL, models, output)
+    sed(config, r"^name:.*", f'name: "{output}"')
+    append(config, 'output [{ name: "OUTPUT_STATE__1" \n data_type: TYPE_INT32 \n dims: [ 1 ] }]')
+    return _names(models)
+
+
+# implicit_state.py's tests that use libtorch models (the other five use the C++
+# implicit_state backend's models)
+IMPLICIT_STATE_TESTS = ("test_request_output_not_allowed", "test_request_output")
+
+
+def implicit_state_cases(configs: list[str]) -> list[Case]:
+    # test.sh: one server, `python3 implicit_state.py` (EXPECTED_TEST_NUM=7); here
+    # its two libtorch tests in one run against one server
+    return [Case("implicit_state", "implicit_models", [f"ImplicitStateTest.{t}" for t in IMPLICIT_STATE_TESTS],
+                 {}, len(IMPLICIT_STATE_TESTS))]
+
 
 def infer_cases(configs: list[str]) -> list[Case]:
     return [Case(config, "models", [], CONFIGURATIONS[config][0], CONFIGURATIONS[config][1])
@@ -641,6 +785,17 @@ SUITES = {
         {"L0_grpc/python_unit_test.py": (8001,), "L0_grpc/python_grpc_aio_test.py": (8001,)},
         build_grpc_repositories, grpc_cases, {}, ("no-shm",), "TARGET=cpu",
         extra_dirs=("docs/examples/model_repository/simple", "qa/python_models/string_identity")),
+    "L0_lifecycle": Suite(
+        "L0_lifecycle", "L0_lifecycle/lifecycle_test.py", "LifeCycleTest",
+        {"common/infer_util.py": (8000, 8001), "common/shm_util.py": (8000,),
+         "L0_lifecycle/lifecycle_test.py": (8000, 8001)},
+        build_lifecycle_sources, lifecycle_cases, {}, ("no-shm",), "TARGET=cpu"),
+    "L0_implicit_state": Suite(
+        "L0_implicit_state", "L0_implicit_state/implicit_state.py", "ImplicitStateTest",
+        {"L0_implicit_state/implicit_state.py": (8000,)},
+        build_implicit_state_repositories, implicit_state_cases,
+        {"IMPLICIT_STATE": "1", "INITIAL_STATE_ZERO": "0", "INITIAL_STATE_FILE": "0", "SINGLE_STATE_BUFFER": "0"},
+        ("no-shm",), "IMPLICIT_STATE=1, TARGET=cpu"),
 }
 
 
@@ -873,6 +1028,8 @@ def run_case(args: argparse.Namespace, suite: Suite, qa: Path, work: Path, model
         if port_in_use(port):
             raise QaError(f"port {port} is in use (another server?); free it or pass "
                           f"--http-port/--grpc-port (the QA's copy is then pointed there)")
+    if case.setup:
+        case.setup(work)
     shm_before = set(os.listdir("/dev/shm"))
     daemon = ServedRepository(work / case.repository, work, args.http_port, args.grpc_port,
                               work / f"torchpool.{case.name}.log", case.env, case.serve_args)
@@ -890,7 +1047,14 @@ def run_case(args: argparse.Namespace, suite: Suite, qa: Path, work: Path, model
         for name in leftover_regions(shm_before):
             os.unlink(Path("/dev/shm", name))
             result.problems.append(f"/dev/shm/{name} left by the run (removed)")
+        result.problems.extend(missing_log_lines(daemon.log, case.log_expect))
     return result
+
+
+def missing_log_lines(log: Path, expected: tuple[str, ...]) -> list[str]:
+    """test.sh's `grep -c "<line>" $SERVER_LOG` checks: a problem for each line not in the log."""
+    text = log.read_text(errors="replace") if expected and log.exists() else ""
+    return [f"the daemon's log has no {line!r} (test.sh greps for it)" for line in expected if line not in text]
 
 
 # ------------------------------------------------------------------ summary

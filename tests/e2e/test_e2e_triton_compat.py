@@ -188,6 +188,60 @@ def test_version_not_ready_is_unavailable_and_only_unknown_ones_not_found(
         assert d.stop() == 0, d.log()
 
 
+
+def test_a_removed_model_is_not_found_and_loads_again_when_put_back(test_repository: Path, tmp_path: Path) -> None:
+    """L0_lifecycle's test_dynamic_model_load_unload: once a model is removed from a
+    polled repository, a request for its latest version is Triton's NOT_FOUND
+    "Request for unknown model: '<m>' has no available versions"
+    (ModelLifeCycle::GetModel), over ZeroMQ, HTTP (404) and gRPC; put back
+    unchanged, the next scan loads it again."""
+    import shutil
+    import signal
+
+    repo = tmp_path / "repo"
+    shutil.copytree(test_repository / "versioned_all", repo / "versioned_all")
+    http_port, grpc_port = free_tcp_port(), free_tcp_port()
+    (tmp_path / "d").mkdir()
+    d = Daemon(repo, tmp_path / "d", "--model-control-mode", "poll", "--repository-poll-secs", "3600",
+               "--http-port", str(http_port), "--grpc-port", str(grpc_port)).start()
+    x = {"INPUT0": np.ones((1, 4), np.float32)}
+    text = "Request for unknown model: 'versioned_all' has no available versions"
+    try:
+        with Client(d.url, local=False, timeout=60) as c, \
+                httpclient.InferenceServerClient(f"127.0.0.1:{http_port}") as h, \
+                grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}") as g:
+            wait_for(lambda: _live(g), 30, "the gRPC endpoint")
+            assert c.infer("versioned_all", x)["OUTPUT0"][0, 0] == 3.0
+            shutil.rmtree(repo / "versioned_all")
+            d.proc.send_signal(signal.SIGHUP)                      # rescan now
+            wait_for(lambda: not c.model_ready("versioned_all"), 30, "the model to be unloaded")
+            with pytest.raises(InferenceError) as exc:
+                c.infer("versioned_all", x)
+            assert (exc.value.code, exc.value.message) == (errors.NOT_FOUND, text)
+            t = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+            t.set_data_from_numpy(x["INPUT0"])
+            with pytest.raises(InferenceServerException) as hexc:
+                h.infer("versioned_all", [t])
+            assert (hexc.value.status(), hexc.value.message()) == ("404", text), hexc.value
+            gt = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+            gt.set_data_from_numpy(x["INPUT0"])
+            with pytest.raises(InferenceServerException) as gexc:
+                g.infer("versioned_all", [gt])
+            assert gexc.value.status() == "StatusCode.NOT_FOUND" and text in gexc.value.message(), gexc.value
+            # a version it had is still "not at ready state", as in Triton
+            with pytest.raises(InferenceError) as exc:
+                c.infer("versioned_all", x, version=3)
+            assert exc.value.code == errors.UNAVAILABLE and "version 3 is not at ready state" in exc.value.message
+            # put back unchanged, it loads again at the next scan, as in Triton
+            shutil.copytree(test_repository / "versioned_all", repo / "versioned_all")
+            d.proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: c.model_ready("versioned_all"), 60, "the model put back to load")
+            assert c.infer("versioned_all", x)["OUTPUT0"][0, 0] == 3.0
+            assert h.is_model_ready("versioned_all", "3") and g.is_model_ready("versioned_all", "3")
+    finally:
+        assert d.stop() == 0, d.log()
+
+
 # --- 2. the BYTES element bound: Triton's own 10,485,760 pass, one more does not -------
 
 def test_one_bytes_element_past_the_default_bound_is_refused_over_grpc(tdaemon: Daemon) -> None:

@@ -406,3 +406,99 @@ def test_the_shared_memory_suite_s_regions_are_checked_for_leftovers() -> None:
     for name in ("input0_data", "output1_data", "dummy_data", "shmtest", "input0", "op10_data"):
         assert triton_qa.QA_SHM_REGION.match(name), name
     assert not triton_qa.QA_SHM_REGION.match("torchpool.x.1.arena")
+
+
+# ------------------------------------------------------------------ L0_lifecycle, L0_implicit_state
+
+def _generated(work: Path, repository: str, name: str, versions: tuple[str, ...] = ("1", "2", "3"),
+               extra: str = "") -> Path:
+    """A model as qa/common's generators write it (found there, generate() runs nothing)."""
+    model = work / repository / name
+    for v in versions:
+        (model / v).mkdir(parents=True)
+        (model / v / "model.pt").write_bytes(b"pt")
+    (model / "config.pbtxt").write_text(
+        f'name: "{name}"\nplatform: "pytorch_libtorch"\nmax_batch_size: 8\n'
+        f'version_policy: {{ latest {{ num_versions: 2 }}}}\n'
+        f'output [ {{ name: "OUTPUT__0" label_filename: "output0_labels.txt" }} ]\n'
+        f'instance_group [ {{ kind: KIND_GPU }} ]\n{extra}')
+    (model / "output0_labels.txt").write_text("label0\nlabel1\n")
+    return model
+
+
+def test_lifecycle_runs_are_test_sh_s_libtorch_cases_each_on_its_own_server() -> None:
+    cases = triton_qa.SUITES["L0_lifecycle"].cases(["no-shm"])
+    by_name = {c.name: c for c in cases}
+    assert set(by_name) == {"test_parse_ignore_zero_prefixed_version", "test_parse_ignore_non_intergral_version",
+                            "test_dynamic_model_load_unload", "test_dynamic_model_load_unload_disabled",
+                            "test_dynamic_version_load_unload", "test_dynamic_version_load_unload_disabled",
+                            "test_dynamic_model_modify"}
+    for c in cases:
+        assert c.tests == [f"LifeCycleTest.{c.name}"] and c.expected == 1 and c.setup is not None
+        assert c.repository == "qa/L0_lifecycle/models"
+    assert by_name["test_dynamic_version_load_unload"].serve_args == \
+        ["--repository-poll-secs=1", "--model-control-mode=poll"]
+    assert by_name["test_dynamic_model_load_unload_disabled"].serve_args == ["--model-control-mode=none"]
+    assert by_name["test_parse_ignore_zero_prefixed_version"].log_expect == \
+        ("ignore version directory '003' which contains leading zeros in its directory name",)
+    # test.sh's --exit-timeout-secs is not a torchpool flag
+    assert not any("exit-timeout" in a for c in cases for a in c.serve_args)
+
+
+def test_lifecycle_setups_make_test_sh_s_models_afresh(tmp_path: Path) -> None:
+    _generated(tmp_path, "qa_model_repository", "libtorch_float32_float32_float32")
+    _generated(tmp_path, "qa_model_repository", "libtorch_int32_int32_int32")
+    (tmp_path / "qa" / "L0_lifecycle").mkdir(parents=True)
+    here = tmp_path / "qa" / "L0_lifecycle"
+    cases = {c.name: c for c in triton_qa.SUITES["L0_lifecycle"].cases(["no-shm"])}
+
+    cases["test_parse_ignore_zero_prefixed_version"].setup(tmp_path)
+    model = here / "models" / "libtorch_float32_float32_float32"
+    assert sorted(p.name for p in model.iterdir() if p.is_dir()) == ["003", "1", "2"]
+    assert "KIND_CPU" in (model / "config.pbtxt").read_text()
+
+    # the next run starts from nothing: rm -fr models libtorch_float32_float32_float32
+    cases["test_dynamic_model_load_unload"].setup(tmp_path)
+    assert sorted(p.name for p in (here / "models").iterdir()) == ["onnx_float32_float32_float32"]
+    stand_in = (here / "models" / "onnx_float32_float32_float32" / "config.pbtxt").read_text()
+    assert stand_in.startswith('name: "onnx_float32_float32_float32"\n')
+    assert (here / "libtorch_float32_float32_float32" / "3" / "model.pt").is_file()   # copied in by the test
+
+    cases["test_dynamic_version_load_unload"].setup(tmp_path)
+    assert sorted(p.name for p in (here / "models").iterdir()) == ["libtorch_int32_int32_int32"]
+    assert not (here / "libtorch_float32_float32_float32").exists()
+
+    cases["test_dynamic_model_modify"].setup(tmp_path)
+    assert sorted(p.name for p in (here / "models").iterdir()) == \
+        ["libtorch_float32_float32_float32", "plan_float32_float32_float32"]
+    for backend in ("libtorch", "plan"):
+        plain = (here / f"config.pbtxt.{backend}").read_text()
+        assert "version_policy" not in plain and f'name: "{backend}_float32_float32_float32"' in plain
+        wrong = (here / f"config.pbtxt.wrong.{backend}").read_text()
+        assert 'label_filename: "wrong_output0_labels.txt"' in wrong and "version_policy" in wrong
+        labels = here / "models" / f"{backend}_float32_float32_float32" / "wrong_output0_labels.txt"
+        assert labels.read_text() == "label90\nlabel91\n"
+    cases["test_dynamic_version_load_unload"].setup(tmp_path)
+    assert not list(here.glob("config.pbtxt.*"))
+
+
+def test_a_line_test_sh_greps_for_must_be_in_the_daemon_s_log(tmp_path: Path) -> None:
+    log = tmp_path / "torchpool.log"
+    log.write_text("W ignore version directory 'abc' which fails to convert to integral number (model ...)\n")
+    assert triton_qa.missing_log_lines(log, ("ignore version directory 'abc' which fails to convert",)) == []
+    missing = triton_qa.missing_log_lines(log, ("ignore version directory '003'",))
+    assert len(missing) == 1 and "'003'" in missing[0]
+    assert triton_qa.missing_log_lines(tmp_path / "absent.log", ()) == []
+
+
+def test_implicit_state_serves_the_libtorch_model_and_its_output_copy(tmp_path: Path) -> None:
+    _generated(tmp_path, "qa_sequence_implicit_model_repository", "libtorch_nobatch_sequence_int32", ("1",))
+    names = triton_qa.build_implicit_state_repositories(tmp_path / "qa", tmp_path)
+    assert names == {"implicit_models": ["libtorch_nobatch_sequence_int32",
+                                         "libtorch_nobatch_sequence_int32_output"]}
+    config = (tmp_path / "implicit_models" / "libtorch_nobatch_sequence_int32_output" / "config.pbtxt").read_text()
+    assert config.startswith('name: "libtorch_nobatch_sequence_int32_output"\n')
+    assert config.endswith('output [{ name: "OUTPUT_STATE__1" \n data_type: TYPE_INT32 \n dims: [ 1 ] }]\n')
+    [case] = triton_qa.SUITES["L0_implicit_state"].cases(["no-shm"])
+    assert case.tests == ["ImplicitStateTest.test_request_output_not_allowed", "ImplicitStateTest.test_request_output"]
+    assert case.expected == 2 and triton_qa.SUITES["L0_implicit_state"].environment["IMPLICIT_STATE"] == "1"

@@ -207,7 +207,8 @@ class ModelControl:
             model = self.registry.models.get(name)
             if model is not None and model.pending is not None:
                 continue
-            if model is None or fingerprint(self.root / name) != model.fingerprint:
+            # a model removed (so unloaded) and put back loads again, even unchanged
+            if model is None or model.unloaded or fingerprint(self.root / name) != model.fingerprint:
                 try:
                     self.load(name, None, lambda err, n=name: err and log.error("%s", err.message))
                 except TorchpoolError as exc:

@@ -153,7 +153,9 @@ class Registry:
         if model.error:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
         if model.unloaded and wanted is None:
-            raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is unloaded")
+            # Triton's ModelLifeCycle::GetModel for the latest version of a model it
+            # unloaded (explicitly, or removed from a polled repository): NOT_FOUND
+            raise TorchpoolError(errors.NOT_FOUND, f"Request for unknown model: '{name}' has no available versions")
         if wanted is None:
             best = None      # the highest ready version (a loop: this runs for every request)
             for v, mv in model.versions.items():
