@@ -21,7 +21,7 @@ import pytest
 from torchpool.client import Client, OutputRef, RegionOutput, SharedMemoryRef
 from torchpool.client import arena as ca
 from torchpool.client import flows
-from torchpool.client.outputs import _Encoded
+from torchpool.client.outputs import EncodedInputs
 from torchpool.protocol import errors, messages, tensors
 from torchpool.protocol.errors import InferenceError
 from torchpool.shm import NamedSegment, Segment
@@ -220,7 +220,7 @@ def test_encode_copies_odd_arrays_once_in_native_order(arena) -> None:
 def test_encode_reports_need_room_and_frees_what_it_took(arena) -> None:
     st = flows.ClientState("ipc:///nowhere", local=False)
     free0 = arena.free_bytes
-    with pytest.raises(flows._NeedRoom) as room:
+    with pytest.raises(flows.NeedRoom) as room:
         st.encode_inputs({"A": np.zeros(8 * KiB, np.float32), "B": np.zeros(16 * KiB, np.float32)}, arena)
     assert room.value.nbytes >= 64 * KiB
     assert arena.free_bytes == free0
@@ -330,7 +330,7 @@ def test_an_output_in_memory_never_handed_is_refused(fake_daemon, prefix) -> Non
 def test_late_reply_releases_lent_outputs() -> None:
     st = flows.ClientState("ipc:///nowhere", local=False)
     st.session = "tok"
-    st.finish(_Encoded(), None, answered=False, rid=3, token="tok")      # timed out
+    st.finish(EncodedInputs(), None, answered=False, rid=3, token="tok")      # timed out
     st.late_reply({"id": 4, "ok": True, "outputs": [{"name": "O", "shm": ["seg", 0, 8, 1]}]})
     assert st.session_fields() == {"session": "tok"}                      # not a request of ours
     st.late_reply({"id": 3, "ok": True, "outputs": [{"name": "O", "shm": ["seg", 64, 8, 2]}]})

@@ -187,23 +187,12 @@ def private_imports() -> list[tuple[str, str]]:
     return found
 
 
-# Private names still imported across modules, each to be deleted here once
-# gone (the list only shrinks; the client's are being typed on another branch).
-ALLOWED_PRIVATE_IMPORTS = {
-    ("torchpool.client.arena", "torchpool.shm.arena._FreeList"),
-    ("torchpool.client.flows", "torchpool.client.inputs._NeedRoom"),
-    ("torchpool.client.inputs", "torchpool.client.outputs._Encoded"),
-    ("torchpool.client.lane", "torchpool.client.channel._Waiter"),
-}
-
-
 def test_no_module_imports_another_modules_private_names() -> None:
     """A name starting with `_` is its module's own: what another module
-    needs is public (worker.settings imported config.parameters._boolean)."""
-    found = set(private_imports())
-    assert found <= ALLOWED_PRIVATE_IMPORTS, sorted(found - ALLOWED_PRIVATE_IMPORTS)
-    gone = ALLOWED_PRIVATE_IMPORTS - found
-    assert not gone, f"these are gone: delete them from ALLOWED_PRIVATE_IMPORTS: {sorted(gone)}"
+    needs is public (worker.settings imported config.parameters._boolean; the
+    client shm.arena._FreeList, outputs._Encoded, inputs._NeedRoom and
+    channel._Waiter)."""
+    assert not private_imports(), private_imports()
 
 
 def script_imports() -> dict[str, set[str]]:

@@ -28,7 +28,7 @@ import numpy as np
 from ..protocol import errors
 from ..protocol.errors import InferenceError
 from ..protocol.tensors import BLOCK_HEADER_BYTES, ShmRef, clear_block_header, write_block_header
-from ..shm.arena import _FreeList
+from ..shm.arena import FreeList
 from ..shm.bulkcopy import copy_into
 from ..shm.segment import Segment
 
@@ -100,7 +100,7 @@ class ClientArena:
     def __init__(self, cap: int = DEFAULT_ARENA_CAP) -> None:
         self.cap = cap
         self.segments: dict[str, Segment] = {}
-        self._free: dict[str, _FreeList] = {}
+        self._free: dict[str, FreeList] = {}
         self._base: dict[str, int] = {}            # segment -> address of its first byte
         self._generations = itertools.count(1)
         self._dead: collections.deque = collections.deque()   # blocks whose arrays are gone (empty(), kept outputs)
@@ -120,7 +120,7 @@ class ClientArena:
             seg.close()
             raise
         self.segments[name] = seg
-        self._free[name] = _FreeList(seg.size)
+        self._free[name] = FreeList(seg.size)
         self._base[name] = base
         return seg
 

@@ -46,7 +46,7 @@ _POLLIN = int(zmq.POLLIN)
 _zmq_poll = zmq.zmq_poll
 
 
-class _Waiter:
+class CallWaiter:
     """One call in flight: its frames until sent, then its answer or error."""
 
     __slots__ = ("rid", "frames", "deadline", "mark", "reply", "error", "promoted", "event")
@@ -78,9 +78,9 @@ class SharedSocket:
         self._on_late = on_late
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)     # notified when nobody reads
-        self._waiting: dict[object, _Waiter] = {}     # by request id (as an answer says it)
-        self._outbox: collections.deque[_Waiter] = collections.deque()
-        self._reader: Optional[_Waiter] = None
+        self._waiting: dict[object, CallWaiter] = {}     # by request id (as an answer says it)
+        self._outbox: collections.deque[CallWaiter] = collections.deque()
+        self._reader: Optional[CallWaiter] = None
         self._closed = False
         self._polled = 0.0            # when a poll last saw the monitor (as good as a drain)
         self._spin: Optional[SpinWait] = None     # a direct path's (client/direct.py)
@@ -98,7 +98,7 @@ class SharedSocket:
         comes within `timeout` s (or the connection says none will)."""
         now = time.monotonic()
         deadline = now + timeout
-        me = _Waiter(rid, frames, deadline)
+        me = CallWaiter(rid, frames, deadline)
         with self._lock:
             if self._closed:
                 raise _closed_error()
@@ -124,7 +124,7 @@ class SharedSocket:
             raise me.error
         raise self._no_answer(timeout)
 
-    def _wait(self, me: _Waiter, deadline: float) -> None:
+    def _wait(self, me: CallWaiter, deadline: float) -> None:
         """Wait for another thread to hand us our answer, or the socket."""
         event = me.event
         assert event is not None        # request() gave it one: it is not the reader
@@ -148,7 +148,7 @@ class SharedSocket:
                 self._serve(me, deadline)
             return
 
-    def _abandon(self, me: _Waiter) -> None:
+    def _abandon(self, me: CallWaiter) -> None:
         with self._lock:
             if self._waiting.get(me.rid) is me:
                 del self._waiting[me.rid]
@@ -157,7 +157,7 @@ class SharedSocket:
         self._hand_over(me)
 
     # -- the reader
-    def _serve(self, me: _Waiter, deadline: float, sent_at: Optional[float] = None) -> None:
+    def _serve(self, me: CallWaiter, deadline: float, sent_at: Optional[float] = None) -> None:
         """Own the socket until `me` is answered or its deadline passes,
         sending (`me` first, at `sent_at`, if given) and routing for
         everyone meanwhile; then hand it over."""
@@ -225,7 +225,7 @@ class SharedSocket:
         watch.drain()
         self._fail_lost()
 
-    def _transmit(self, w: _Waiter, now: Optional[float] = None) -> None:
+    def _transmit(self, w: CallWaiter, now: Optional[float] = None) -> None:
         """Send one request (the reader's thread only); `now`: the time, if
         the caller just read it."""
         watch = self._watch
@@ -260,7 +260,7 @@ class SharedSocket:
                     continue                      # it gave up before it was sent
             self._transmit(w)
 
-    def _read_one(self, me: _Waiter) -> None:
+    def _read_one(self, me: CallWaiter) -> None:
         sock = self._sock
         try:
             first = sock.recv(_NOBLOCK, copy=False)
@@ -273,7 +273,7 @@ class SharedSocket:
             payload.append(frame.buffer)
         self._deliver(me, messages.unpack(first), payload)
 
-    def _deliver(self, me: Optional[_Waiter], header: Any, payload: list) -> None:
+    def _deliver(self, me: Optional[CallWaiter], header: Any, payload: list) -> None:
         """Hand a reply to the call it answers (the reader's thread only;
         `me`: the reader's own call, if it has one in flight)."""
         rid = header.get("id") if isinstance(header, dict) else None
@@ -298,7 +298,7 @@ class SharedSocket:
                 if error is not None:
                     self._finish(w, error=error)
 
-    def _finish(self, w: Optional[_Waiter], reply: Optional[Reply] = None,
+    def _finish(self, w: Optional[CallWaiter], reply: Optional[Reply] = None,
                 error: Optional[BaseException] = None) -> bool:
         """Give `w` its reply or error, under the lock (a waiter that timed
         out either sees it or is gone); False if nobody waits for it."""
@@ -313,7 +313,7 @@ class SharedSocket:
                 w.event.set()
         return True
 
-    def _hand_over(self, me: _Waiter) -> None:
+    def _hand_over(self, me: CallWaiter) -> None:
         with self._lock:
             if self._waiting.get(me.rid) is me:
                 del self._waiting[me.rid]          # our time is up

@@ -35,7 +35,7 @@ from .types import NoAnswer, RawTensor
 if TYPE_CHECKING:
     from .arena import ClientArena
     from .local import LocalLink
-    from .outputs import Release, _Encoded
+    from .outputs import Release, EncodedInputs
     from .types import InferResult, Version
 
 RETRY_S = 30.0          # a model that refused is asked again after this long
@@ -225,17 +225,17 @@ class DirectRequests:
     releases: collections.deque[Release]
 
     if TYPE_CHECKING:
-        def _encode_inline(self, inputs: Mapping[str, Any]) -> _Encoded: ...
+        def _encode_inline(self, inputs: Mapping[str, Any]) -> EncodedInputs: ...
 
-        def finish(self, enc: _Encoded, arena: Optional[ClientArena], answered: bool,
+        def finish(self, enc: EncodedInputs, arena: Optional[ClientArena], answered: bool,
                    rid: Any = None, token: Optional[str] = None) -> None: ...
 
-        def _infer_header(self, model: str, version: Version, enc: _Encoded, outputs: Optional[Sequence[Any]],
+        def _infer_header(self, model: str, version: Version, enc: EncodedInputs, outputs: Optional[Sequence[Any]],
                           timeout: Optional[float], priority: int, sequence: Optional[dict]) -> dict: ...
 
         def open_lane(self) -> Any: ...
 
-        def _answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: _Encoded,
+        def _answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: EncodedInputs,
                       arena: Optional[ClientArena]) -> InferResult: ...
 
     def direct_request(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
@@ -288,6 +288,6 @@ class DirectRequests:
             link is not None and link.direct_ok and not self.releases
 
     def direct_answered(self, header: dict, payload: list, copy: bool, token: Optional[str],
-                        enc: _Encoded) -> InferResult:
+                        enc: EncodedInputs) -> InferResult:
         """The outputs of a `direct_request`'s answer. Under `lock`."""
         return self._answered(header, payload, copy, token, enc, None)

@@ -32,10 +32,10 @@ from ..protocol import lane as lane_protocol
 from ..protocol.errors import InferenceError
 from ..protocol.messages import OP_ARENA_GROW, OP_GOODBYE, OP_HELLO
 from .arena import DEFAULT_ARENA_CAP, ClientArena, OutputMaps, block_size, local_wanted
-from .inputs import InputEncoding, _NeedRoom
+from .inputs import InputEncoding, NeedRoom
 from .direct import DirectPaths, DirectRequests, takes_direct
 from .local import LocalLink
-from .outputs import OutputDecoding, Release, Quarantined, _Encoded
+from .outputs import OutputDecoding, Release, Quarantined, EncodedInputs
 from .regions import RegionFlows
 from .types import Call, Classification, Flow, InferResult, NoAnswer, OutputRef, Reply, SequenceId, Version
 
@@ -275,7 +275,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         if (yield from self._grow(arena, need, timeout)):
             try:
                 return self.encode_inputs(inputs, arena), arena
-            except _NeedRoom:
+            except NeedRoom:
                 pass
         return self.encode_inputs(inputs, None), None      # this request goes inline
 
@@ -311,7 +311,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         else:
             try:
                 enc = self.encode_inputs(inputs, arena)
-            except _NeedRoom as room:
+            except NeedRoom as room:
                 enc, arena = yield from self._encode_after_growing(inputs, arena, room.nbytes, timeout)
         header = self._infer_header(model, version, enc, outputs, timeout, priority, sequence)
         direct = None
@@ -346,7 +346,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         finally:
             self.finish(enc, arena, answered, rid, token)
 
-    def _infer_header(self, model: str, version: Version, enc: _Encoded, outputs: Optional[Sequence[Any]],
+    def _infer_header(self, model: str, version: Version, enc: EncodedInputs, outputs: Optional[Sequence[Any]],
                       timeout: Optional[float], priority: int, sequence: Optional[dict]) -> dict:
         wanted = None
         if outputs is not None:
@@ -368,7 +368,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
             header["output_shm"] = True
         return header
 
-    def _answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: _Encoded,
+    def _answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: EncodedInputs,
                   arena: Optional[ClientArena]) -> InferResult:
         s = self.stats
         s["bytes_copied"] += enc.stats[0]

@@ -13,12 +13,12 @@ from ..protocol import errors, tensors
 from ..protocol.messages import INLINE_BUDGET
 from ..protocol.errors import InferenceError
 from .arena import ClientArena, block_size
-from .outputs import Quarantined, _Encoded
+from .outputs import Quarantined, EncodedInputs
 from .types import SharedMemoryRef
 from .values import nbytes_of, prepare_input
 
 
-class _NeedRoom(Exception):
+class NeedRoom(Exception):
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
 
@@ -28,12 +28,12 @@ class InputEncoding:
     session: Optional[str]
     quarantine: dict[object, Quarantined]
 
-    def encode_inputs(self, inputs: Mapping[str, Any], arena: Optional[ClientArena]) -> _Encoded:
+    def encode_inputs(self, inputs: Mapping[str, Any], arena: Optional[ClientArena]) -> EncodedInputs:
         """Entries and payload frames; inputs go to the arena when there is one.
-        Raises _NeedRoom (having freed what it took) when the arena is full."""
+        Raises NeedRoom (having freed what it took) when the arena is full."""
         if arena is None:
             return self._encode_inline(inputs)
-        enc = _Encoded()
+        enc = EncodedInputs()
         need = 0
         try:
             for name, value in inputs.items():
@@ -76,13 +76,13 @@ class InputEncoding:
             raise
         if need:
             self.finish(enc, arena, answered=True)
-            raise _NeedRoom(need)
+            raise NeedRoom(need)
         return enc
 
-    def _encode_inline(self, inputs: Mapping[str, Any]) -> _Encoded:
+    def _encode_inline(self, inputs: Mapping[str, Any]) -> EncodedInputs:
         """`encode_inputs` without an arena: every tensor's bytes travel in the
         request (inline or as frames); nothing to give back on failure."""
-        enc = _Encoded()
+        enc = EncodedInputs()
         entries, frames, inline = enc.entries, enc.frames, 0
         for name, value in inputs.items():
             if isinstance(value, SharedMemoryRef):
@@ -101,7 +101,7 @@ class InputEncoding:
         enc.stats[2] = inline
         return enc
 
-    def finish(self, enc: _Encoded, arena: Optional[ClientArena], answered: bool,
+    def finish(self, enc: EncodedInputs, arena: Optional[ClientArena], answered: bool,
                rid: Any = None, token: Optional[str] = None) -> None:
         """The request is over (answered) or lost (no answer: keep its blocks
         until a late answer arrives, or the session ends)."""

@@ -22,7 +22,7 @@ from typing import Callable, Optional, Protocol, Union
 
 from ..protocol import errors, lane, messages
 from ..shm.fdpass import DONTWAIT
-from .channel import SharedSocket, _Waiter
+from .channel import SharedSocket, CallWaiter
 from .types import NoAnswer
 
 
@@ -71,7 +71,7 @@ class LaneSocket(SharedSocket):
         self._pieces: list[Union[bytes, memoryview]] = []     # of an answer that came in several datagrams
         super().__init__(self.fd, None, on_late)
 
-    def _transmit(self, w: _Waiter, now: Optional[float] = None) -> None:
+    def _transmit(self, w: CallWaiter, now: Optional[float] = None) -> None:
         error = None
         if self.lost:
             error = self._lost_error(sent=False)
@@ -105,7 +105,7 @@ class LaneSocket(SharedSocket):
         if error is not None:
             self._finish(w, error=error)
 
-    def _read_one(self, me: Optional[_Waiter]) -> None:
+    def _read_one(self, me: Optional[CallWaiter]) -> None:
         link = self._link
         try:
             data, fds = link.recv()

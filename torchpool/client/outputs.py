@@ -27,7 +27,7 @@ Release = tuple[Optional[str], list[Union[str, int]]]
 Quarantined = tuple[Optional[str], Optional[ClientArena], list[ArenaBlock], list[ArenaBlock]]
 
 
-class _Encoded:
+class EncodedInputs:
     __slots__ = ("entries", "frames", "blocks", "lent", "stats")
 
     def __init__(self) -> None:
@@ -50,7 +50,7 @@ class OutputDecoding:
     arena: Optional[ClientArena]
 
     def decode_outputs(self, header: dict, frames: Sequence[Any], copy: bool,
-                       token: Optional[str] = None, enc: Optional[_Encoded] = None,
+                       token: Optional[str] = None, enc: Optional[EncodedInputs] = None,
                        arena: Optional[ClientArena] = None) -> InferResult:
         """The outputs of an answer to a request sent in session `token`
         (with the input blocks `enc` holds in `arena`)."""
@@ -130,7 +130,7 @@ class OutputDecoding:
                 self.releases.append((token, [seg, off, gen]))
 
 
-def _reused_output(e: dict, copy: bool, enc: Optional[_Encoded], arena: Optional[ClientArena],
+def _reused_output(e: dict, copy: bool, enc: Optional[EncodedInputs], arena: Optional[ClientArena],
                    kept: dict[ArenaBlock, np.ndarray]) -> Any:
     """An output that is a view of one of this request's input blocks (the
     model returned its input, or a part of it): a read-only array on that

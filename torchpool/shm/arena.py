@@ -33,7 +33,7 @@ class Block(NamedTuple):
     size: int
 
 
-class _FreeList:
+class FreeList:
     """First-fit free list over one segment, coalescing neighbours on free."""
 
     def __init__(self, size: int) -> None:
@@ -87,7 +87,7 @@ class Arena:
         self._prefault = prefault
         self._counter = itertools.count()
         self.segments: dict[str, Segment] = {}
-        self._free: dict[str, _FreeList] = {}
+        self._free: dict[str, FreeList] = {}
 
     @property
     def mapped_bytes(self) -> int:
@@ -127,7 +127,7 @@ class Arena:
                 f"{self.limit} bytes mapped and in use")
         seg = Segment.create(self._name_for(next(self._counter)), size, prefault=self._prefault)
         self.segments[seg.name] = seg
-        self._free[seg.name] = _FreeList(size)
+        self._free[seg.name] = FreeList(size)
         if self._announce is not None:
             self._announce(seg)
         return seg.name
