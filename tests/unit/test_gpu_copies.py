@@ -86,3 +86,30 @@ def test_segments_are_unregistered_before_they_are_unmapped_also_when_replaced()
     mapped.close()
     for owner in owners:
         owner.close()
+
+
+def test_which_cuda_errors_lose_the_context() -> None:
+    """A worker whose CUDA context is lost (a device-side assert, an illegal
+    address: every later call fails) ends after its answer and is replaced;
+    out of memory is not such an error (the next batch may fit), nor is any
+    error that does not come from CUDA. The model's error arrives wrapped
+    (ExecutionError from the RuntimeError torch raised)."""
+    from torchpool.worker.binding import ExecutionError
+    from torchpool.worker.gpu_copies import lost_cuda_context
+
+    def wrapped(message: str) -> Exception:
+        try:
+            try:
+                raise RuntimeError(message)
+            except RuntimeError as inner:
+                raise ExecutionError("model 'm' failed: " + message.splitlines()[0]) from inner
+        except ExecutionError as outer:
+            return outer
+
+    assert lost_cuda_context(wrapped("CUDA error: device-side assert triggered\nCUDA kernel errors might be "
+                                     "asynchronously reported at some other API call"))
+    assert lost_cuda_context(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert lost_cuda_context(wrapped("CUDA error: unspecified launch failure"))
+    assert not lost_cuda_context(wrapped("CUDA out of memory. Tried to allocate 20.00 GiB"))
+    assert not lost_cuda_context(wrapped("index 5 is out of bounds for dimension 0 with size 3"))
+    assert not lost_cuda_context(ValueError("an illegal value"))

@@ -108,3 +108,25 @@ class DeviceCopies:
     def finish(self) -> None:
         """Wait for what was queued on the stream: the batch's outputs are ready."""
         self.stream.synchronize()
+
+
+# CUDA errors after which the process's CUDA context is unusable: every later
+# call fails, so the worker must be replaced (an out-of-memory error is not one:
+# the next batch may fit)
+_STICKY_CUDA_ERRORS = ("device-side assert", "illegal memory access", "illegal instruction",
+                       "misaligned address", "unspecified launch failure", "launch timed out",
+                       "uncorrectable ecc", "hardware stack error", "an illegal")
+
+
+def lost_cuda_context(exc: BaseException) -> bool:
+    """Did `exc` (or what it was raised from) come from a CUDA error that
+    leaves the context unusable?"""
+    seen: set[int] = set()
+    e: "BaseException | None" = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e).lower()
+        if "cuda" in text and any(sticky in text for sticky in _STICKY_CUDA_ERRORS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

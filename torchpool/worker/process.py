@@ -46,7 +46,7 @@ from .binding import ExecutionError, ModelLoadError
 from .capture import CaptureRegion, OutputCapture, reuse_input
 from .classify import Classified
 from .direct import DirectClients
-from .gpu_copies import DeviceCopies, HostPinning, cuda_pinning
+from .gpu_copies import DeviceCopies, HostPinning, cuda_pinning, lost_cuda_context
 from .lending import LendingAreas
 from .loader import load_instance
 from .parent import tie_to_the_broker
@@ -108,6 +108,7 @@ class Worker:
                                     lambda name: self.send(internal.Forget([name])), self.label,
                                     spec.output_capture_mib << 20)
         self.on_cpu, self.clean_cache = True, False      # read on every request: looked up once
+        self.context_lost = False     # a sticky CUDA error: the worker ends after its answer
         self._arena_addresses: dict[str, int] = {}
         self.direct = DirectClients(self)
 
@@ -189,7 +190,7 @@ class Worker:
         return self.receiver.recv(self.sock)
 
     def loop(self) -> None:
-        while True:
+        while not self.context_lost:
             if self.direct.clients:      # local clients sending requests here (direct.py)
                 if not self.direct.turn():
                     return
@@ -404,6 +405,12 @@ class Worker:
             log.error("%s failed: %s", where, text, exc_info=exc)
         if f"'{self.spec.model}'" not in text:
             text = f"{text} (model '{self.spec.model}' instance '{self.spec.instance}')"
+        if not self.on_cpu and lost_cuda_context(exc):
+            # every later CUDA call of this process would fail: it ends once this
+            # answer is sent (loop()), and the broker starts the instance afresh
+            self.context_lost = True
+            text = f"{text}; the instance's CUDA context is lost: its worker is replaced"
+            log.error("%s: the CUDA context is lost: this worker exits and is replaced", self.label)
         return internal.Failed(batch_id, code, text)
 
     def _buffer(self, ref: Any, offset: int, nbytes: int, generation: int, name: str) -> Any:
