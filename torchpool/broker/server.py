@@ -87,7 +87,7 @@ from .systemd import Notifier, ServiceStatus
 log = logging.getLogger("torchpool.broker")
 
 # how long a scrape waits for the loop to read the workers' reports first
-METRICS_CATCH_UP_S = 0.5
+METRICS_CATCH_UP_S = 2.0
 
 
 class ModelLoadFailed(Exception):
