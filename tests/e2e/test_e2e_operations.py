@@ -227,6 +227,15 @@ def test_kill_9_under_load_loses_no_request(small_repository: Path, tmp_path: Pa
         d.stop()
 
 
+def _answers_a_small_call(d: Daemon) -> bool:
+    """Does `slow` answer a tiny call right (not while its worker is replaced)?"""
+    try:
+        with Client(d.url, timeout=60, local=False) as c:
+            return int(c.infer("slow", {"INPUT__0": np.array([10])})["OUTPUT__0"][0]) == 10
+    except InferenceError:
+        return False
+
+
 def test_a_hung_worker_is_replaced_after_the_execution_timeout(small_repository: Path, tmp_path: Path) -> None:
     d = Daemon(small_repository, tmp_path, "--execution-timeout", "1", "--log-level", "debug").start()
     try:
@@ -247,17 +256,26 @@ def test_a_hung_worker_is_replaced_after_the_execution_timeout(small_repository:
             small = slow_iterations(0.05)
             for _ in range(3):        # the profiling executor's first calls of a new worker are slower
                 assert int(c.infer("slow", {"INPUT__0": np.array([small])})["OUTPUT__0"][0]) == small
-        # two of 0.55 s sent together: the second, sent ahead to the busy worker, is
-        # timed from when it starts, not from when it was sent (1.1 s in all; each
-        # may run 80% slower than measured here, as it did once under the whole suite)
-        n = slow_iterations(0.55)
-        with RawConnection(d.url) as rc:
-            for rid in (1, 2):
-                rc.send(rc.pack({"v": 1, "op": "infer", "id": rid, "model": "slow", "version": "",
-                                 "inputs": [{"name": "INPUT__0", "datatype": "INT64", "shape": [1],
-                                             "data": np.array([n]).tobytes()}]}))
-            answers = [rc.recv(timeout=30)[0] for _ in range(2)]
-            assert sorted(a["id"] for a in answers) == [1, 2] and all(a["ok"] for a in answers), answers
+        # two of about 0.55 s sent together: the second, sent ahead to the busy worker,
+        # is timed from when it starts, not from when it was sent (1.1 s in all). The
+        # precondition is the first one's: it runs within the timeout on its own. On a
+        # machine too loaded for that just now (the first was killed too) the pair is
+        # sent again, its size measured again; the second failing alone is the bug.
+        answers: list = []
+        for _attempt in range(4):
+            n = slow_iterations(0.55)
+            with RawConnection(d.url) as rc:
+                for rid in (1, 2):
+                    rc.send(rc.pack({"v": 1, "op": "infer", "id": rid, "model": "slow", "version": "",
+                                     "inputs": [{"name": "INPUT__0", "datatype": "INT64", "shape": [1],
+                                                 "data": np.array([n]).tobytes()}]}))
+                answers = sorted((rc.recv(timeout=60)[0] for _ in range(2)), key=lambda a: a["id"])
+            assert [a["id"] for a in answers] == [1, 2], answers
+            if answers[0]["ok"]:
+                break
+            assert "exceeded the execution timeout" in answers[0]["error"]["message"], answers
+            wait_for(lambda: _answers_a_small_call(d), 60, "the replaced worker to answer")
+        assert all(a["ok"] for a in answers), answers
     finally:
         d.stop()
 

@@ -122,8 +122,9 @@ def test_warmup_and_compilation_happen_before_ready_and_the_cache_serves_a_resta
                 # Not 1x: the first request to any model also hands the client's
                 # shared memory to that worker (fd passing, first-touch page
                 # faults), 1-3 ms here, which no warm-up can do ahead. Without
-                # warm-up a compiled model's first request would take seconds.
-                assert times[0] <= 10 * median, (model, times)
+                # warm-up a compiled model's first request would take seconds; a
+                # loaded machine's hiccup may take tens of ms (0.25 s allowed).
+                assert times[0] <= max(10 * median, 0.25), (model, times)
             row = index["warm_fails"]
         log = first.log()
     finally:
