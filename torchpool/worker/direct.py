@@ -29,12 +29,14 @@ goes, so statistics read after an answer count it: in the report ring the
 broker shares with the worker (protocol/reports.py), or as a SERVED
 message when the ring is full.
 
-A model with dynamic batching batches its direct requests here
-(direct_batch.py): what a turn reads waits for its batch by the broker's
-batching rules, and runs with the others of its batch.
+Every direct request runs through direct_batch.DirectRunner on the
+worker's engine (engine.py): alone, or, for a model with dynamic batching,
+with the others of its batch (what a turn reads waits for its batch by the
+broker's batching rules).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select
@@ -42,18 +44,18 @@ import socket
 import time
 from typing import Any, NamedTuple, Optional
 
-import torch
-
 from ..config import ModelConfig
-from ..protocol import datatypes, errors, internal, lane, messages, tensors
+from ..protocol import errors, internal, lane, messages
 from ..protocol.errors import TorchpoolError
 from ..protocol import reports
 from ..protocol.reports import ReportRing, open_ring
 from ..rules.spin import WORKER_SPIN_SHARE, SpinWait
 from ..rules.direct import plain_refusal
+from ..rules.batching import batch_key, batch_rows
 from ..rules.validation import TIMEOUT, TensorLimits, start_deadline, validate_infer
 from ..shm.fdpass import DONTWAIT, close_all
-from .direct_batch import DirectBatcher, poll_timeout_ms
+from .direct_batch import DirectBatcher, DirectRunner, Waiting, poll_timeout_ms
+from .engine import Part, StagedInput
 
 log = logging.getLogger("torchpool.worker")
 
@@ -99,9 +101,16 @@ class DirectClients:
         # the broker widens the window with a path; the worker spins only while requests
         # come well within it (spin.py: it waits for what may not come)
         self.spin = SpinWait(worker.busy_poll_ns // 1000, share=WORKER_SPIN_SHARE)
-        cfg = spec.config
-        self.batcher = (DirectBatcher(worker, cfg, _output)
-                        if cfg.max_batch_size > 0 and cfg.dynamic_batching is not None else None)
+        self.batching = spec.config.max_batch_size > 0
+        self.runner: Optional[DirectRunner] = None
+        self.batcher: Optional[DirectBatcher] = None
+
+    def start(self) -> None:
+        """The instance is loaded: its direct requests run on its engine."""
+        worker, cfg = self.worker, self.worker.spec.config
+        self.runner = DirectRunner(worker.engine, cfg, self.version, functools.partial(worker.failed, 0))
+        if self.batching and cfg.dynamic_batching is not None:
+            self.batcher = DirectBatcher(self.runner)
 
     # ------------------------------------------------------------ clients
 
@@ -237,15 +246,18 @@ class DirectClients:
             self._answer(c, [messages.pack(messages.error_response(request_id, TorchpoolError(
                 errors.INVALID_ARG, f"malformed request for model '{self.model.name}': {exc!r}")))])
             return True
+        batching = self.batcher is not None
+        request = Waiting(c, request_id, _part(staged, self.batching), requested, batch_size,
+                          batch_key(staged) if batching else None, t0)
         if self.batcher is not None:
             # a model that batches ignores a request's own timeout, as the
             # daemon's batcher does (a queue policy that honours it keeps the
             # model off direct paths: DynamicScheduler.direct_refusal)
-            self.batcher.add(c, request_id, staged, requested, batch_size, t0)
+            self.batcher.add(request)
         elif deadline is not None and time.monotonic_ns() > deadline:
             self._expired(c, request_id, t0)
         else:
-            self._run(c, request_id, staged, requested, batch_size, t0)
+            self.runner.run([request], self._answer_batch)   # type: ignore[union-attr]
         return True
 
     def _expired(self, c: _Client, request_id: object, t0: int) -> None:
@@ -283,33 +295,6 @@ class DirectClients:
         refusal = plain_refusal(header, model)
         if refusal is not None:
             raise refusal
-
-    def _run(self, c: _Client, request_id: Any, staged: list, requested: list, batch_size: int,
-             t0: int) -> None:
-        worker = self.worker
-        try:
-            inputs = {}
-            for spec, _shape, model_shape, payload, _location in staged:
-                # a copy of its own: the receive buffer is reused, a model may write its inputs
-                inputs[spec.name] = worker.tensor(spec.name, spec.datatype, model_shape,
-                                                  bytearray(payload), 0, len(payload))
-            t1 = time.perf_counter_ns()
-            results = worker.execute(inputs, requested, capture=False)   # answered inline
-            t2 = time.perf_counter_ns()
-            entries, frames = [], []
-            for name, value in results.items():
-                entries.append(_output(name, value, frames))
-        except Exception as exc:         # the model failed: counted, answered, the worker goes on
-            failed = worker.failed(0, exc, f"direct request {request_id!r}")
-            self._report([[reports.FAILED, time.perf_counter_ns() - t0, 0, c.session, None]])
-            self._answer(c, [messages.pack(messages.error_response(
-                request_id, TorchpoolError(failed.code, failed.message)))])
-            return
-        t3 = time.perf_counter_ns()
-        self._report([[reports.OK, t3 - t0, 0, c.session, [batch_size, 1, t1 - t0, t2 - t1, t3 - t2]]])
-        header = messages.ok_response(request_id, model_name=self.model.name, model_version=self.version,
-                                      outputs=entries)
-        self._answer(c, [messages.pack(header), *frames])
 
     def _answer_batch(self, records: list, answers: list) -> None:
         """A batch's report, then its answers (a client gone meanwhile gets none)."""
@@ -353,18 +338,10 @@ class DirectClients:
             self.poller.modify(c.sock.fileno(), _POLLIN)
 
 
-def _output(name: str, value: Any, frames: list) -> dict:
-    """One output's entry, its bytes inline (or a payload frame when large)."""
-    if isinstance(value, list):          # List[str]: BYTES
-        entry = tensors.tensor_entry(name, "BYTES", [len(value)])
-        tensors.put_data(entry, datatypes.encode_bytes(value), frames)
-        return entry
-    if not (value.is_cpu and value.is_contiguous()):
-        value = value.cpu().contiguous()
-    try:
-        data = value.numpy()             # one torch call (three for the bytes view below)
-    except TypeError:                    # a dtype numpy lacks (bfloat16)
-        data = value.reshape(-1).view(torch.uint8).numpy()
-    entry = tensors.tensor_entry(name, datatypes.wire_from_torch(value.dtype), list(value.shape))
-    tensors.put_data(entry, data, frames)
-    return entry
+
+def _part(staged: list, batching: bool) -> Part:
+    """A validated request's inputs as a part of a batch: a copy of their bytes
+    (the receive buffer is reused, and a model may write its inputs)."""
+    return Part({spec.name: StagedInput(spec.datatype, model_shape, bytearray(payload))
+                 for spec, _shape, model_shape, payload, _location in staged},
+                batch_rows(staged, batching))

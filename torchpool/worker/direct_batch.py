@@ -1,4 +1,5 @@
-"""Dynamic batching of direct requests, in the worker.
+"""Direct requests in batches, in the worker: the ones waiting, and how a batch
+of them runs and is answered.
 
 A model with dynamic batching takes direct requests when its batches are
 formed by the batching rules alone (one priority level, no queue policy, no
@@ -8,71 +9,133 @@ the direct requests its clients send, by the broker's own rules
 more in turn while they fill a batch (the threads of a client share its
 path); the accepted ones wait here in arrival order, and a batch runs as soon as
 the rules send it (at once with no max_queue_delay_microseconds: what
-arrived in the same turn runs together). Each input of a batch is written
-once into one buffer (the requests' payloads were copied out of the
-receive buffer when they were read); each output is split back per request
-along dim 0 (BYTES by element count), by the broker's own row splitter
-(rules/split.py).
+arrived in the same turn runs together).
+
+A model without batching runs each direct request as a batch of one, through
+the same `DirectRunner`: the engine (engine.py) gathers each input of a batch
+once into one buffer (the requests' payloads were copied out of the receive
+buffer when they were read), runs the model, and splits each output back per
+request along dim 0 (BYTES by element count) by the broker's own row splitter;
+here each request's outputs become its answer, inline.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
+
+import torch
 
 from ..config import ModelConfig
-from ..protocol import messages, reports
-from ..rules.batching import batch_key, batch_limits, batch_rows, select_batch
-from ..rules.split import row_spans
+from ..protocol import datatypes, messages, reports, tensors
 from ..protocol.errors import TorchpoolError
+from ..rules.batching import batch_limits, select_batch
+from .engine import Engine, Part, Value
+
+if TYPE_CHECKING:
+    from ..protocol.internal import Failed
+
+
+class DirectClient(Protocol):
+    """What a batch needs of the client a request came from."""
+    session: str
+
 
 # answer(records for SERVED, [(client, frames of its answer), ...])
 Answer = Callable[[list, list], None]
+# failed(exception, what failed) -> the answer's code and text (Worker.failed)
+Failure = Callable[[Exception, str], "Failed"]
 
 
 class Waiting:
-    """An accepted direct request waiting for its batch."""
-    __slots__ = ("client", "request_id", "inputs", "requested", "batch_size", "rows", "key",
-                 "enqueued", "t0")
+    """An accepted direct request waiting for its batch (or running alone)."""
+    __slots__ = ("client", "request_id", "part", "requested", "batch_size", "key", "enqueued", "t0")
     exclusive = False                    # names only, a batch dimension: it may share a batch
 
-    def __init__(self, client: Any, request_id: Any, staged: list, requested: list, batch_size: int,
-                 t0: int) -> None:
+    def __init__(self, client: DirectClient, request_id: object, part: Part, requested: list[str],
+                 batch_size: int, key: object, t0: int) -> None:
         self.client = client
         self.request_id = request_id
-        # name -> (datatype, model shape, payload): a copy, the receive buffer is reused
-        self.inputs = {spec.name: (spec.datatype, model_shape, bytearray(payload))
-                       for spec, _shape, model_shape, payload, _location in staged}
+        self.part = part
         self.requested = requested
         self.batch_size = batch_size
-        self.rows = batch_rows(staged, True)
-        self.key = batch_key(staged)
+        self.key = key                   # which requests it may share a batch with (rules/batching.py)
         self.enqueued = time.monotonic()
-        self.t0 = t0
+        self.t0 = t0                     # when it was read (perf_counter_ns)
+
+
+class DirectRunner:
+    """Runs a batch of direct requests on the engine and answers each of them."""
+
+    def __init__(self, engine: Engine, cfg: ModelConfig, version: str, failed: Failure) -> None:
+        self.engine = engine
+        self.cfg = cfg
+        self.version = version
+        self.failed = failed
+
+    def run(self, reqs: list[Waiting], answer: Answer) -> None:
+        t_start = time.perf_counter_ns()
+        try:
+            done = self.engine.run_parts([w.part for w in reqs], self._requested(reqs))
+            answers = self._answers(reqs, done.outputs)
+        except Exception as exc:         # the model failed (or its outputs cannot be split)
+            what = (f"direct request {reqs[0].request_id!r}" if len(reqs) == 1
+                    else f"direct batch of {len(reqs)} requests")
+            failed = self.failed(exc, what)
+            now = time.perf_counter_ns()
+            answer([[reports.FAILED, now - w.t0, t_start - w.t0, w.client.session, None] for w in reqs],
+                   [(w.client, [messages.pack(messages.error_response(
+                       w.request_id, TorchpoolError(failed.code, failed.message)))]) for w in reqs])
+            return
+        t3 = time.perf_counter_ns()
+        execution = [sum(w.batch_size for w in reqs), len(reqs), done.input_ns, done.infer_ns,
+                     t3 - t_start - done.input_ns - done.infer_ns]
+        records = [[reports.OK, t3 - w.t0, t_start - w.t0, w.client.session, execution if i == 0 else None]
+                   for i, w in enumerate(reqs)]
+        answer(records, answers)
+
+    def _requested(self, reqs: list[Waiting]) -> list[str]:
+        first = reqs[0].requested
+        if len(reqs) == 1 or all(w.requested == first for w in reqs):
+            return first
+        wanted = {name for w in reqs for name in w.requested}
+        return [t.name for t in self.cfg.outputs if t.name in wanted]
+
+    def _answers(self, reqs: list[Waiting], outputs: list[dict[str, Value]]) -> list:
+        """Each request's answer: its part of each output it asked for."""
+        model, version = self.cfg.name, self.version
+        out = []
+        for w, mine in zip(reqs, outputs):
+            entries: list = []
+            frames: list = []
+            for name in w.requested:
+                value = mine.get(name)
+                if value is not None:
+                    entries.append(inline_output(name, value, frames))
+            header = messages.ok_response(w.request_id, model_name=model, model_version=version,
+                                          outputs=entries)
+            out.append((w.client, [messages.pack(header), *frames]))
+        return out
 
 
 class DirectBatcher:
     """The waiting direct requests of one worker and the batches they form."""
 
-    def __init__(self, worker: Any, cfg: ModelConfig, output: Callable[[str, Any, list], dict]) -> None:
-        self.worker = worker
-        self.cfg = cfg
-        self.output = output             # (name, value, frames) -> the output's entry
-        self.limits = batch_limits(cfg)
+    def __init__(self, runner: DirectRunner) -> None:
+        self.runner = runner
+        self.limits = batch_limits(runner.cfg)
         self.max_preferred = self.limits.max_preferred
         self.waiting: list[Waiting] = []
         self.wake_at: Optional[float] = None      # the waiting batch is due then
 
-    def add(self, client: Any, request_id: Any, staged: list, requested: list, batch_size: int,
-            t0: int) -> None:
-        self.waiting.append(Waiting(client, request_id, staged, requested, batch_size, t0))
+    def add(self, request: Waiting) -> None:
+        self.waiting.append(request)
 
     def items(self) -> int:
         """The batch size of the requests waiting."""
         return sum(w.batch_size for w in self.waiting)
 
-    def drop(self, client: Any) -> None:
+    def drop(self, client: DirectClient) -> None:
         """A client that is gone: its waiting requests have no one to answer."""
         self.waiting = [w for w in self.waiting if w.client is not client]
 
@@ -85,74 +148,24 @@ class DirectBatcher:
                 self.wake_at = wake
                 return
             del self.waiting[:len(reqs)]          # a batch is always the first requests waiting
-            self._run(reqs, answer)
+            self.runner.run(reqs, answer)
 
-    # ------------------------------------------------------------ one batch
 
-    def _run(self, reqs: list[Waiting], answer: Answer) -> None:
-        worker = self.worker
-        t_start = time.perf_counter_ns()
-        rows = sum(w.rows for w in reqs)
-        items = sum(w.batch_size for w in reqs)
-        try:
-            inputs = {}
-            for name, (datatype, model_shape, _payload) in reqs[0].inputs.items():
-                if len(reqs) == 1:       # its own copy already
-                    buf, shape = reqs[0].inputs[name][2], model_shape
-                else:
-                    buf = bytearray(b"".join([w.inputs[name][2] for w in reqs]))
-                    shape = [rows, *model_shape[1:]]
-                inputs[name] = worker.tensor(name, datatype, shape, buf, 0, len(buf))
-            t1 = time.perf_counter_ns()
-            results = worker.execute(inputs, self._requested(reqs), capture=False)   # answered inline
-            t2 = time.perf_counter_ns()
-            answers = self._answers(reqs, results, rows)
-        except Exception as exc:         # the model failed (or its outputs cannot be split)
-            failed = worker.failed(0, exc, f"direct batch of {len(reqs)} requests")
-            now = time.perf_counter_ns()
-            answer([[reports.FAILED, now - w.t0, t_start - w.t0, w.client.session, None] for w in reqs],
-                   [(w.client, [messages.pack(messages.error_response(
-                       w.request_id, TorchpoolError(failed.code, failed.message)))]) for w in reqs])
-            return
-        t3 = time.perf_counter_ns()
-        execution = [items, len(reqs), t1 - t_start, t2 - t1, t3 - t2]
-        records = [[reports.OK, t3 - w.t0, t_start - w.t0, w.client.session, execution if i == 0 else None]
-                   for i, w in enumerate(reqs)]
-        answer(records, answers)
-
-    def _requested(self, reqs: list[Waiting]) -> list:
-        first = reqs[0].requested
-        if all(w.requested == first for w in reqs):
-            return first
-        wanted = {name for w in reqs for name in w.requested}
-        return [t.name for t in self.cfg.outputs if t.name in wanted]
-
-    def _answers(self, reqs: list[Waiting], results: dict, rows: int) -> list:
-        """Each request's answer: its rows of each output it asked for."""
-        model = self.cfg.name
-        single = len(reqs) == 1
-        parts: dict[str, list] = {}
-        sizes = [w.rows for w in reqs]
-        starts = list(itertools.accumulate(sizes[:-1], initial=0))
-        for name, value in results.items():
-            if single:
-                parts[name] = [value]
-                continue
-            strings = isinstance(value, list)            # BYTES: split by element count
-            count = len(value) if strings else (value.shape[0] if value.dim() else 0)
-            spans = row_spans(model, name, count, sizes, starts, rows, strings)
-            parts[name] = [value[lo:hi] for lo, hi in spans]
-        version = str(self.worker.spec.version)
-        out = []
-        for i, w in enumerate(reqs):
-            entries, frames = [], []
-            for name in w.requested:
-                if name in parts:
-                    entries.append(self.output(name, parts[name][i], frames))
-            header = messages.ok_response(w.request_id, model_name=model, model_version=version,
-                                          outputs=entries)
-            out.append((w.client, [messages.pack(header), *frames]))
-        return out
+def inline_output(name: str, value: Value, frames: list) -> dict:
+    """One output's entry, its bytes inline (or a payload frame when large)."""
+    if isinstance(value, list):          # List[str]: BYTES
+        entry = tensors.tensor_entry(name, "BYTES", [len(value)])
+        tensors.put_data(entry, datatypes.encode_bytes(value), frames)
+        return entry
+    if not (value.is_cpu and value.is_contiguous()):
+        value = value.cpu().contiguous()
+    try:
+        data = value.numpy()             # one torch call (three for the bytes view below)
+    except TypeError:                    # a dtype numpy lacks (bfloat16)
+        data = value.reshape(-1).view(torch.uint8).numpy()
+    entry = tensors.tensor_entry(name, datatypes.wire_from_torch(value.dtype), list(value.shape))
+    tensors.put_data(entry, data, frames)
+    return entry
 
 
 def poll_timeout_ms(wake_at: Optional[float]) -> Optional[int]:

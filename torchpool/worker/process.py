@@ -23,7 +23,6 @@ import faulthandler
 import functools
 import gc
 import logging
-import math
 import os
 import signal
 import socket
@@ -31,7 +30,6 @@ import sys
 import time
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from ..logs import setup_logging
@@ -46,11 +44,12 @@ from .binding import ExecutionError, ModelLoadError
 from .capture import CaptureRegion, OutputCapture, reuse_input
 from .classify import Classified
 from .direct import DirectClients
-from .gpu_copies import DeviceCopies, HostPinning, cuda_pinning, lost_cuda_context
+from .engine import Engine
+from .gpu_copies import HostPinning, cuda_pinning, lost_cuda_context
 from .lending import LendingAreas
 from .loader import load_instance
 from .parent import tie_to_the_broker
-from .settings import after_execution, grad_context
+from .settings import grad_context
 from .spec import WorkerSpec
 from .texts import client_text
 from ..protocol.internal import DIRECT_PREFIX, LEND_PREFIX
@@ -88,16 +87,12 @@ class Worker:
         self.inputs_shm = MappedSegments(self._unmap_input)
         # on a GPU (load()): the segments page-locked for it, and the instance's stream
         self.pinning: Optional[HostPinning] = None
-        self.copies: Optional[DeviceCopies] = None
         self.receiver = FdReceiver(internal.MAX_MESSAGE)
         self.regions = RegionMaps()
         self.outputs = Arena(lambda i: f"{spec.segment_prefix}{i}", spec.arena_chunk,
                              spec.arena_limit, prefault=True, announce=self.announce)
-        self.device = None
-        self.module: Any = None
-        self.binding: Any = None
+        self.engine: Engine           # built by load(): inputs to the device, the model, outputs
         self.classifier: Any = None   # labels, and outputs asked as top-k classes
-        self.settings: Any = None
         self.busy_poll_ns = spec.busy_poll_us * 1000
         self.weights = None           # the shared weights segment, if any (kept mapped)
         self.label = f"model '{spec.model}' version {spec.version} instance '{spec.instance}'"
@@ -107,7 +102,7 @@ class Worker:
         self.lending = LendingAreas(spec.segment_prefix, self.announce_area,
                                     lambda name: self.send(internal.Forget([name])), self.label,
                                     spec.output_capture_mib << 20)
-        self.on_cpu, self.clean_cache = True, False      # read on every request: looked up once
+        self.on_cpu = True            # read on every request: looked up once
         self.context_lost = False     # a sticky CUDA error: the worker ends after its answer
         self._arena_addresses: dict[str, int] = {}
         self.direct = DirectClients(self)
@@ -139,12 +134,12 @@ class Worker:
             self.send(internal.LoadFailed(errors.INTERNAL, f"failed to load model '{self.spec.model}': "
                                                            f"{client_text(exc)}"))
             return
-        self.send(internal.Ready(os.getpid(), str(self.device)))
+        self.send(internal.Ready(os.getpid(), str(self.engine.device)))
         gc.freeze()   # torch and the model, ~170,000 objects: a full collection walked them for 50-100 ms
         try:
             # One inference_mode / no_grad scope for the worker's whole life:
             # entering it per request costs microseconds on the hot path.
-            with grad_context(self.settings):
+            with grad_context(self.engine.settings):
                 self.loop()
         finally:
             if self.capture is not None:
@@ -157,20 +152,18 @@ class Worker:
 
     def load(self) -> None:
         loaded = load_instance(self.spec)   # model, compile, warm-up: worker/loader.py
-        self.settings, self.device = loaded.settings, loaded.device
-        self.module, self.binding = loaded.model.module, loaded.model.binding
         self.classifier, self.weights = loaded.classifier, loaded.weights
         # An output arena ready before the first request: its page faults are
         # paid now, not on the first answer.
         self.outputs.free(self.outputs.alloc(1))
-        self.on_cpu = self.device is None or torch.device(self.device).type == "cpu"
-        if not self.on_cpu and torch.device(self.device).type == "cuda":
-            self.pinning = cuda_pinning(self.label)
-            self.copies = DeviceCopies(self.device)
-        self.clean_cache = self.settings.enable_cache_cleaning
         self.capture = OutputCapture.create(f"{self.spec.segment_prefix}capture", self.announce,
                                             self.spec.output_capture_mib << 20)
         self.capture_name = self.capture.name if self.capture is not None else None
+        self.engine = Engine(self.spec.model, loaded, self.capture)
+        self.on_cpu = self.engine.on_cpu
+        if self.engine.copies is not None:   # on a GPU: the segments it reads, page-locked once
+            self.pinning = cuda_pinning(self.label)
+        self.direct.start()
 
     def receive(self) -> tuple[memoryview, list[int]]:
         """The next message; after work, poll a while before sleeping.
@@ -289,7 +282,7 @@ class Worker:
             # memory lent to it (lending.py); anyone else's into this worker's own memory
             lend_to = msg.lend_to
             captured = self.lending.capture_region(lend_to) if lend_to else None
-            results = self.execute(inputs, names, region=captured)
+            results = self.engine.execute(inputs, names, region=captured)
             t2 = time.perf_counter_ns()
             if targets:   # rare: outputs into regions, outputs asked as classes
                 targets = self.classifier.apply(results, targets)
@@ -325,31 +318,6 @@ class Worker:
             return
         t3 = time.perf_counter_ns()
         self.send(internal.Done(msg.batch_id, out, (t1 - t0, t2 - t1, t3 - t2), reused))
-
-    def execute(self, inputs: dict, names: Optional[list], capture: bool = True,
-                region: Optional[CaptureRegion] = None) -> dict:
-        """The model's outputs; large tensors it makes land in `region`, else
-        the capture region (unless `capture` is False: answers that travel inline)."""
-        copies = self.copies
-        if copies is None:
-            results = self._run_model(inputs, names, self.capture if capture else None, region)
-        else:                           # on a GPU: the model's kernels after its inputs' copies
-            with copies.on_stream():
-                results = self._run_model(inputs, names, self.capture if capture else None, region)
-            copies.finish()             # once per batch: then its outputs are read
-        if self.clean_cache:
-            after_execution(self.settings, self.device)
-        return results
-
-    def _run_model(self, inputs: dict, names: Optional[list], capture: Optional[OutputCapture],
-                   region: Optional[CaptureRegion]) -> dict:
-        if capture is None:
-            return self.binding.run(self.module, inputs, names)
-        capture.on(region)
-        try:
-            return self.binding.run(self.module, inputs, names)
-        finally:
-            capture.off()     # never while outputs are copied
 
     def copy_out_of(self, area: CaptureRegion, out: list) -> list:
         """The batch's outputs in `area`, copied into this worker's arena (they
@@ -417,22 +385,19 @@ class Worker:
         """The mapping that holds [offset, offset + nbytes) of input `name`: a
         daemon segment (named) or a client's registered region ([key, inode])."""
         if ref.__class__ is list:
-            return self.regions.get(ref, offset + nbytes, self._input_label(name))
+            return self.regions.get(ref, offset + nbytes, self.engine.input_label(name))
         seg = self.inputs_shm.find(ref)
         if seg is None:
-            raise ExecutionError(f"{self._input_label(name)}: segment {ref!r} was never handed to this "
+            raise ExecutionError(f"{self.engine.input_label(name)}: segment {ref!r} was never handed to this "
                                  f"worker", errors.INTERNAL)
         buf = seg.buf
         if generation:
             # the client may have reused the block since the broker checked it
             magic, gen, size = read_block_header(buf, offset - BLOCK_HEADER_BYTES)
             if magic != BLOCK_MAGIC or gen != generation or size != nbytes:
-                raise ExecutionError(f"{self._input_label(name)}: stale descriptor (the block was reused "
+                raise ExecutionError(f"{self.engine.input_label(name)}: stale descriptor (the block was reused "
                                      f"before the model ran)", errors.INVALID_ARG)
         return buf
-
-    def _input_label(self, name: str) -> str:
-        return f"input '{name}' for model '{self.spec.model}'"
 
     def view_input(self, d: internal.InputDescriptor) -> Any:
         name, datatype, shape, segment, offset, nbytes, generation, _ = d
@@ -441,46 +406,13 @@ class Worker:
         if self.pinning is not None and segment.__class__ is str:     # a daemon or client arena segment
             address = _address_of(buf)
             pinned = address is not None and self.pinning.pin(segment, address, len(buf))
-        return self.tensor(name, datatype, shape, buf, offset, nbytes, pinned)
+        return self.engine.tensor(name, datatype, shape, buf, offset, nbytes, pinned)
 
     def _unmap_input(self, seg: Segment) -> None:
         """An input segment goes: unregistered from the GPU first, then unmapped (off this thread)."""
         if self.pinning is not None:
             self.pinning.unpin(seg.name)
         self.reaper.close(seg)
-
-    def tensor(self, name: str, datatype: str, shape: list, buf: Any, offset: int, nbytes: int,
-               pinned: bool = False) -> Any:
-        """Input `name` as the model takes it, a view of `buf[offset:offset + nbytes]`
-        (on a GPU, a copy there: asynchronous when `buf` is page-locked)."""
-        if datatype == "BYTES":
-            return self._strings(name, memoryview(buf)[offset:offset + nbytes], math.prod(shape))
-        dtype, itemsize, array_type = _tensor_type(datatype)
-        if nbytes == 0:
-            tensor = torch.empty(shape, dtype=dtype)
-        elif array_type is not None:     # (numpy's view of the bytes, then torch's: 2 µs, not 5)
-            tensor = torch.from_numpy(np.ndarray(shape, array_type, buf, offset))
-        else:
-            tensor = torch.frombuffer(buf, dtype=dtype, count=nbytes // itemsize, offset=offset).view(shape)
-        if self.copies is not None:
-            tensor = self.copies.to_device(tensor, pinned)
-        elif not self.on_cpu:
-            tensor = tensor.to(self.device)
-        return tensor
-
-    def _strings(self, name: str, data: memoryview, count: int) -> list[str]:
-        """A BYTES input as the List[str] TorchScript takes."""
-        try:
-            # the broker checked these bytes, but a client may rewrite its memory since
-            items = datatypes.decode_bytes(data, count)
-        except ValueError as exc:
-            raise ExecutionError(f"{self._input_label(name)}: {exc} (the client changed its memory "
-                                 f"after sending)", errors.INVALID_ARG) from None
-        try:
-            return [item.decode("utf-8") for item in items]
-        except UnicodeDecodeError as exc:
-            raise ExecutionError(f"{self._input_label(name)} holds an element that is not valid UTF-8 "
-                                 f"({exc.reason}); TorchScript strings must be UTF-8", errors.INVALID_ARG) from None
 
     def write_output(self, name: str, value: Any, target: Optional[internal.OutputTarget] = None,
                      lend_to: int = 0) -> internal.OutputDescriptor:
@@ -545,16 +477,6 @@ def _address_of(buf: Any) -> Optional[int]:
     address = ctypes.addressof(view)
     del view
     return address
-
-
-def _tensor_type(datatype: str) -> tuple[torch.dtype, int, Optional[np.dtype]]:
-    """(torch dtype, bytes per element, numpy dtype if numpy has it) of a wire
-    datatype: read per request, looked up in protocol.datatypes once."""
-    array_type = datatypes.numpy_dtype(datatype)
-    torch_type = datatypes.torch_dtype(datatype)
-    if torch.from_numpy(np.zeros(0, array_type)).dtype != torch_type:    # BF16 travels as uint16
-        array_type = None
-    return torch_type, datatypes.element_size(datatype), array_type
 
 
 _wire_name = functools.cache(datatypes.wire_from_torch)
