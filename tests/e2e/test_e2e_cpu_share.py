@@ -1,77 +1,108 @@
-"""CPU workers share the daemon's CPUs by default (issue 27.0).
-
-torch gives each process an intra-op pool as large as the host: two
-workers on two cores each ran with two threads, and stalled each other. Now
-a worker whose model sets no INTRA_OP_THREAD_COUNT gets its share of the
-daemon's CPUs (affinity and cgroup quota) among the CPU instances it serves;
-a model's own setting wins. Shown on real workers: after a matmul large
-enough for torch to run in parallel, a worker given one thread has started
-no pool threads, and one whose model sets two has (/proc/<pid>/task).
+"""CPU workers size their threads by what is busy (issue 40, item 5):
+against a real daemon, each CPU worker whose model sets no thread counts has
+a slot in the daemon's CPU ledger (shm/cpu_ledger.py), marked while it runs a
+batch, idle again after it, and cleared by the broker when the worker dies
+mid-batch; a model whose own thread counts oversubscribe the CPUs is warned
+about at load. (How many threads a share gives is tests/unit/test_cpu_share.py's.)
 """
 from __future__ import annotations
 
 import os
 import re
-from typing import Iterator
+import shutil
+import signal
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
-from torch import Tensor, nn
 
-from torchpool.client import Client
-from torchpool.config.devices import cpu_budget, threads_per_worker
-from torchpool.examples import IDENTITY_CONFIG, serialize, write_model
+from torchpool import Client
+from torchpool.config.devices import cpu_budget
+from torchpool.protocol.errors import InferenceError
+from torchpool.shm.cpu_ledger import SLOTS, CpuLedger
 
-from ..support.daemon import Daemon, worker_pids
-
-SHARED = min(cpu_budget(), 4)         # instances of the model that sets nothing
-
-
-class Square(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return x @ x
+from ..support.daemon import Daemon, wait_for, worker_pids
+from ..support.model_repository import slow_iterations
 
 
-def square_config(name: str, count: int, threads: int = 0) -> str:
-    text = IDENTITY_CONFIG.replace('"identity"', f'"{name}"').replace("dims: [ -1 ]", "dims: [ 512, 512 ]")
-    text += f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n"
-    if threads:
-        text += f'parameters: {{ key: "INTRA_OP_THREAD_COUNT" value: {{ string_value: "{threads}" }} }}\n'
-    return text
+def _busy(ledger: CpuLedger) -> int:
+    return bytes(ledger.buf[:SLOTS]).count(1)
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    repo = tmp_path_factory.mktemp("cpu_share")
-    write_model(repo, "shares", square_config("shares", SHARED), serialize(Square()))
-    write_model(repo, "sets_two", square_config("sets_two", 1, threads=2), serialize(Square()))
-    d = Daemon(repo, tmp_path_factory.mktemp("cpu_share_daemon"), "--log-level", "debug").start()
-    yield d
-    assert d.stop() == 0, d.log()
+@pytest.fixture
+def repository(small_repository: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    for name, extra in (("slow_pair", 'instance_group [ { count: 2 kind: KIND_CPU } ]\n'),
+                        ("overthreaded", 'instance_group [ { count: 2 kind: KIND_CPU } ]\n'
+                                         'parameters { key: "INTRA_OP_THREAD_COUNT" '
+                                         'value: { string_value: "%d" } }\n' % (cpu_budget() + 1))):
+        shutil.copytree(small_repository / "slow", root / name)
+        config = root / name / "config.pbtxt"
+        config.write_text(config.read_text().replace('name: "slow"', f'name: "{name}"') + extra)
+    return root
 
 
-def threads_of(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/task"))
+def test_a_busy_worker_marks_its_slot_and_a_dead_one_is_cleared(repository: Path, tmp_path: Path) -> None:
+    d = Daemon(repository, tmp_path, "--log-level", "debug").start()
+    try:
+        ledger = CpuLedger.attach(_ledger_fd(d.pid()))
+        try:
+            assert _busy(ledger) == 0                       # loaded, nothing running
+            with Client(d.url) as client:
+                done = client.infer("slow_pair", {"INPUT__0": np.array([1000], np.int64)})
+                assert done["OUTPUT__0"].tolist() == [1000]
+            assert _busy(ledger) == 0                       # idle again after its batch
+
+            # a request that runs for a minute: its worker's slot is busy while it runs
+            answer: dict = {}
+
+            def call() -> None:
+                with Client(d.url) as c:
+                    try:
+                        c.infer("slow_pair", {"INPUT__0": np.array([slow_iterations(60.0)], np.int64)})
+                    except InferenceError as exc:
+                        answer["error"] = exc
+            caller = threading.Thread(target=call)
+            caller.start()
+            wait_for(lambda: _busy(ledger) == 1, 30, "the running worker's slot marked busy")
+            # it dies mid-batch: the broker clears its slot, the caller gets an error
+            for pid in worker_pids(d.log(), "slow_pair"):
+                os.kill(pid, signal.SIGKILL)
+            caller.join(60)
+            assert not caller.is_alive() and "error" in answer
+            wait_for(lambda: _busy(ledger) == 0, 30, "the dead worker's slot cleared")
+            # the instances come back and take slots again
+            with Client(d.url) as client:
+                wait_for(lambda: _ready(client), 60, "slow_pair ready again")
+                done = client.infer("slow_pair", {"INPUT__0": np.array([10], np.int64)})
+                assert done["OUTPUT__0"].tolist() == [10]
+            assert _busy(ledger) == 0
+        finally:
+            ledger.close()
+        # a model that sets its own threads for more than the CPUs is warned about
+        assert re.search(r"model 'overthreaded' version 1: 2 CPU instances x INTRA_OP_THREAD_COUNT "
+                         rf"{cpu_budget() + 1} = \d+ threads for {cpu_budget()} CPUs", d.log())
+        assert "model 'slow_pair' version 1: 2 CPU instances" not in d.log()
+    finally:
+        assert d.stop() == 0, d.log()
 
 
-def test_workers_share_the_cpus_unless_their_model_says(shared: Daemon) -> None:
-    budget, instances = cpu_budget(), SHARED + 1
-    each = threads_per_worker(budget, instances)
-    assert re.search(rf"{budget} CPUs \(affinity and cgroup quota\) for {instances} CPU instances: "
-                     rf"{each} intra-op and inter-op threads? each", shared.log()), shared.log()
-    x = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
-    with Client(shared.url, local=False, timeout=60) as c:
-        for model in ("sets_two", *["shares"] * (2 * SHARED)):        # every instance runs one
-            out = c.infer(model, {"INPUT__0": x})["OUTPUT__0"]
-            np.testing.assert_allclose(out, x @ x, rtol=1e-3, atol=1e-3)
-        # `torchpool ps` and the statistics' instances say what each got
-        threads = {m: [r["threads"] for r in c.statistics(m)["model_stats"][0]["instances"]]
-                   for m in ("shares", "sets_two")}
-    assert threads == {"shares": [each] * SHARED, "sets_two": [2]}, threads
-    explicit = threads_of(worker_pids(shared.log(), "sets_two")[0])
-    defaults = {threads_of(pid) for pid in worker_pids(shared.log(), "shares")}
-    # the same worker code, so the same other threads: only the pools differ; a
-    # worker of one thread runs its matmul inline, one of two starts an OpenMP team
-    assert len(defaults) == 1, defaults
-    if each == 1:
-        assert explicit > defaults.pop(), (explicit, defaults)
+def _ledger_fd(daemon_pid: int) -> int:
+    """The daemon's CPU ledger, opened through its fd (same uid: /proc lets the test)."""
+    fd_dir = f"/proc/{daemon_pid}/fd"
+    for fd in os.listdir(fd_dir):
+        try:
+            target = os.readlink(f"{fd_dir}/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:cpu-ledger"):
+            return os.open(f"{fd_dir}/{fd}", os.O_RDWR)
+    raise AssertionError(f"the daemon {daemon_pid} holds no CPU ledger")
+
+
+def _ready(client: Client) -> bool:
+    try:
+        return bool(client.model_ready("slow_pair"))
+    except InferenceError:
+        return False

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Optional
 
 from ..config import InstanceGroup
 from ..config.devices import cpu_budget, threads_per_worker, visible_gpus
+from ..shm.cpu_ledger import CpuLedger, SlotPool
 from ..config.parameters import model_parameters
 from ..protocol import internal
 from ..shm.fdpass import DONTWAIT, FdReceiver, send_with_fds
@@ -242,6 +243,8 @@ class Supervisor:
         # version it serves or loads (cpu_instances: their number, now)
         self.cpu_budget = cpu_budget()
         self.cpu_instances = cpu_instances
+        # which CPU workers run a batch now: they size their threads by it (shm/cpu_ledger.py)
+        self.cpu_slots = SlotPool(CpuLedger.create())
         self.threads = 0              # each CPU worker's threads, as last decided
         self.log_format = log_format
         self.busy_poll_us = busy_poll_us
@@ -264,10 +267,21 @@ class Supervisor:
         instances = [(f"{group.name}_{i}", device)
                      for group in mv.config.instance_groups
                      for i, device in enumerate(instance_devices(group, self.gpus))]
+        self.warn_oversubscribed(mv, sum(device == "cpu" for _, device in instances))
         if shares_weights(mv) and len(instances) > 1:
             mv.deferred = instances[1:]
             instances = instances[:1]
         return [self.spawn(mv, name, device) for name, device in instances]
+
+    def warn_oversubscribed(self, mv: ModelVersion, cpu_instances: int) -> None:
+        """A model whose own thread counts ask for more threads than the
+        daemon's CPUs: its instances busy together would time-slice them."""
+        intra = model_parameters(mv.config).intra_op_threads or 0
+        if intra and intra * cpu_instances > self.cpu_budget:
+            log.warning("model '%s' version %s: %d CPU instances x INTRA_OP_THREAD_COUNT %d = %d threads "
+                        "for %d CPUs; busy together they oversubscribe them (leave the thread counts "
+                        "unset and the daemon sizes each instance's threads by what is busy)",
+                        mv.name, mv.version, cpu_instances, intra, intra * cpu_instances, self.cpu_budget)
 
     def spawn_deferred(self, mv: ModelVersion) -> list[WorkerHandle]:
         deferred, mv.deferred = mv.deferred, []
@@ -279,7 +293,12 @@ class Supervisor:
 
     def spawn(self, mv: ModelVersion, instance: str, device: str) -> WorkerHandle:
         serial = next(self._serial)
-        threads = (model_parameters(mv.config).intra_op_threads or self.cpu_threads()) if device == "cpu" else 0
+        params = model_parameters(mv.config)
+        threads, slot = 0, None
+        if device == "cpu":
+            threads = params.intra_op_threads or self.cpu_threads()
+            if not (params.intra_op_threads or params.inter_op_threads):
+                slot = self.cpu_slots.take()      # its threads follow the busy workers'
         spec = WorkerSpec(model=mv.name, version=mv.version, instance=instance, config=mv.config,
                           model_path=mv.model_file, device=device,
                           segment_prefix=self.worker_prefix(serial), arena_chunk=self.arena_chunk,
@@ -287,12 +306,18 @@ class Supervisor:
                           busy_poll_us=self.busy_poll_us, log_format=self.log_format,
                           shared_weights=self.weights_segment(mv) if shares_weights(mv) else "",
                           threads=threads, output_capture_mib=self.output_capture_mib,
-                          stream_copy_bytes=self.stream_copy_bytes)
+                          stream_copy_bytes=self.stream_copy_bytes,
+                          cpu_slot=-1 if slot is None else slot, cpu_budget=self.cpu_budget)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            proc = _fork_context().Process(target=run_worker, args=(spec, theirs), daemon=False,
+            ledger = self.cpu_slots.ledger.handle() if slot is not None else None
+            proc = _fork_context().Process(target=run_worker, args=(spec, theirs, ledger), daemon=False,
                                            name=f"torchpool-worker-{instance}")
             proc.start()
+        except BaseException:
+            if slot is not None:
+                self.cpu_slots.give_back(slot)
+            raise
         finally:
             theirs.close()
         handle = WorkerHandle(serial, spec, mv, proc, ours)
@@ -323,7 +348,7 @@ class Supervisor:
         handle.process.join(timeout=1.0)
         how = handle.how_it_ended = describe_exit(handle.process.exitcode)
         handle.state = DEAD
-        self.workers.pop(handle.sentinel, None)
+        ours = self.workers.pop(handle.sentinel, None) is not None
         if handle in handle.mv.workers:
             handle.mv.workers.remove(handle)
         try:
@@ -332,6 +357,8 @@ class Supervisor:
             pass
         handle.sock.close()
         handle.process.close()
+        if ours and handle.spec.cpu_slot >= 0:
+            self.cpu_slots.give_back(handle.spec.cpu_slot)
         return how
 
     def forget(self, refs: list) -> None:
@@ -370,6 +397,7 @@ class Supervisor:
         for h in handles:
             self.reap(h)
         stop_fork_helpers(timeout=5.0)
+        self.cpu_slots.ledger.close()
 
 
 def _join_all(handles: list[WorkerHandle], deadline: float) -> None:

@@ -33,11 +33,14 @@ import torch
 
 from ..protocol import datatypes, errors
 from ..rules.split import row_spans
+from ..shm.cpu_ledger import CpuLedger
 from .binding import ExecutionError
 from .capture import CaptureRegion, OutputCapture
+from .cpu_share import CpuShare
 from .gpu_copies import DeviceCopies
 from .loader import LoadedInstance
 from .settings import after_execution
+from .spec import WorkerSpec
 
 # An input as the model takes it: a tensor, or the strings of a BYTES input
 # (TorchScript's List[str]); an output the same, or class strings (classify.py)
@@ -70,9 +73,9 @@ class PartsRun(NamedTuple):
 class Engine:
     """One model instance's execution: built once the instance is loaded."""
 
-    def __init__(self, model_name: str, loaded: LoadedInstance,
-                 capture: Optional[OutputCapture]) -> None:
-        self.model_name = model_name
+    def __init__(self, spec: WorkerSpec, loaded: LoadedInstance,
+                 capture: Optional[OutputCapture], ledger_fd: int = -1) -> None:
+        self.model_name = spec.model
         self.settings = loaded.settings
         self.device = loaded.device
         self.module = loaded.model.module
@@ -83,6 +86,13 @@ class Engine:
         self.copies = (DeviceCopies(self.device)
                        if not self.on_cpu and torch.device(self.device).type == "cuda" else None)
         self.clean_cache = self.settings.enable_cache_cleaning   # read per batch: looked up once
+        # a CPU worker whose model sets no thread counts: its threads per batch, by what is busy
+        self.cpu_share = (CpuShare(CpuLedger.attach(ledger_fd), spec.cpu_slot, spec.cpu_budget)
+                          if ledger_fd >= 0 and self.on_cpu else None)
+
+    def close(self) -> None:
+        if self.cpu_share is not None:
+            self.cpu_share.close()
 
     # ------------------------------------------------------------ one input
 
@@ -128,13 +138,19 @@ class Engine:
                 region: Optional[CaptureRegion] = None) -> dict[str, Value]:
         """The model's outputs; large tensors it makes land in `region`, else
         the capture region (unless `capture` is False: answers that travel inline)."""
-        copies = self.copies
-        if copies is None:
-            results = self._run_model(inputs, names, self.capture if capture else None, region)
-        else:                           # on a GPU: the model's kernels after its inputs' copies
+        copies, share = self.copies, self.cpu_share
+        if copies is not None:          # on a GPU: the model's kernels after its inputs' copies
             with copies.on_stream():
                 results = self._run_model(inputs, names, self.capture if capture else None, region)
             copies.finish()             # once per batch: then its outputs are read
+        elif share is None:
+            results = self._run_model(inputs, names, self.capture if capture else None, region)
+        else:                           # its share of the CPUs while it runs
+            share.take()
+            try:
+                results = self._run_model(inputs, names, self.capture if capture else None, region)
+            finally:
+                share.give()
         if self.clean_cache:
             after_execution(self.settings, self.device)
         return results

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ..logs import set_process_fields, set_process_title
 
 if TYPE_CHECKING:
+    from ..shm.cpu_ledger import LedgerFd
     from .spec import WorkerSpec
 
 
@@ -29,13 +30,13 @@ def worker_title(spec: "WorkerSpec") -> str:
     return f"torchpool worker {spec.model} v{spec.version} {instance}{device}"
 
 
-def run_worker(spec: "WorkerSpec", sock: socket.socket) -> None:
+def run_worker(spec: "WorkerSpec", sock: socket.socket, ledger: "LedgerFd | None" = None) -> None:
     """The multiprocessing target: runs in the forked child."""
     set_process_title(worker_title(spec))
     set_process_fields(spec.model, spec.version, spec.instance)    # in its JSON log records
     from .process import worker_main
 
-    worker_main(spec, sock)
+    worker_main(spec, sock, ledger.fd if ledger is not None else -1)
 
 
 __all__ = ["run_worker", "worker_title"]

@@ -59,7 +59,7 @@ from ..shm.regions import RegionMaps
 log = logging.getLogger("torchpool.worker")
 
 
-def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
+def worker_main(spec: WorkerSpec, sock: socket.socket, ledger_fd: int = -1) -> None:
     """Entry point in the forked child (a multiprocessing target)."""
     tie_to_the_broker()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the broker's to handle
@@ -75,13 +75,14 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     if streams(spec.stream_copy_bytes):
         log.debug("model '%s' instance '%s': copies of %d bytes and more store around the CPU caches",
                   spec.model, spec.instance, spec.stream_copy_bytes)
-    Worker(spec, sock).serve()
+    Worker(spec, sock, ledger_fd).serve()
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, sock: socket.socket) -> None:
+    def __init__(self, spec: WorkerSpec, sock: socket.socket, ledger_fd: int = -1) -> None:
         self.spec = spec
         self.sock = sock
+        self.ledger_fd = ledger_fd    # the daemon's CPU ledger (a CPU worker sizing its threads), or -1
         # the broker hands us each segment's fd; the last unmap frees its pages: off this thread
         self.reaper = Reaper("torchpool-worker-reaper")
         self.inputs_shm = MappedSegments(self._unmap_input)
@@ -146,6 +147,7 @@ class Worker:
                 self.capture.close()
             self.lending.close()
             self.direct.close()
+            self.engine.close()
             self.outputs.close()
             self.inputs_shm.close()
             self.reaper.stop()
@@ -159,7 +161,7 @@ class Worker:
         self.capture = OutputCapture.create(f"{self.spec.segment_prefix}capture", self.announce,
                                             self.spec.output_capture_mib << 20)
         self.capture_name = self.capture.name if self.capture is not None else None
-        self.engine = Engine(self.spec.model, loaded, self.capture)
+        self.engine = Engine(self.spec, loaded, self.capture, self.ledger_fd)
         self.on_cpu = self.engine.on_cpu
         if self.engine.copies is not None:   # on a GPU: the segments it reads, page-locked once
             self.pinning = cuda_pinning(self.label)

@@ -36,3 +36,8 @@ class WorkerSpec:
     threads: int = 0
     output_capture_mib: int = DEFAULT_MIB   # its capture region (capture.py); 0: off
     stream_copy_bytes: int = 0    # copies from this size up stream (shm/bulkcopy.py); 0: never
+    # a CPU worker whose model sets no thread counts: its slot in the daemon's CPU
+    # ledger (shm/cpu_ledger.py, handed over with the process) and the CPUs it
+    # shares, its threads sized per batch
+    cpu_slot: int = -1
+    cpu_budget: int = 0
