@@ -12,17 +12,20 @@ import argparse
 import dataclasses
 import importlib
 import logging
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, cast
 
 from ..broker.options import ServerOptions
 from ..logs import FORMATS
 from .errors import EXIT_STATUS_HELP, CliError, report, until_the_reader_goes
 from .urls import DEFAULT_LISTEN
 
+if TYPE_CHECKING:
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
 _OPTION_FIELDS = {f.name: f for f in dataclasses.fields(ServerOptions)}
 
 
-def _default(name: str) -> Any:
+def _default(name: str) -> object:
     """The default of a `ServerOptions` field: the daemon's options own them."""
     f = _OPTION_FIELDS[name]
     if f.default is not dataclasses.MISSING:
@@ -32,7 +35,7 @@ def _default(name: str) -> Any:
     raise KeyError(f"ServerOptions.{name} has no default")
 
 
-def _shown(value: float) -> str:
+def _shown(value: object) -> str:
     """A default for --help: sizes as 64M / 2G, numbers as they are."""
     if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
         mib = value >> 20
@@ -90,10 +93,10 @@ def version_text() -> str:
 
 class _VersionAction(argparse.Action):
     def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
-                 default: Any = argparse.SUPPRESS, help: Optional[str] = None) -> None:
+                 default: object = argparse.SUPPRESS, help: Optional[str] = None) -> None:
         super().__init__(option_strings, dest, nargs=0, default=default, help=help)
 
-    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
         print(version_text())
         parser.exit()
 
@@ -159,7 +162,7 @@ def _add_client_flags(command: argparse.ArgumentParser) -> None:
                          help="tcp:// with CURVE: this client's secret key file (NAME.key_secret)")
 
 
-def _add_client_commands(sub: Any) -> None:
+def _add_client_commands(sub: Subparsers) -> None:
     infer = sub.add_parser(
         "infer", help="send one request and print the outputs as JSON lines",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -215,7 +218,7 @@ def _add_client_commands(sub: Any) -> None:
     ps.set_defaults(func=_run("client_commands", "run_ps"))
 
 
-def _add_perf(sub: Any) -> None:
+def _add_perf(sub: Subparsers) -> None:
     """`torchpool perf` (torchpool/perf: a load generator like perf_analyzer)."""
     from ..perf.cli import add_parser as add_perf_parser
 
@@ -238,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "model is UNAVAILABLE and the others serve)")
     serve.add_argument("--listen", action="append", metavar="URL",
                        help=f"ipc:// or tcp:// address; repeat for several (default {DEFAULT_LISTEN})")
-    serve.add_argument("--log-level", default=logging.getLevelName(_default("log_level")).lower(),
+    serve.add_argument("--log-level", default=logging.getLevelName(cast(int, _default("log_level"))).lower(),
                        choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", default=_default("log_format"), choices=FORMATS,
                        help="text (journald-friendly) or json lines for log shippers; workers "

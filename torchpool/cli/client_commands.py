@@ -16,7 +16,7 @@ import os
 import socket
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from ..broker.usage import PSS_EVERY_S
 from .errors import FAILURE, CliError
@@ -211,7 +211,7 @@ def average_us(total_ns: int, count: int) -> str:
     return f"{us / 1000:.2f} ms" if us >= 10_000 else f"{us:.0f} us"
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """Left-aligned columns, two spaces apart; no trailing blanks."""
     cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Mapping, Optional, Union
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from ..protocol.datatypes import WIRE_DATATYPES, numpy_dtype
 from .errors import USAGE, CliError
 
 if TYPE_CHECKING:
+    import torch
+
     from ..client import RawTensor
 
 SYNTAX = "NAME=JSON[:DATATYPE] or NAME=@FILE.npy[:DATATYPE]"
@@ -99,7 +101,7 @@ def _guess(data: object) -> str:
     return "BYTES" if leaves and all(isinstance(x, str) for x in leaves) else "FP32"
 
 
-def _from_json(spec: InputSpec, data: Any, datatype: str) -> Union[np.ndarray, RawTensor]:
+def _from_json(spec: InputSpec, data: object, datatype: str) -> Union[np.ndarray, RawTensor]:
     what = f"--input {spec.text}"
     strings = [isinstance(x, str) for x in _leaves(data)]
     if datatype == "BYTES" and not all(strings):
@@ -159,7 +161,7 @@ def _bf16(values: np.ndarray) -> RawTensor:
     return RawTensor("BF16", values.shape, rounded.tobytes())
 
 
-def output_row(name: str, value: Any) -> dict:
+def output_row(name: str, value: Union[np.ndarray, torch.Tensor]) -> dict:
     """One output as a JSON line: its Triton datatype, shape and values."""
     from ..protocol.datatypes import wire_from_numpy
 

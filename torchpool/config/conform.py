@@ -10,22 +10,26 @@ configuration a client sends with a load request.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Union
 
 from .errors import fail, join_path, unknown_field
+from .jsonvalue import JSONObject, JSONValue
 from .schema import (
     SCHEMA, FieldSpec, check_integer, enum_from_name, enum_from_number, map_entry_name, map_key,
 )
 
 __all__ = ["conform_message"]
 
+# A field's scalar as conformed: an enum by its name.
+Scalar = Union[bool, int, float, str]
 
-def conform_message(d: Any, message: str, path: str) -> dict[str, Any]:
+
+def conform_message(d: object, message: str, path: str) -> JSONObject:
     """A checked copy of `d`, a JSON object of the schema message `message`."""
     if not isinstance(d, dict):
         fail(path, f"expected an object, got {d!r}")
     fields = SCHEMA[message]
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     for name, value in d.items():
         spec = fields.get(name)
         if spec is None:
@@ -36,7 +40,7 @@ def conform_message(d: Any, message: str, path: str) -> dict[str, Any]:
     return out
 
 
-def _conform_field(value: Any, spec: FieldSpec, path: str, name: str, message: str) -> Any:
+def _conform_field(value: object, spec: FieldSpec, path: str, name: str, message: str) -> JSONValue:
     if spec.kind == "map":
         return _conform_map(value, spec, path, name, message)
     if spec.repeated:
@@ -47,7 +51,7 @@ def _conform_field(value: Any, spec: FieldSpec, path: str, name: str, message: s
     return _conform_single(value, spec, path, name, message)
 
 
-def _conform_single(value: Any, spec: FieldSpec, path: str, name: str, message: str) -> Any:
+def _conform_single(value: object, spec: FieldSpec, path: str, name: str, message: str) -> JSONValue:
     if spec.kind == "message":
         assert spec.message is not None     # the schema names the type of every message field
         return conform_message(value, spec.message, path)
@@ -57,7 +61,7 @@ def _conform_single(value: Any, spec: FieldSpec, path: str, name: str, message: 
         fail(path, str(err))
 
 
-def _conform_map(value: Any, spec: FieldSpec, path: str, name: str, message: str) -> dict[str, Any]:
+def _conform_map(value: object, spec: FieldSpec, path: str, name: str, message: str) -> JSONObject:
     """JSON form `{"K": V}`; a list of `{key, value}` entries is accepted too."""
     if isinstance(value, dict):
         entries = list(value.items())
@@ -70,7 +74,7 @@ def _conform_map(value: Any, spec: FieldSpec, path: str, name: str, message: str
     else:
         fail(path, f"expected an object mapping keys to values, got {value!r}")
     value_spec = FieldSpec(spec.value, message=spec.message)
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     for key, item in entries:
         try:
             key = map_key(spec.key, key)
@@ -82,7 +86,7 @@ def _conform_map(value: Any, spec: FieldSpec, path: str, name: str, message: str
     return out
 
 
-def json_scalar(spec: FieldSpec, value: Any, name: str, message: str) -> Any:
+def json_scalar(spec: FieldSpec, value: object, name: str, message: str) -> Scalar:
     """One JSON scalar as the field's type (raises ValueError saying what was expected)."""
     kind = spec.kind
     if kind in ("int", "uint"):
@@ -111,7 +115,7 @@ def json_scalar(spec: FieldSpec, value: Any, name: str, message: str) -> Any:
     raise ValueError(f"expected an enum name, got {value!r}")
 
 
-def _json_int(value: Any) -> int:
+def _json_int(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError(f"expected an integer, got {value!r}")
     if isinstance(value, int):

@@ -37,9 +37,12 @@ import functools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .model_config import ModelConfig
 
 
 class ParameterError(ConfigError):
@@ -123,7 +126,7 @@ def _paths(model: str, key: str, value: str) -> tuple[str, ...]:
 
 
 # config key -> (ModelParameters field, reader)
-_READERS: dict[str, tuple[str, Callable[[str, str, str], Any]]] = {
+_READERS: dict[str, tuple[str, Callable[[str, str, str], object]]] = {
     "INFERENCE_MODE": ("inference_mode", read_boolean),
     "DISABLE_OPTIMIZED_EXECUTION": ("disable_optimized_execution", read_boolean),
     "DISABLE_CUDNN": ("disable_cudnn", read_boolean),
@@ -160,7 +163,7 @@ def parse_parameters(model: str, parameters: Mapping[str, str]) -> ModelParamete
 _cache: dict[int, tuple[weakref.ref, ModelParameters]] = {}
 
 
-def model_parameters(config: Any) -> ModelParameters:
+def model_parameters(config: ModelConfig) -> ModelParameters:
     """The parsed parameters of a `ModelConfig`, parsed on the first call for
     that config object and cached while it lives. Raises `ParameterError`."""
     entry = _cache.get(id(config))
@@ -172,7 +175,7 @@ def model_parameters(config: Any) -> ModelParameters:
     return parsed
 
 
-def _drop(key: int, ref: weakref.ref[Any]) -> None:
+def _drop(key: int, ref: weakref.ref[ModelConfig]) -> None:
     entry = _cache.get(key)
     if entry is not None and entry[0] is ref:
         del _cache[key]

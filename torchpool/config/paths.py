@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from ..protocol.names import is_path_component
 from .errors import ConfigError
 from .parameters import ParameterError, model_parameters
 from .warmup import WARMUP_DIRECTORY
+
+if TYPE_CHECKING:
+    from .model_config import ModelConfig
 
 __all__ = ["resolved_inside", "leaves_message", "check_config_file", "check_named_files", "check_version_paths"]
 
@@ -51,13 +54,13 @@ def resolved_inside(model_dir: Path | str, relative: Path | str) -> Optional[Pat
     return target if target.is_relative_to(base) else None
 
 
-def leaves_message(model: str, field: str, value: Any, model_dir: Path | str) -> str:
+def leaves_message(model: str, field: str, value: object, model_dir: Path | str) -> str:
     """The one wording of a path that leaves its model's directory."""
     return (f"model '{model}': {field} '{value}' leaves the model directory: every file of a "
             f"model must resolve (symlinks followed) inside {model_dir}")
 
 
-def check_named_files(model_dir: Path, config: Any, source: str) -> None:
+def check_named_files(model_dir: Path, config: ModelConfig, source: str) -> None:
     """Every file `config` (a ModelConfig) names resolves inside `model_dir`;
     ConfigError naming the first that does not."""
     name = config.default_model_filename
@@ -69,7 +72,7 @@ def check_named_files(model_dir: Path, config: Any, source: str) -> None:
             raise ConfigError(f"{source}: {leaves_message(config.name, field, written, model_dir)}")
 
 
-def check_version_paths(model_dir: Path, config: Any, versions: tuple[int, ...]) -> None:
+def check_version_paths(model_dir: Path, config: ModelConfig, versions: tuple[int, ...]) -> None:
     """Each selected version's directory and model file resolve inside
     `model_dir` (whether or not the file exists: the worker says that)."""
     for version in versions:
@@ -85,7 +88,7 @@ def check_config_file(model_dir: Path, name: str, config_path: Path) -> None:
         raise ConfigError(leaves_message(name, "configuration file", config_path.name, model_dir))
 
 
-def _named_files(config: Any) -> Iterator[tuple[str, Any, str]]:
+def _named_files(config: ModelConfig) -> Iterator[tuple[str, object, str]]:
     """(field path, the path as written, the path relative to the model
     directory) of every file the configuration names, in config order."""
     raw = config.raw

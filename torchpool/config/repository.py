@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Union
 
 from ..protocol.names import model_name_error, model_name_problem
 from .errors import ConfigError
@@ -38,6 +38,9 @@ from .warmup import check_warmup_files
 __all__ = ["ModelEntry", "scan_repository", "load_model_entry", "read_config_file"]
 
 CONFIG_FILES = ("config.pbtxt", "config.json")     # in order of preference
+
+# A configuration given with a load request: JSON text, or the parsed object.
+Override = Union[str, bytes, Mapping[str, object]]
 
 
 @dataclass
@@ -80,7 +83,7 @@ def model_names(root: Path | str) -> list[str]:
         raise ConfigError(f"model repository path '{root}' cannot be listed: {err.strerror or err}") from None
 
 
-def load_model_entry(root: Path | str, name: str, override: Any = None) -> ModelEntry:
+def load_model_entry(root: Path | str, name: str, override: Optional[Override] = None) -> ModelEntry:
     """Read one model's config and version directories; never raises for a
     problem with the model (the entry's `error` says what is wrong).
 
@@ -151,7 +154,7 @@ def _load_config(model_dir: Path, name: str) -> ModelConfig:
     return config
 
 
-def _override_config(model_dir: Path, name: str, override: Any) -> ModelConfig:
+def _override_config(model_dir: Path, name: str, override: Override) -> ModelConfig:
     """The configuration a load request carries, validated as a config.json is."""
     source = f"load('{name}') config"
     try:

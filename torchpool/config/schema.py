@@ -19,7 +19,7 @@ would tie the lower layer to the gateway package.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Optional, Union
 
 from .errors import unknown_enum_value
 
@@ -287,7 +287,7 @@ def check_integer(kind: str, value: int) -> int:
     return value
 
 
-def map_key(kind: str, key: Any) -> str:
+def map_key(kind: str, key: Union[str, int, float]) -> str:
     """Map keys are strings in the JSON form (JSON objects have no int keys)."""
     if kind == "string":
         if not isinstance(key, str):

@@ -33,7 +33,7 @@ _GROUP = {
 }
 
 
-def _set(value: Any) -> bool:
+def _set(value: object) -> bool:
     """Does the config give this field a value that would do something?"""
     if isinstance(value, dict):
         return any(_set(v) for v in value.values())

@@ -10,11 +10,14 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..cli.urls import DEFAULT_LISTEN, url_problem
 from .report import PLOT_MISSING, plot_available
 from .senders import GRPC, HTTP, PROTOCOLS, ZMQ, TritonMissing, triton_module
+
+if TYPE_CHECKING:
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 DEFAULT_URL = DEFAULT_LISTEN          # the daemon's own default address: one owner, cli/urls.py
 # perf_analyzer's defaults for its -i grpc and -i http (Triton's ports; torchpool's
@@ -106,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="show the progress line on stderr even when it is not a terminal")
 
 
-def add_parser(subparsers: Any) -> None:
+def add_parser(subparsers: Subparsers) -> None:
     """Register `perf` on the `torchpool` command's subparsers."""
     perf = subparsers.add_parser("perf", help="measure throughput and latency under load (perf_analyzer)",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,6 +223,6 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
 
-def _error(message: Any, status: int) -> int:
+def _error(message: object, status: int) -> int:
     print(f"torchpool perf: error: {message}", file=sys.stderr)
     return status

@@ -12,9 +12,10 @@ stand alone).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from ..client import Client
+from ..client.common import ClientKey, ServerKey
 from ..protocol.errors import InferenceError
 from .inputs import wire_requests
 from .senders import GRPC, HTTP, ZMQ, Plan, triton_client, triton_inputs, triton_options
@@ -31,7 +32,8 @@ class ServerError(Exception):
 class ZmqControl:
     """torchpool's `Client` at the daemon's own address."""
 
-    def __init__(self, url: str, wait_s: float, server_key: Any = None, client_key: Any = None) -> None:
+    def __init__(self, url: str, wait_s: float, server_key: Optional[ServerKey] = None,
+                 client_key: Optional[ClientKey] = None) -> None:
         self.url = url
         self._client = Client(url, timeout=wait_s, server_key=server_key, client_key=client_key)
 
@@ -117,14 +119,18 @@ class TritonControl:
 Control = Union[ZmqControl, TritonControl]
 
 
-def open_control(protocol: str, url: str, wait_s: float, connect_s: float, server_key: Any = None,
-                 client_key: Any = None) -> Control:
+def open_control(protocol: str, url: str, wait_s: float, connect_s: float, server_key: Optional[ServerKey] = None,
+                 client_key: Optional[ClientKey] = None) -> Control:
     if protocol == ZMQ:
         return ZmqControl(url, wait_s, server_key, client_key)
     return TritonControl(protocol, url, wait_s, connect_s)
 
 
-def _ask(call: Callable[[], Any], errors: Any, prefix: str = "") -> Any:
+_T = TypeVar("_T")
+
+
+def _ask(call: Callable[[], _T], errors: Union[type[Exception], tuple[type[Exception], ...]],
+         prefix: str = "") -> _T:
     try:
         return call()
     except errors as exc:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -115,7 +115,7 @@ def _strings(rng: Optional[np.random.Generator], count: int, length: int) -> lis
 
 
 def _generated(spec: InputSpec, shape: list[int], rng: Optional[np.random.Generator],
-               string_length: int) -> Any:
+               string_length: int) -> np.ndarray:
     count = int(np.prod(shape))
     if spec.datatype == "BYTES":
         return np.array(_strings(rng, count, string_length), dtype=object).reshape(shape)
@@ -131,7 +131,7 @@ def _generated(spec: InputSpec, shape: list[int], rng: Optional[np.random.Genera
     return rng.integers(0, 100, size=shape).astype(dtype)
 
 
-def wire_value(spec: InputSpec, array: np.ndarray) -> Any:
+def wire_value(spec: InputSpec, array: np.ndarray) -> Union[np.ndarray, RawTensor]:
     """What `Client.infer` is given: the array, or for BYTES and BF16 its
     bytes in the wire layout (encoded once, not per request)."""
     if spec.datatype == "BYTES":
@@ -146,7 +146,7 @@ def wire_value(spec: InputSpec, array: np.ndarray) -> Any:
 _FITS = {"f": "biuf", "i": "biu", "u": "biu", "b": "b"}
 
 
-def _as_array(inputs: ModelInputs, spec: InputSpec, values: Any, where: str) -> np.ndarray:
+def _as_array(inputs: ModelInputs, spec: InputSpec, values: object, where: str) -> np.ndarray:
     """Values read from a file, as the spec's datatype (numbers cast within their kind)."""
     if spec.datatype == "BYTES":
         array = np.asarray(values, dtype=object)
@@ -170,7 +170,7 @@ def _as_array(inputs: ModelInputs, spec: InputSpec, values: Any, where: str) -> 
     return array.astype(target)
 
 
-def _json_item(inputs: ModelInputs, spec: InputSpec, value: Any, shapes: dict, where: str) -> np.ndarray:
+def _json_item(inputs: ModelInputs, spec: InputSpec, value: object, shapes: dict, where: str) -> np.ndarray:
     """One entry's tensor for `spec` (one batch item, or the whole tensor without batching)."""
     shape = None
     if isinstance(value, dict):

@@ -19,12 +19,13 @@ late_ns) on the monotonic clock; the first failure stops the measurement.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import queue
 import random
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Protocol, Union, cast
 
 CLOSED, OPEN = "concurrency", "request_rate"
 READY_SLACK_S = 10.0      # beyond one request's wait, for the load's clients to warm up
@@ -77,7 +78,25 @@ class Schedule:
         return int(at)
 
 
-SenderFactory = Callable[[], Any]
+class Sender(Protocol):
+    """What a thread sends with (senders.py): request `k` of the run, then its close."""
+
+    def infer(self, k: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class AsyncSender(Protocol):
+    """What the async load sends with, on its loop."""
+
+    async def infer(self, k: int) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+SenderFactory = Callable[[], Sender]
+AsyncSenderFactory = Callable[[], AsyncSender]
+AnySenderFactory = Union[SenderFactory, AsyncSenderFactory]
 
 
 class SenderThread:
@@ -87,12 +106,12 @@ class SenderThread:
 
     def __init__(self, make_sender: SenderFactory, name: str) -> None:
         self._make_sender = make_sender
-        self._sender: Any = None
+        self._sender: Optional[Sender] = None
         self._jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
-    def sender(self) -> Any:
+    def sender(self) -> Sender:
         """Its sender, made now if not yet: call from its own jobs only."""
         if self._sender is None:
             self._sender = self._make_sender()
@@ -183,7 +202,7 @@ class ThreadLoad:
             return
         work(sender, first)
 
-    def _send(self, sender: Any, k: int) -> bool:
+    def _send(self, sender: Sender, k: int) -> bool:
         """One request; False (and the failure recorded) if it failed."""
         try:
             sender.infer(k)
@@ -192,7 +211,7 @@ class ThreadLoad:
             return False
         return True
 
-    def _closed_loop(self, sender: Any, first: int) -> None:
+    def _closed_loop(self, sender: Sender, first: int) -> None:
         k = first
         while not self._stop.is_set() and not self.recorder.failed.is_set():
             start = time.monotonic_ns()
@@ -202,9 +221,9 @@ class ThreadLoad:
             self.recorder.record(end, end - start)
             k += 1
 
-    def _open_loop(self, sender: Any, first: int) -> None:
+    def _open_loop(self, sender: Sender, first: int) -> None:
         k = first
-        schedule = self._schedule
+        schedule = cast(Schedule, self._schedule)   # the barrier's action set it before any sender ran
         while not self.recorder.failed.is_set():
             due = schedule.next()
             wait_s = max(0.0, (due - time.monotonic_ns()) / 1e9)
@@ -237,15 +256,15 @@ class AsyncLoad:
     """One async sender on an event loop of its own thread, one task per
     outstanding request."""
 
-    def __init__(self, make_sender: SenderFactory, recorder: Recorder, wait_s: float, max_threads: int,
+    def __init__(self, make_sender: AsyncSenderFactory, recorder: Recorder, wait_s: float, max_threads: int,
                  poisson: bool) -> None:
         self.recorder = recorder
         self._make_sender = make_sender
         self._max_outstanding = max_threads
         self._poisson = poisson
-        self._sender: Any = None
+        self._sender: Optional[AsyncSender] = None
         self._stop = threading.Event()
-        self._running: Optional[Any] = None
+        self._running: Optional[concurrent.futures.Future[None]] = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="perf-async", daemon=True)
         self._thread.start()
@@ -259,7 +278,7 @@ class AsyncLoad:
         main = self._closed(int(level)) if mode == CLOSED else self._open(level)
         self._running = asyncio.run_coroutine_threadsafe(main, self._loop)
 
-    def _sender_here(self) -> Any:
+    def _sender_here(self) -> AsyncSender:
         if self._sender is None:            # made on the loop's thread, where it is used
             self._sender = self._make_sender()
         return self._sender
@@ -333,9 +352,11 @@ class AsyncLoad:
         self._loop.close()
 
 
-def make_load(use_async: bool, make_sender: SenderFactory, recorder: Recorder, wait_s: float,
+def make_load(use_async: bool, make_sender: AnySenderFactory, recorder: Recorder, wait_s: float,
               max_threads: int, poisson: bool) -> "ThreadLoad | AsyncLoad":
-    """The driver asked for, sending with what `make_sender` makes (senders.py).
-    `wait_s`: the longest one request may wait for its answer."""
-    kind = AsyncLoad if use_async else ThreadLoad
-    return kind(make_sender, recorder, wait_s, max_threads, poisson)
+    """The driver asked for, sending with what `make_sender` makes (senders.py:
+    async senders with `use_async`). `wait_s`: the longest one request may wait
+    for its answer."""
+    if use_async:
+        return AsyncLoad(cast(AsyncSenderFactory, make_sender), recorder, wait_s, max_threads, poisson)
+    return ThreadLoad(cast(SenderFactory, make_sender), recorder, wait_s, max_threads, poisson)

@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from types import ModuleType
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from ..client import AsyncClient, Client
+from ..client.common import ClientKey, ServerKey
 from .inputs import ModelInputs, wire_requests
+from .load import AnySenderFactory
 
 ZMQ, GRPC, HTTP = "zmq", "grpc", "http"
 PROTOCOLS = (ZMQ, GRPC, HTTP)
@@ -63,7 +66,7 @@ class TritonMissing(Exception):
     """tritonclient (or what its protocol needs) cannot be imported."""
 
 
-def triton_module(protocol: str, use_async: bool = False) -> Any:
+def triton_module(protocol: str, use_async: bool = False) -> ModuleType:
     """tritonclient.grpc or .http (their .aio with `use_async`), imported
     now: a TritonMissing that says what to install when it cannot be."""
     name = TRITON_MODULES[protocol] + (".aio" if use_async else "")
@@ -80,7 +83,7 @@ def triton_module(protocol: str, use_async: bool = False) -> Any:
 class ZmqSender:
     """torchpool's `Client`."""
 
-    def __init__(self, client: Any, plan: Plan, requests: Sequence[dict]) -> None:
+    def __init__(self, client: Client, plan: Plan, requests: Sequence[dict]) -> None:
         self._client, self._requests, self._n = client, requests, len(requests)
         self._model, self._version, self._timeout = plan.model, plan.version, plan.request_timeout
 
@@ -95,7 +98,7 @@ class ZmqSender:
 class AsyncZmqSender:
     """torchpool's `AsyncClient`."""
 
-    def __init__(self, client: Any, plan: Plan, requests: Sequence[dict]) -> None:
+    def __init__(self, client: AsyncClient, plan: Plan, requests: Sequence[dict]) -> None:
         self._client, self._requests, self._n = client, requests, len(requests)
         self._model, self._version, self._timeout = plan.model, plan.version, plan.request_timeout
 
@@ -144,7 +147,7 @@ def triton_inputs(protocol: str, plan: Plan) -> list[list]:
 
 def triton_options(protocol: str, plan: Plan, wait_s: float) -> dict:
     """The keyword arguments of each `infer` call."""
-    options: dict[str, Any] = {"model_version": plan.version or ""}     # "": the latest
+    options: dict[str, object] = {"model_version": plan.version or ""}     # "": the latest
     if plan.request_timeout is not None:
         options["timeout"] = max(1, round(plan.request_timeout * 1e6))  # Triton's, in microseconds
     if protocol == GRPC:
@@ -198,29 +201,28 @@ class AsyncTritonSender:
 
 # --- what load.py is given ----------------------------------------------------------------------
 
-SenderFactory = Callable[[], Any]
-
-
 def sender_factory(protocol: str, url: str, wait_s: float, plan: Plan, use_async: bool = False,
-                   shared_client: bool = False, server_key: Any = None, client_key: Any = None) -> SenderFactory:
+                   shared_client: bool = False, server_key: Optional[ServerKey] = None,
+                   client_key: Optional[ClientKey] = None) -> AnySenderFactory:
     """What makes the load's senders: each call a new one (a new client),
     except that with `shared_client` (ZeroMQ only) every sender sends on
     one `Client` (it is thread-safe: one session and one arena in all)."""
     if protocol != ZMQ:
         triton_module(protocol, use_async)          # missing: said now, not in a load thread
-        kind = AsyncTritonSender if use_async else TritonSender
-        return lambda: kind(protocol, url, wait_s, plan)
+        if use_async:
+            return lambda: AsyncTritonSender(protocol, url, wait_s, plan)
+        return lambda: TritonSender(protocol, url, wait_s, plan)
     requests = wire_requests(plan.inputs, plan.sets)       # encoded once, shared: read only
-    keys = {"server_key": server_key, "client_key": client_key}
     if use_async:
-        return lambda: AsyncZmqSender(AsyncClient(url, timeout=wait_s, **keys), plan, requests)
-    shared: list[Any] = []
+        return lambda: AsyncZmqSender(AsyncClient(url, timeout=wait_s, server_key=server_key, client_key=client_key),
+                                      plan, requests)
+    shared: list[Client] = []
 
     def make() -> ZmqSender:
         if not shared_client:
-            return ZmqSender(Client(url, timeout=wait_s, **keys), plan, requests)
+            return ZmqSender(Client(url, timeout=wait_s, server_key=server_key, client_key=client_key), plan, requests)
         if not shared:
-            shared.append(Client(url, timeout=wait_s, **keys))
+            shared.append(Client(url, timeout=wait_s, server_key=server_key, client_key=client_key))
         return ZmqSender(shared[0], plan, requests)  # closed once per sender: close() is idempotent
 
     return make

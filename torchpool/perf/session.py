@@ -8,7 +8,7 @@ senders.py). Both go over the protocol asked for (`-i`).
 from __future__ import annotations
 
 import argparse
-from typing import IO, Any, Optional
+from typing import IO, Optional
 
 from .control import ServerError, open_control
 from .inputs import build_arrays, model_inputs, parse_shape
@@ -165,5 +165,5 @@ class PerfSession:
     def __enter__(self) -> "PerfSession":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import itertools
 import struct
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import numpy as np
 
 if TYPE_CHECKING:
+    import torch
     from typing_extensions import Buffer
 
 # wire name -> (element size in bytes, numpy dtype or None)
@@ -71,8 +72,8 @@ def wire_from_numpy(dtype: np.dtype) -> str:
 
 # --- torch (imported lazily) -------------------------------------------------
 
-_TORCH_BY_WIRE: dict[str, Any] = {}
-_WIRE_BY_TORCH: dict[Any, str] = {}
+_TORCH_BY_WIRE: dict[str, "torch.dtype"] = {}
+_WIRE_BY_TORCH: dict[object, str] = {}     # any key: a dtype of no wire datatype is a KeyError
 
 
 def _torch_tables() -> None:
@@ -89,14 +90,14 @@ def _torch_tables() -> None:
     _WIRE_BY_TORCH.update({v: k for k, v in pairs.items()})
 
 
-def torch_dtype(datatype: str) -> Any:
+def torch_dtype(datatype: str) -> torch.dtype:
     """The torch dtype of a wire datatype (KeyError for BYTES)."""
     if not _TORCH_BY_WIRE:
         _torch_tables()
     return _TORCH_BY_WIRE[datatype]
 
 
-def wire_from_torch(dtype: Any) -> str:
+def wire_from_torch(dtype: object) -> str:
     if not _WIRE_BY_TORCH:
         _torch_tables()
     return _WIRE_BY_TORCH[dtype]
@@ -117,7 +118,7 @@ except ImportError:          # pragma: no cover - built on every supported insta
 _LEN = struct.Struct("<I")
 
 
-def encode_bytes(items: Iterable[Any]) -> bytes:
+def encode_bytes(items: Iterable[object]) -> bytes:
     """Serialise str/bytes elements into Triton's length-prefixed layout."""
     parts = []
     for item in items:

@@ -84,6 +84,8 @@ from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import msgpack
 
+from .reports import Record
+
 RUN = 1
 STOP = 2
 RELEASE = 3
@@ -230,7 +232,7 @@ class Failed(NamedTuple):
 
 class Served(NamedTuple):
     """Direct requests answered since the last report, for the statistics."""
-    records: Sequence[Sequence[Any]]   # [[ok, request_ns, queue_ns, session, execution], ...]
+    records: Sequence[Record]   # [[ok, request_ns, queue_ns, session, execution], ...] (lists on the wire)
     closed: bool = False        # sent after closing the direct paths a FORGET named
 
 
@@ -260,8 +262,13 @@ def encode(msg: Message) -> bytes:
 
 _new = tuple.__new__
 
+# A decoded message: msgpack's array, its elements taken as they come (the
+# peer is the daemon; no per-element checks on this path), left untyped once,
+# here: the decoders index into it by position, the wire's layout of each kind.
+Decoded = list[Any]
 
-def _run(m: list[Any]) -> Run:
+
+def _run(m: Decoded) -> Run:
     inputs = [_new(InputDescriptor, d) if len(d) == 8 else _input7(d) for d in m[2]]
     requested = m[3]
     for r in requested:
@@ -271,14 +278,14 @@ def _run(m: list[Any]) -> Run:
     return _new(Run, (m[1], inputs, requested, m[4] if len(m) > 4 else [], m[5] if len(m) > 5 else 0))
 
 
-def _done(m: list[Any]) -> Done:
+def _done(m: Decoded) -> Done:
     outputs = [_new(OutputDescriptor, d) for d in m[2]]
     if outputs and len(outputs[0]) != 6:
         _bad("an output descriptor", outputs[0])
     return _new(Done, (m[1], outputs, m[3], m[4] if len(m) > 4 else []))
 
 
-def _requested(r: list[Any]) -> Union[OutputTarget, Classify]:
+def _requested(r: Decoded) -> Union[OutputTarget, Classify]:
     if len(r) == 4:
         return _new(OutputTarget, r)
     if len(r) == 2:
@@ -287,20 +294,20 @@ def _requested(r: list[Any]) -> Union[OutputTarget, Classify]:
     raise AssertionError("unreachable")
 
 
-def _input7(d: list[Any]) -> InputDescriptor:
+def _input7(d: Decoded) -> InputDescriptor:
     if len(d) != 7:
         _bad("an input descriptor", d)
     d.append(False)
     return _new(InputDescriptor, d)
 
 
-def _bad(what: str, value: Any) -> bool:
+def _bad(what: str, value: Sequence[object]) -> bool:
     raise ProtocolViolation(f"{what} of {len(value)} elements: {value!r}")
 
 
 _STOP = Stop()
 
-_DECODERS: dict[int, Callable[[list[Any]], Message]] = {
+_DECODERS: dict[int, Callable[[Decoded], Message]] = {
     RUN: _run,
     RELEASE: lambda m: _new(Release, (m[1],)),
     FORGET: lambda m: _new(Forget, (m[1],)),
@@ -319,7 +326,7 @@ def decode(raw: bytes) -> Message:
     """The message in `raw` (one msgpack array); raises ProtocolViolation.
     Trailing elements a newer peer may add are ignored."""
     try:
-        m: list[Any] = msgpack.unpackb(raw, raw=False)
+        m: Decoded = msgpack.unpackb(raw, raw=False)
         return _DECODERS[m[0]](m)
     except ProtocolViolation:
         raise

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 # A header (msgpack map) of a request or an answer.
-Header = dict[str, Any]
+Header = dict[str, object]
 
 # The tensor entry's rules live in tensors.py; these names stay importable here
 # for callers that still look for them in this module.
@@ -153,7 +153,7 @@ def hide_paths(text: str, root: Optional[str] = None) -> str:
     return _ABSOLUTE_PATH.sub(lambda m: m.group(1) or m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
 
 
-def ok_response(request_id: object, **fields: Any) -> Header:
+def ok_response(request_id: object, **fields: object) -> Header:
     return {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, **fields}
 
 

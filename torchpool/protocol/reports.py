@@ -26,7 +26,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from typing import Any, Optional, Sequence
+from typing import Optional
 
 # a record's outcome (its first field)
 FAILED = 0          # the model failed (Triton's BACKEND)
@@ -65,7 +65,7 @@ class ReportRing:
 
     # ------------------------------------------------------------ worker
 
-    def put(self, record: Sequence[Any]) -> bool:
+    def put(self, record: Record) -> bool:
         """Write one report (False: the ring is full)."""
         self.pending = self.written - _COUNT.unpack_from(self.map, _READ)[0]
         if self.pending >= SLOTS:

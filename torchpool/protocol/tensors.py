@@ -53,20 +53,21 @@ What each function is for:
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
 if TYPE_CHECKING:
+    import numpy.typing as npt
     from typing_extensions import Buffer
 
 from . import datatypes
 from .errors import INVALID_ARG, TorchpoolError
 
 # A tensor entry (or any map of the wire): msgpack values, told apart by their keys.
-Entry = dict[str, Any]
+Entry = dict[str, object]
 # Tensor bytes: bytes, a memoryview, a frame, or a numpy array (made contiguous here).
-Source = Union["Buffer", "np.ndarray[Any, Any]"]
+Source = Union["Buffer", "npt.NDArray[np.generic]"]
 
 # --- key names ---------------------------------------------------------------
 NAME, DATATYPE, SHAPE = "name", "datatype", "shape"
@@ -187,8 +188,8 @@ def contiguous_bytes(src: Source) -> memoryview:
     return memoryview(src).cast("B")  # type: ignore[arg-type]
 
 
-def put_data(entry: Entry, src: Source, frames: list[Any],
-             make_frame: Optional[Callable[[memoryview], Any]] = None, inline: bool = True) -> Any:
+def put_data(entry: Entry, src: Source, frames: list[object],
+             make_frame: Optional[Callable[[memoryview], object]] = None, inline: bool = True) -> object:
     """Put the bytes of `src` into `entry`: inline when at most INLINE_LIMIT
     (and `inline`), else appended to `frames` (as `make_frame(data)` when
     given) and named by its 1-based index. Returns the appended frame, or

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence, Union, cast
 
 import posix_ipc
 
@@ -20,7 +20,7 @@ HEADER_BYTES = BLOCK_HEADER_BYTES               # bytes in front of a block's da
 BLOCK_HEADER = BLOCK_HEADER_LAYOUT              # the struct: magic, reserved, generation, nbytes
 
 # A client region on the wire: [key, inode] (protocol/internal.py)
-RegionRef = Sequence[Any]
+RegionRef = Sequence[Union[str, int]]
 
 
 class RegionError(TorchpoolError):
@@ -82,7 +82,7 @@ class RegionMaps:
     """
 
     def __init__(self) -> None:
-        self._maps: dict[tuple[str, int], _Mapped] = {}
+        self._maps: dict[tuple[Union[str, int], Union[str, int]], _Mapped] = {}    # by the ref's (key, inode)
         # mappings still viewed (a numpy array, a memoryview) when dropped:
         # they stay mapped and guarded until a later drop or attach closes them
         self._retired: list[tuple[mmap.mmap, GuardedRange]] = []
@@ -91,7 +91,7 @@ class RegionMaps:
         key, ino = ref[0], ref[1]
         entry = self._maps.get((key, ino))
         if entry is None:
-            entry = self._attach(key, ino, what)
+            entry = self._attach(cast(str, key), cast(int, ino), what)     # [key, inode] on the wire
         elif entry.faulted:
             raise RegionError(f"{what}: the region's segment shrank while in use; "
                               f"unregister and register it again")
