@@ -114,7 +114,7 @@ class Registry:
 
     def all_versions(self) -> list[ModelVersion]:
         """Every version with workers: serving, loading beside them, or retiring."""
-        found = []
+        found: list[ModelVersion] = []
         for m in self.models.values():
             found.extend(m.versions.values())
             if m.pending is not None:

@@ -52,7 +52,8 @@ class SignalInbox:
         if self._wake_w is not None:
             signal.set_wakeup_fd(-1)
             self._wake_w.close()
-            self._wake_r.close()
+            if self._wake_r is not None:          # (set with _wake_w)
+                self._wake_r.close()
             self._wake_w = self._wake_r = None
 
 
