@@ -34,7 +34,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Hashable, Optional, Sequence, Union
 from urllib.parse import urlsplit
 
 import zmq
@@ -71,7 +71,7 @@ def _z85_key(text: Optional[bytes], path: Path, what: str) -> bytes:
     return text
 
 
-def read_certificate(path: Any, secret: bool) -> tuple[bytes, Optional[bytes]]:
+def read_certificate(path: Union[str, Path], secret: bool) -> tuple[bytes, Optional[bytes]]:
     """(public, secret) z85 keys of a certificate file; SecurityError naming
     the file when it is missing, unreadable or not a CURVE certificate
     (`secret`: the file must hold the secret key too)."""
@@ -94,7 +94,7 @@ def read_certificate(path: Any, secret: bool) -> tuple[bytes, Optional[bytes]]:
     return public, secret_key
 
 
-def read_authorized_keys(directory: Any) -> dict[bytes, str]:
+def read_authorized_keys(directory: Union[str, Path]) -> dict[bytes, str]:
     """The client public keys a directory allows: {z85 key: file name}, from
     every DIR/*.key file (SecurityError naming the first bad one)."""
     directory = Path(directory)
@@ -107,7 +107,7 @@ def read_authorized_keys(directory: Any) -> dict[bytes, str]:
     return {read_certificate(p, secret=False)[0]: p.name for p in files}
 
 
-def keygen(directory: Any, name: str) -> tuple[Path, Path]:
+def keygen(directory: Union[str, Path], name: str) -> tuple[Path, Path]:
     """Write a new key pair: DIR/NAME.key (public, 0644) and DIR/NAME.key_secret
     (secret, 0600, created so: never readable by others, even for a moment).
     Existing files are never overwritten."""
@@ -190,9 +190,9 @@ class _Throttle:
 
     def __init__(self, every: float = _LOG_EVERY, keep: int = 1024) -> None:
         self.every, self.keep = every, keep
-        self._last: dict[Any, tuple[float, int]] = {}
+        self._last: dict[Hashable, tuple[float, int]] = {}
 
-    def __call__(self, key: Any) -> Optional[int]:
+    def __call__(self, key: Hashable) -> Optional[int]:
         """None: stay quiet; else the number of events not logged since the last line."""
         now = time.monotonic()
         last, quiet = self._last.get(key, (-self.every - 1.0, 0))

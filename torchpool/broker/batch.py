@@ -11,7 +11,7 @@ import itertools
 import math
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional, Union
 
 from ..config import ModelConfig
 from ..protocol import errors
@@ -19,6 +19,20 @@ from ..protocol.internal import InputDescriptor
 from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, ArenaFull, Block
 from .requests import InferRequest
+
+
+class CopiedOutput:
+    """Output bytes copied out of a worker that died before they were sent."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+# where a batch output's bytes are (ReadOutput's first argument): a worker segment's
+# name, or bytes copied out of a worker that died (answers/)
+SegmentRef = Union[str, CopiedOutput]
 
 
 @dataclass(eq=False)
@@ -33,7 +47,7 @@ class Batch:
     blocks: list[Block] = field(default_factory=list)   # broker arena blocks, freed when it finished
     seq: Optional[int] = None         # answer order, set by the answer path (preserve_ordering)
     error: Optional[TorchpoolError] = None   # could not be formed: fail its requests
-    context: Any = None               # the scheduler's own bookkeeping (a sequence batch's slots)
+    context: object = None            # the scheduler's own bookkeeping (a sequence batch's slots)
     # The first row of each request, when the batch also holds rows that
     # belong to no request (a direct sequence batch's empty slots); None: the
     # requests' rows follow one another from row 0, in order.

@@ -24,7 +24,7 @@ import resource
 import socket
 import struct
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Union
 
 import zmq
 
@@ -152,7 +152,7 @@ class ZmqConnectionWatch:
         self.monitor.close(linger=0)
 
 
-def _local_address(url: str) -> Any:
+def _local_address(url: str) -> Union[str, int]:
     """What getsockname() of a connection accepted on `url` says: the ipc
     path, or the tcp port (the host may be a wildcard)."""
     if url.startswith("ipc://"):
@@ -160,7 +160,7 @@ def _local_address(url: str) -> Any:
     return int(url.rsplit(":", 1)[1])
 
 
-def _shut_down(fd: int, family: Optional[int], local: Any) -> None:
+def _shut_down(fd: int, family: Optional[int], local: Union[str, int]) -> None:
     """End the connection libzmq holds at `fd` (it closes the fd itself).
     The fd is checked to be a connection of this listener first: by the
     time its event is read, libzmq may have closed it and the number may

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from ..protocol import errors, internal, messages
 from ..protocol.errors import TorchpoolError
@@ -40,7 +40,10 @@ from ..rules.validation import TensorLimits
 from ..shm.fdpass import send_with_fds
 from .registry import ModelVersion, Registry
 from .stats import BACKEND
-from .supervisor import BUSY, DEAD, IDLE, describe_exit
+from .supervisor import BUSY, DEAD, IDLE, WorkerHandle, describe_exit
+
+if TYPE_CHECKING:
+    from .sessions import Session
 
 
 def refusal(mv: ModelVersion, execution_timeout: float) -> Optional[str]:
@@ -59,7 +62,7 @@ def refusal(mv: ModelVersion, execution_timeout: float) -> Optional[str]:
 
 
 class DirectPaths:
-    def __init__(self, registry: Registry, limits: TensorLimits, execution_timeout: Callable[[Any], float],
+    def __init__(self, registry: Registry, limits: TensorLimits, execution_timeout: Callable[[ModelVersion], float],
                  stopping: Callable[[], bool], spin_us: int = 0) -> None:
         self.registry = registry
         self.spin_us = spin_us          # both ends' spin window (rules/spin.py)
@@ -69,7 +72,7 @@ class DirectPaths:
         self._names = (f"{internal.DIRECT_PREFIX}{n}" for n in itertools.count(1))
         self._turn = itertools.count()
 
-    def open(self, session: Any, header: dict) -> dict:
+    def open(self, session: Session, header: dict) -> dict:
         """Direct paths to the model `header` names, for a session attached
         with a lane: their fds are on its side channel when this returns.
 
@@ -92,7 +95,7 @@ class DirectPaths:
         if not every:
             instances = [instances[next(self._turn) % len(instances)]]      # clients spread over instances
         self.close(session, mv)
-        paths: list[tuple[str, Any]] = []
+        paths: list[tuple[str, WorkerHandle]] = []
         session.direct[mv] = paths
         for h in instances:
             try:
@@ -101,14 +104,16 @@ class DirectPaths:
                 self.close(session, mv)         # the ones handed over already
                 raise
         names = [name for name, _ in paths]
-        answer: dict[str, Any] = {"direct": names[0], "version": mv.version, "spin_us": self.spin_us}
+        answer: dict[str, object] = {"direct": names[0], "version": mv.version, "spin_us": self.spin_us}
         if every:
             answer["paths"] = names
         return answer
 
-    def _hand_over(self, session: Any, h: Any) -> str:
+    def _hand_over(self, session: Session, h: WorkerHandle) -> str:
         """A new path between `session` and the instance `h`: the worker's end
         adopted by it, the client's end on the session's side channel. Its name."""
+        channel = session.channel
+        assert channel is not None, "a session with a lane is attached"     # (Intake checks)
         name = next(self._names)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         ring, ring_fd = (None, -1) if h.reports is not None else ReportRing.create()
@@ -121,7 +126,7 @@ class DirectPaths:
             if ring is not None:
                 h.reports, ring = ring, None
             try:
-                send_with_fds(session.channel, messages.pack({"segments": [{"segment": name, "size": 0}]}),
+                send_with_fds(channel, messages.pack({"segments": [{"segment": name, "size": 0}]}),
                               [theirs.fileno()], socket.MSG_DONTWAIT)
             except OSError:
                 h.send(internal.Forget([name]))
@@ -136,7 +141,7 @@ class DirectPaths:
                 ring.close()
         return name
 
-    def why_ended(self, session: Any, name: Any) -> TorchpoolError:
+    def why_ended(self, session: Optional[Session], name: object) -> TorchpoolError:
         """The error of a request a client's path `name` had when it closed:
         the instance's death (as the broker words it for its own batches,
         counted once per path as the model's failure), else the path was closed."""
@@ -144,7 +149,7 @@ class DirectPaths:
             return TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
         h = next((h for paths in (session.direct.values() if session is not None else ())
                   for n, h in paths if n == name), None)
-        if h is None:
+        if h is None or session is None:
             return TorchpoolError(errors.INVALID_ARG, f"this session has no direct path {name!r}")
         if h.stopping:                # its version was unloaded or replaced
             return TorchpoolError(errors.UNAVAILABLE, f"{h.label} was unloaded")
@@ -162,7 +167,7 @@ class DirectPaths:
             h.mv.stats.record_failure(0, BACKEND)
         return TorchpoolError(errors.INTERNAL, f"{h.label} {how} with this request on its direct path")
 
-    def close(self, session: Any, mv: ModelVersion) -> None:
+    def close(self, session: Session, mv: ModelVersion) -> None:
         """The session's paths to `mv`, if any, are closed (the workers close their ends)."""
         for name, h in session.direct.pop(mv, ()):
             session.direct_failed.discard(name)
@@ -171,7 +176,7 @@ class DirectPaths:
             except OSError:
                 pass                 # the instance is gone, and its end with it
 
-    def close_all(self, sessions: Any) -> None:
+    def close_all(self, sessions: Iterable[Session]) -> None:
         """Every session's paths are closed (the daemon is stopping): a worker
         counts as running until it says it closed them, having answered the
         direct request it ran."""

@@ -25,7 +25,7 @@ import errno
 import logging
 import os
 import socket
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import zmq
 
@@ -33,7 +33,14 @@ from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
 from .auth import HANDSHAKE_EVENTS, CurveAuth, SecurityError, check_options, is_loopback, is_tcp
 from .connections import Connections, ZmqConnectionWatch, default_max_connections
-from .lane import Lane
+from .lane import ClientKey, Lane, ReplySocket
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from .loop import Loop
+    from .options import ServerOptions
+    from .requests import InferRequest
 
 log = logging.getLogger("torchpool.broker")
 
@@ -98,10 +105,10 @@ class InFlight:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit                 # 0: no limit
-        self._by_client: dict[Any, set] = {}
+        self._by_client: dict[ClientKey, set[InferRequest]] = {}
 
     @staticmethod
-    def client_of(sock: Any, identity: bytes, frame: zmq.Frame, local: bool) -> Any:
+    def client_of(sock: zmq.Socket, identity: bytes, frame: zmq.Frame, local: bool) -> ClientKey:
         """Who a request counts against: ("pid", n) for a process on this host
         (`local`: it came over ipc://, where libzmq's Peer-Address of the
         message is "host:uid:gid:pid", from SO_PEERCRED), else the connection
@@ -115,7 +122,7 @@ class InFlight:
                 return ("pid", int(pid))
         return (sock, identity)
 
-    def check(self, client: Any) -> None:
+    def check(self, client: ClientKey) -> None:
         if not self.limit:
             return
         held = self._by_client.get(client)
@@ -126,13 +133,13 @@ class InFlight:
                                  f"most {self.limit} per client process or tcp connection "
                                  f"(--max-in-flight-per-client)")
 
-    def add(self, req: Any) -> None:
+    def add(self, req: InferRequest) -> None:
         held = self._by_client.get(req.client)
         if held is None:
             held = self._by_client[req.client] = set()
         held.add(req)
 
-    def done(self, req: Any) -> None:
+    def done(self, req: InferRequest) -> None:
         held = self._by_client.get(req.client)
         if held is not None:
             held.discard(req)
@@ -168,7 +175,7 @@ class Frontend:
         self.in_flight = InFlight(max_in_flight)
         self.max_unread_replies = max_unread_replies
         self.on_stalled = on_stalled
-        self.on_gone: Optional[Callable[[zmq.Socket, bytes], None]] = None   # (sock, routing id)
+        self.on_gone: Optional[Callable[[ReplySocket, bytes], None]] = None   # (sock, routing id)
         self._remote: set[zmq.Socket] = set()  # sockets of tcp:// URLs
         self._url_of: dict[zmq.Socket, str] = {}
         self._stalled: dict[tuple[zmq.Socket, bytes], int] = {}   # -> replies dropped since
@@ -195,7 +202,7 @@ class Frontend:
             raise
 
     @classmethod
-    def from_options(cls, ctx: zmq.Context, options: Any) -> "Frontend":
+    def from_options(cls, ctx: zmq.Context, options: ServerOptions) -> "Frontend":
         """A frontend on `options.listen` (a ServerOptions) with its access options and limits."""
         return cls(ctx, options.listen, curve_secret_key=options.curve_secret_key,
                    curve_authorized_keys=options.curve_authorized_keys, insecure_tcp=options.insecure_tcp,
@@ -203,7 +210,7 @@ class Frontend:
                    max_unread_replies=options.max_unread_replies,
                    max_connections=options.max_connections)
 
-    def watch_connections(self, loop: Any) -> None:
+    def watch_connections(self, loop: Loop) -> None:
         """Count connections (and refuse those over the limit) as they come, on `loop`."""
         for watch in self._watches:
             loop.watch(watch.monitor, watch.on_events)
@@ -277,7 +284,8 @@ class Frontend:
         """The connection closed (ROUTER_NOTIFY): nothing to remember of it."""
         self._stalled.pop((sock, identity), None)
 
-    def send(self, sock: zmq.Socket, identity: bytes, header: dict, frames: Sequence[Any] = ()) -> bool:
+    def send(self, sock: ReplySocket, identity: bytes, header: dict,
+             frames: Sequence[zmq.Frame | Buffer] = ()) -> bool:
         """Send one reply; False when it was dropped: the connection does not
         read (its queue holds max_unread_replies) or is gone. Never blocks,
         never raises for a client's sake. A local client's lane sends its own."""

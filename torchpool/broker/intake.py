@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Union
 
 import zmq
 
@@ -26,12 +26,12 @@ from ..protocol.errors import TorchpoolError
 from .answers import Answers
 from .direct import DirectPaths
 from .frontend import Frontend
-from .lane import Lane, lane_session
+from .lane import ClientKey, Lane, ReplySocket, lane_session
 from .model_control import ModelControl
 from .registry import ModelVersion, Registry
 from ..rules.validation import DEFAULT_LIMITS, TensorLimits, request_timeout_us, validate_infer
 from .requests import InferRequest, batch_layout
-from .sessions import SessionManager
+from .sessions import Session, SessionManager
 
 log = logging.getLogger("torchpool.broker")
 
@@ -115,7 +115,8 @@ class Intake:
         first = frames[1]
         self._handle(sock, identity, first.buffer, [f.buffer for f in frames[2:]], first)
 
-    def _handle(self, sock: Any, identity: bytes, header_buf: Any, payload: list, came_by: Any) -> None:
+    def _handle(self, sock: ReplySocket, identity: bytes, header_buf: Union[bytes, bytearray, memoryview],
+                payload: list, came_by: Union[zmq.Frame, Lane]) -> None:
         """One request, answered or accepted: from a frontend socket (`came_by`:
         its header frame, which knows the peer) or a lane (`came_by`: the lane)."""
         ln = came_by if came_by.__class__ is Lane else None
@@ -192,18 +193,18 @@ class Intake:
             return
         self.frontend.send(sock, identity, messages.ok_response(request_id, result=result))
 
-    def _session_of(self, header: dict, identity: bytes) -> Any:
+    def _session_of(self, header: dict, identity: bytes) -> Optional[Session]:
         """The request's client session (lease renewed), after it hands back
         the output blocks it has finished reading."""
         session = self.sessions.get(header.get("session"), identity)
         self._release_lent(session, header)
         return session
 
-    def _release_lent(self, session: Any, header: dict) -> None:
+    def _release_lent(self, session: Optional[Session], header: dict) -> None:
         if session is not None and header.get("release"):
             self.answers.release_lent(session, header["release"])
 
-    def _session_control(self, op: str, header: dict, session: Any, identity: bytes) -> Any:
+    def _session_control(self, op: str, header: dict, session: Optional[Session], identity: bytes) -> object:
         sessions = self.sessions
         if op == messages.OP_HELLO:
             return sessions.hello(header, identity)
@@ -220,7 +221,7 @@ class Intake:
             return sessions.unregister(session, header.get("name"))
         return sessions.status(session, header.get("name"))
 
-    def _control(self, op: str, header: dict) -> Any:
+    def _control(self, op: str, header: dict) -> object:
         reg = self.registry
         name, version = header.get("model"), header.get("version")
         if op == messages.OP_SERVER_LIVE:
@@ -254,7 +255,8 @@ class Intake:
         message = messages.hide_paths(err.message, str(self.control.root))
         return err if message == err.message else TorchpoolError(err.code, message)
 
-    def _deferred_reply(self, sock: zmq.Socket, identity: bytes, request_id: Any) -> Callable:
+    def _deferred_reply(self, sock: ReplySocket, identity: bytes, request_id: object
+                        ) -> Callable[[Optional[TorchpoolError]], None]:
         """Answer a request later (load / unload finish after the call returns)."""
         def reply(err: Optional[TorchpoolError]) -> None:
             header = messages.error_response(request_id, self._public(err)) if err else \
@@ -262,8 +264,8 @@ class Intake:
             self.frontend.send(sock, identity, header)
         return reply
 
-    def _accept_infer(self, sock: Any, identity: bytes, request_id: Any, header: dict,
-                      payload: list, session: Any, client: Any) -> None:
+    def _accept_infer(self, sock: ReplySocket, identity: bytes, request_id: object, header: dict,
+                      payload: list, session: Optional[Session], client: ClientKey) -> None:
         if self.stopping():
             raise TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
         in_flight = self.frontend.in_flight

@@ -16,13 +16,18 @@ import collections
 import itertools
 import logging
 import socket
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import zmq
 
 from ..protocol import errors, lane, messages
 from ..protocol.errors import TorchpoolError
 from .loop import Loop
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from .sessions import Session, SessionManager
 
 log = logging.getLogger("torchpool.broker")
 
@@ -32,14 +37,14 @@ _serials = itertools.count(1)
 class Lane:
     """The sending half of one lane; LocalChannel reads its requests."""
 
-    def __init__(self, conn: socket.socket, session: Any, loop: Loop, max_unread: int,
+    def __init__(self, conn: socket.socket, session: Session, loop: Loop, max_unread: int,
                  on_stalled: Callable[["Lane"], None], on_gone: Callable[["Lane"], None]) -> None:
         self.conn = conn
         self.session = session
         self.identity = b"lane:%d" % next(_serials)   # what schedulers cancel by
         pid = session.peer.pid if session.peer is not None else 0
         # in flight per process, as ipc:// counts it; a peer whose pid we cannot see counts alone
-        self.client: Any = ("pid", pid) if pid > 0 else (self, self.identity)
+        self.client: ClientKey = ("pid", pid) if pid > 0 else (self, self.identity)
         self.loop = loop
         self.max_unread = max_unread
         self._on_stalled = on_stalled
@@ -48,13 +53,15 @@ class Lane:
         self._queued = 0                # replies (messages) waiting in the outbox
         self.closed = False
 
-    def send(self, header: dict, frames: Sequence[Any] = ()) -> bool:
+    def send(self, header: dict, frames: Sequence[zmq.Frame | Buffer] = ()) -> bool:
         """Send one reply; False when it was dropped (the client does not
         read, or is gone). Never blocks."""
         if self.closed:
             return False
+        # (mypy does not narrow on __class__: the generator yields Buffers)
         grams = lane.datagrams([messages.pack(header),
-                                *(f.buffer if f.__class__ is zmq.Frame else f for f in frames)])
+                                *(f.buffer if f.__class__ is zmq.Frame else f  # type: ignore[list-item]
+                                  for f in frames)])
         if not self._outbox:
             for i, gram in enumerate(grams):
                 try:
@@ -111,7 +118,14 @@ class Lane:
         self._on_gone(self)
 
 
-def lane_session(ln: Lane, header: dict, sessions: Any) -> Any:
+# where a request came in and its reply goes: a frontend socket or a lane
+ReplySocket = Union[zmq.Socket, Lane]
+# whom a request counts against in flight (frontend.InFlight.client_of, Lane.client):
+# ("pid", pid) for a process on this host, else (socket or lane, routing id)
+ClientKey = Union[tuple[str, int], tuple[ReplySocket, bytes]]
+
+
+def lane_session(ln: Lane, header: dict, sessions: SessionManager) -> Optional[Session]:
     """The session a lane request runs in: the lane's own, which the header
     must name; raises SESSION_LOST once it has ended."""
     session = ln.session

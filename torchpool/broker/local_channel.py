@@ -30,7 +30,7 @@ import logging
 import os
 import pwd
 import socket
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from ..protocol import errors, messages
 from ..protocol import lane as lane_protocol
@@ -84,7 +84,7 @@ class LocalChannel:
         # set by the server once its intake exists: (lane, [datagram]) -> None;
         # lane -> None when a lane goes (its queued requests are cancelled)
         self.on_requests: Optional[Callable[[Lane, list[bytes]], None]] = None
-        self.on_lane_gone: Callable[[Any, bytes], None] = lambda sock, identity: None
+        self.on_lane_gone: Callable[[Lane, bytes], None] = lambda sock, identity: None
         self.offers_direct = False         # a lane may ask for direct paths (direct.py)
         claim_socket_path(path, socket.SOCK_SEQPACKET)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)

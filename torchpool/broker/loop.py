@@ -12,7 +12,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Union
 
 import zmq
 
@@ -27,11 +27,15 @@ class _Timer:
     action: Callable[[], None] = field(compare=False)
 
 
+# what the loop polls: a file descriptor or a ZeroMQ socket
+Watched = Union[int, zmq.Socket]
+
+
 class Loop:
     def __init__(self) -> None:
         self.poller = zmq.Poller()
-        self._handlers: dict[Any, Callable[[], None]] = {}
-        self._writers: dict[int, Callable[[], None]] = {}   # fds waited on until writable
+        self._handlers: dict[Watched, Callable[[], None]] = {}
+        self._writers: dict[Watched, Callable[[], None]] = {}   # fds waited on until writable
         self._timers: list[_Timer] = []
         self._seq = itertools.count()
         self._door: Optional[int] = None           # eventfd: actions from other threads
@@ -59,17 +63,17 @@ class Loop:
         while self._from_threads:
             self._from_threads.popleft()()
 
-    def watch(self, fd_or_socket: Any, handler: Callable[[], None]) -> None:
+    def watch(self, fd_or_socket: Watched, handler: Callable[[], None]) -> None:
         """Call `handler` whenever `fd_or_socket` is readable."""
         self._handlers[fd_or_socket] = handler
         self.poller.register(fd_or_socket, zmq.POLLIN)
 
-    def unwatch(self, fd_or_socket: Any) -> None:
+    def unwatch(self, fd_or_socket: Watched) -> None:
         self._writers.pop(fd_or_socket, None)
         if self._handlers.pop(fd_or_socket, None) is not None:
             self.poller.unregister(fd_or_socket)
 
-    def watching(self, fd_or_socket: Any) -> bool:
+    def watching(self, fd_or_socket: Watched) -> bool:
         return fd_or_socket in self._handlers
 
     def watch_writable(self, fd: int, handler: Callable[[], None]) -> None:

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 from .frontend import AddressInUse
 from .options import ServerOptions
@@ -34,7 +34,7 @@ from .stats import (FAILURE_REASONS, Duration, LatencyHistogram, LatencyWindow, 
 from .usage import instance_rows
 
 if TYPE_CHECKING:
-    from .registry import Registry
+    from .registry import ModelVersion, Registry
 
 log = logging.getLogger("torchpool.broker")
 
@@ -205,7 +205,7 @@ class MetricsSnapshot:
     restarts: list[tuple[str, int, dict]] = field(default_factory=list)
 
 
-def take_snapshot(registry: Optional["Registry"], pending: Callable[[Any], int], shm: dict) -> MetricsSnapshot:
+def take_snapshot(registry: Optional["Registry"], pending: Callable[[ModelVersion], int], shm: dict) -> MetricsSnapshot:
     """The broker's state for a scrape. The loop runs meanwhile: every list is
     copied before it is walked. A version loading or retiring beside the
     serving one of the same number is left out (its series would repeat the

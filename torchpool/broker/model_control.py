@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from ..config import ConfigError, load_model_entry
 from ..config.repository import model_names
@@ -72,8 +72,8 @@ class ModelControl:
             raise TorchpoolError(errors.UNAVAILABLE,
                                  "explicit model load / unload is not allowed if polling is enabled")
 
-    def load(self, name: Any, config: Any, waiter: Waiter) -> None:
-        check_model_name(name)
+    def load(self, name: object, config: object, waiter: Waiter) -> None:
+        name = check_model_name(name)
         entry = load_model_entry(self.root, name, config)
         for warning in entry.warnings:          # what loads anyway, as Triton logs it
             log.warning("%s", warning)
@@ -113,7 +113,7 @@ class ModelControl:
             index.sort(key=lambda row: row["name"])
         return index
 
-    def unload(self, name: Any, waiter: Waiter) -> None:
+    def unload(self, name: object, waiter: Waiter) -> None:
         model = self.registry.models.get(name) if isinstance(name, str) else None
         if model is None or model.unloaded:
             check_model_name(name)

@@ -19,8 +19,7 @@ import socket
 import stat
 import time
 from dataclasses import dataclass
-from typing import Any
-
+from typing import Optional
 import posix_ipc
 
 from ..protocol import errors
@@ -39,16 +38,18 @@ def bad(message: str) -> TorchpoolError:
     return TorchpoolError(errors.INVALID_ARG, message)
 
 
-def check_uint64(what: str, offset: Any, nbytes: Any) -> None:
-    """offset and nbytes are ints in [0, 2^64)."""
-    for label, v in (("offset", offset), ("byte size", nbytes)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v > SIZE_MAX:
-            raise bad(f"{what}: {label} {v!r} is not an integer in [0, 2^64)")
+def check_uint64(what: str, offset: object, nbytes: object) -> tuple[int, int]:
+    """offset and nbytes are ints in [0, 2^64): returned as such."""
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset > SIZE_MAX:
+        raise bad(f"{what}: offset {offset!r} is not an integer in [0, 2^64)")
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0 or nbytes > SIZE_MAX:
+        raise bad(f"{what}: byte size {nbytes!r} is not an integer in [0, 2^64)")
+    return offset, nbytes
 
 
-def check_range(what: str, offset: Any, nbytes: Any, size: int) -> None:
+def check_range(what: str, offset: object, nbytes: object, size: int) -> None:
     """offset and nbytes are ints, >= 0, and offset + nbytes fits in size."""
-    check_uint64(what, offset, nbytes)
+    offset, nbytes = check_uint64(what, offset, nbytes)
     if offset + nbytes > size:
         raise bad(f"{what}: offset {offset} + byte size {nbytes} = {offset + nbytes} exceeds "
                    f"the {size} bytes available")
@@ -103,7 +104,7 @@ class Region:
     fd: int
     ino: int
     buf: mmap.mmap
-    guarded: Any = None           # guard.GuardedRange over buf: a shrink is a flag, not a SIGBUS
+    guarded: Optional[guard.GuardedRange] = None   # over buf: a shrink is a flag, not a SIGBUS
     given_key: str = ""           # the key as registered (status shows it so, as Triton does)
     in_use: int = 0
     unregistering: bool = False
@@ -114,10 +115,11 @@ class Region:
         since is zeros, and the region is unusable until registered again."""
         return self.guarded is not None and self.guarded.faulted
 
-    def check(self, what: str, offset: Any, nbytes: Any) -> None:
+    def check(self, what: str, offset: object, nbytes: object) -> tuple[int, int]:
         """A request's (offset, nbytes) within the region and the segment now:
-        Triton's checks in its order and words (SharedMemoryManager::GetMemoryInfo)."""
-        check_uint64(what, offset, nbytes)
+        Triton's checks in its order and words (SharedMemoryManager::GetMemoryInfo).
+        Returns them, checked."""
+        offset, nbytes = check_uint64(what, offset, nbytes)
         if offset >= self.byte_size:
             raise bad(f"Invalid offset for shared memory region: '{self.name}'")
         if nbytes > SIZE_MAX - offset:
@@ -129,6 +131,7 @@ class Region:
         if self.broken or end > os.fstat(self.fd).st_size or end > len(self.buf):
             raise bad(f"{what}: region '{self.name}' is smaller than registered "
                        f"(the segment shrank); unregister and register it again")
+        return offset, nbytes
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         start = self.offset + offset
@@ -163,7 +166,7 @@ class Challenge:
     given_key: str = ""
 
 
-def region_key(name: str, key: Any) -> str:
+def region_key(name: str, key: object) -> str:
     """The shm_open name a register call gives, checked (without the leading '/')."""
     key = check_shm_key(name, key)
     if key.startswith(PREFIX):
@@ -172,7 +175,7 @@ def region_key(name: str, key: Any) -> str:
     return key
 
 
-def open_challenge(peer: Peer, name: str, key: str, offset: Any, byte_size: Any,
+def open_challenge(peer: Peer, name: str, key: str, offset: object, byte_size: object,
                    given_key: str = "") -> Challenge:
     """Open the segment for `peer` and pick the nonce it must write
     (`key` checked by region_key; `given_key` as the client wrote it)."""
@@ -189,7 +192,7 @@ def open_challenge(peer: Peer, name: str, key: str, offset: Any, byte_size: Any,
         st = os.fstat(fd)
         if not peer.may_write(st):
             raise unusable_segment(name)
-        check_uint64(f"region '{name}'", offset, byte_size)
+        offset, byte_size = check_uint64(f"region '{name}'", offset, byte_size)
         if offset + byte_size > st.st_size:
             raise unusable_segment(name)
         token_bytes = region_token_bytes(st.st_size, offset)
@@ -204,7 +207,7 @@ def open_challenge(peer: Peer, name: str, key: str, offset: Any, byte_size: Any,
                      time.monotonic() + CHALLENGE_TTL_S, given_key or key)
 
 
-def answer_challenge(c: Challenge, name: str, answer: Any) -> Region:
+def answer_challenge(c: Challenge, name: str, answer: object) -> Region:
     """The region, mapped under the guard, once the nonce is where it belongs
     (takes the challenge's fd either way)."""
     try:

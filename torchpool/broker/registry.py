@@ -33,7 +33,8 @@ class ModelVersion:
     reason: str = ""
     # What runs it, attached by the server when its workers start. The
     # registry holds records and imports neither: `scheduler` is a
-    # schedulers.base.Scheduler, `workers` / `idle` are supervisor.WorkerHandles.
+    # schedulers.base.Scheduler, `workers` / `idle` are supervisor.WorkerHandles
+    # (left untyped: naming the Scheduler here would tie the registry to the modules above it).
     scheduler: Any = None
     workers: list = field(default_factory=list)
     idle: deque = field(default_factory=deque)
@@ -113,7 +114,7 @@ class Registry:
 
     def all_versions(self) -> list[ModelVersion]:
         """Every version with workers: serving, loading beside them, or retiring."""
-        found = []
+        found: list[ModelVersion] = []
         for m in self.models.values():
             found.extend(m.versions.values())
             if m.pending is not None:
@@ -125,14 +126,14 @@ class Registry:
 
     # --- lookups used by requests ------------------------------------------
 
-    def model(self, name: Any) -> Model:
+    def model(self, name: object) -> Model:
         model = self.models.get(name) if isinstance(name, str) else None
         if model is None:
             check_model_name(name)      # a name no model can have is INVALID_ARG, never echoed
             raise TorchpoolError(errors.NOT_FOUND, f"Request for unknown model: '{name}' is not found")
         return model
 
-    def version_of(self, model: Model, version: Any) -> Optional[int]:
+    def version_of(self, model: Model, version: object) -> Optional[int]:
         """The version a request names, checked the same way for every op
         (infer, model_ready, model_metadata, model_config, statistics): None
         for "the highest ready one"; INVALID_ARG when it is not a version
@@ -146,7 +147,7 @@ class Registry:
                                  f"Request for unknown model: '{model.name}' version {wanted} is not found")
         return wanted
 
-    def resolve(self, name: Any, version: Any) -> ModelVersion:
+    def resolve(self, name: object, version: object) -> ModelVersion:
         """The version a request addresses; the highest ready one when unspecified."""
         model = self.model(name)
         wanted = parse_version(name, version)   # malformed: INVALID_ARG before anything else
@@ -187,7 +188,7 @@ class Registry:
     def server_ready_models(self) -> list[Model]:
         return [m for m in self.models.values() if not m.unloaded]
 
-    def model_ready(self, name: Any, version: Any) -> bool:
+    def model_ready(self, name: object, version: object) -> bool:
         """Ready means a live worker can run it now (not only that it loaded)."""
         parse_version(name, version)     # a malformed version is an error, as for every op
         if not (isinstance(name, str) and name in self.models):
@@ -197,7 +198,7 @@ class Registry:
         except TorchpoolError:
             return False
 
-    def statistics(self, name: Any, version: Any) -> dict:
+    def statistics(self, name: object, version: object) -> dict:
         """Triton's statistics: {"model_stats": [...]} for one model or all."""
         if name in (None, ""):
             if parse_version(name, version) is not None:
@@ -221,7 +222,7 @@ class Registry:
                 index.append({"name": name, "version": str(v), "state": mv.state, "reason": mv.reason})
         return index
 
-    def metadata(self, name: Any, version: Any) -> dict:
+    def metadata(self, name: object, version: object) -> dict:
         model = self.model(name)
         if model.entry.config is None:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
@@ -239,7 +240,7 @@ class Registry:
                         for t in cfg.outputs],
         }
 
-    def config(self, name: Any, version: Any) -> dict:
+    def config(self, name: object, version: object) -> dict:
         model = self.model(name)
         if model.entry.config is None:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
@@ -247,14 +248,14 @@ class Registry:
         return model.entry.config.raw
 
 
-def not_ready(name: str, version: int, why: str) -> TorchpoolError:
+def not_ready(name: object, version: int, why: str) -> TorchpoolError:
     """A version the model has (or had) that cannot serve: Triton's UNAVAILABLE
     and its text (model_lifecycle.cc), then torchpool's state and reason."""
     return TorchpoolError(errors.UNAVAILABLE, f"Request for unknown model: '{name}' version {version} "
                                               f"is not at ready state ({why})")
 
 
-def parse_version(name: Any, version: Any) -> Optional[int]:
+def parse_version(name: object, version: object) -> Optional[int]:
     """A request's `version` field: None (the highest ready version) for nil,
     "", 0 or -1; else a non-negative integer, given as an int or as a string
     of decimal digits. Anything else (a float, a bool, "v1", " 1", "1_0", a

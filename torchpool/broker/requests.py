@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from ..config import ModelConfig
 from ..protocol import errors
@@ -20,14 +20,30 @@ from ..shm.arena import Arena, ArenaFull, Block
 from ..shm.bulkcopy import copy_into
 from .registry import ModelVersion
 
+if TYPE_CHECKING:
+    from .lane import ClientKey, ReplySocket
+    from .sessions import Session
+
+
+# a sequence's correlation id: a positive integer below 2^64, or a non-empty string
+CorrId = Union[int, str]
+
+
+@dataclass(frozen=True)
+class SequenceFlags:
+    """A request's `sequence` field, checked (schedulers/sequence_tensors.parse_flags)."""
+    corrid: CorrId
+    start: bool
+    end: bool
+
 
 @dataclass(eq=False)
 class InferRequest:
     """An accepted request: it will get exactly one final answer."""
 
-    socket: Any                       # the frontend socket it came in on
+    socket: ReplySocket               # the frontend socket (or lane) it came in on
     identity: bytes                   # ZeroMQ routing id of the client
-    request_id: Any
+    request_id: object                # the client's id, echoed as it came
     version: ModelVersion
     inputs: list[list]                # worker descriptors
     outputs: list                     # requested outputs for the worker: names, or
@@ -36,18 +52,18 @@ class InferRequest:
     deadline: Optional[float] = None  # time.monotonic() after which it may not start
     received: float = field(default_factory=time.monotonic)
     batch_size: int = 1
-    session: Any = None               # the client session, if the request named one
-    client: Any = None                # whom it counts against in flight (InFlight.client_of)
+    session: Optional[Session] = None  # the client session, if the request named one
+    client: Optional[ClientKey] = None  # whom it counts against in flight (InFlight.client_of)
     regions: list = field(default_factory=list)        # regions it uses (released when answered)
     region_outputs: dict = field(default_factory=dict)  # output name -> (region name, offset)
     output_shm: bool = False          # lend outputs in place instead of sending bytes
-    sequence: Any = None              # SequenceFlags for a model with sequence_batching
+    sequence: Optional[SequenceFlags] = None  # for a model with sequence_batching
     hidden_outputs: frozenset = frozenset()   # asked of the worker, never sent (sequence state)
     # --- batching (see broker/batcher.py) ---
     rows: int = 1                     # rows along dim 0 (batch_size counts a 0-row request as 1)
     shapes: dict = field(default_factory=dict)   # input name -> shape as sent
     staged: list = field(default_factory=list)   # [(spec, shape, model shape, bytes, location)] until batched
-    key: Any = None                   # requests with equal keys may share a batch
+    key: Optional[tuple[object, ...]] = None  # requests with equal keys may share a batch
     exclusive: bool = False           # runs alone (outputs into regions, or no batch dimension)
     level: int = 1                    # priority level (1 = highest)
     timeout_us: int = 0               # the client's timeout, for the queue policy

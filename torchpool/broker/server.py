@@ -52,7 +52,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import zmq
 
@@ -69,6 +69,7 @@ from .frontend import Frontend
 from .instances import InstanceEvents, Instances
 from .direct import DirectPaths
 from .intake import Intake
+from .lane import ReplySocket
 from .local_channel import LocalChannel, resolve_path
 from ..rules.validation import TensorLimits
 from .loop import Loop
@@ -365,7 +366,7 @@ class Server:
                 self.answers.fail(req, err)
             self._dispatch(mv)
 
-    def _cancel_queued(self, sock: Any, identity: bytes) -> None:
+    def _cancel_queued(self, sock: ReplySocket, identity: bytes) -> None:
         for mv in self.registry.all_versions():
             if mv.scheduler is not None:
                 for req, err in mv.scheduler.cancel(sock, identity):

@@ -31,7 +31,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Union
 
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
@@ -48,7 +48,7 @@ def _bad(message: str) -> TorchpoolError:
     return TorchpoolError(errors.INVALID_ARG, message)
 
 
-def _no_region(what: str, name: Any, detail: str = "") -> TorchpoolError:
+def _no_region(what: str, name: object, detail: str = "") -> TorchpoolError:
     """Triton's NOT_FOUND text for a region name nobody registered."""
     return TorchpoolError(errors.NOT_FOUND, f"Unable to find {what}: '{name}'{detail}")
 
@@ -141,7 +141,7 @@ class SessionManager:
         self.close(oldest)
         return True
 
-    def attach(self, token: Any, peer: Peer, channel: socket.socket, arena: bool = True
+    def attach(self, token: object, peer: Peer, channel: socket.socket, arena: bool = True
                ) -> tuple[dict, list[int]]:
         """A client on this host attaches to its session over the side channel:
         the session becomes local (and gets its first arena segment, unless
@@ -225,7 +225,7 @@ class SessionManager:
         """A client arena segment by name (workers are handed its fd)."""
         return self.segments.get(name)
 
-    def get(self, token: Any, identity: bytes = b"") -> Optional[Session]:
+    def get(self, token: object, identity: bytes = b"") -> Optional[Session]:
         """The request's session (renewing its lease); None when it names none."""
         if token is None:
             return None
@@ -306,7 +306,7 @@ class SessionManager:
 
     # --- arena inputs ------------------------------------------------------------
 
-    def arena_view(self, session: Optional[Session], ref: Any, what: str) -> tuple[memoryview, list]:
+    def arena_view(self, session: Optional[Session], ref: object, what: str) -> tuple[memoryview, list]:
         """Check an input's `shm` descriptor; (bytes, [segment, offset, nbytes, generation])."""
         if session is None or not session.local:
             raise _bad(f"{what}: 'shm' descriptors need a local session (say hello first)")
@@ -327,7 +327,7 @@ class SessionManager:
 
     # --- regions -----------------------------------------------------------------
 
-    def register(self, session: Session, header: dict) -> Any:
+    def register(self, session: Session, header: dict) -> Union[dict, bool]:
         """Triton's register, as a challenge: the first call opens the segment
         and answers {"challenge": nonce}; the client writes the nonce at the
         region's offset and calls again with "challenge": nonce; the daemon
@@ -359,14 +359,14 @@ class SessionManager:
         session.challenges[name] = challenge
         return {"challenge": challenge.nonce}
 
-    def _answer_challenge(self, session: Session, name: str, answer: Any) -> bool:
+    def _answer_challenge(self, session: Session, name: str, answer: object) -> bool:
         c = session.challenges.pop(name, None)
         if c is None:
             raise _bad(f"region '{name}': no challenge is pending (ask for one first)")
         session.regions[name] = answer_challenge(c, name, answer)
         return True
 
-    def region(self, session: Optional[Session], ref: Any, what: str) -> tuple[Region, int, int]:
+    def region(self, session: Optional[Session], ref: object, what: str) -> tuple[Region, int, int]:
         """Resolve `[name, byte_size, offset]` against the session's regions."""
         if session is None:
             raise _bad(f"{what}: 'region' references need a session (say hello first)")
@@ -377,10 +377,10 @@ class SessionManager:
         if region is None or region.unregistering:
             raise _no_region("shared memory region", name, f" ({what}; regions belong to the session "
                                                            f"that registered them)")
-        region.check(f"{what} in region '{name}'", offset, nbytes)
+        offset, nbytes = region.check(f"{what} in region '{name}'", offset, nbytes)
         return region, offset, nbytes
 
-    def unregister(self, session: Session, name: Any) -> bool:
+    def unregister(self, session: Session, name: object) -> bool:
         """Unregister one region, or all; a name not registered is no error (as in Triton)."""
         names = list(session.regions) if name is None else [name]
         for n in names:
@@ -404,7 +404,7 @@ class SessionManager:
         self.forget([region.worker_ref()])
         region.close()
 
-    def status(self, session: Session, name: Any) -> list[dict]:
+    def status(self, session: Session, name: object) -> list[dict]:
         regions = session.regions.values() if name is None else \
             [r for r in session.regions.values() if r.name == name]
         if name is not None and not regions:

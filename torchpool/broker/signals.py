@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import signal
 import socket
-from typing import Any, Optional, Sequence
+from types import FrameType
+from typing import Callable, Optional, Sequence, Union
 
 
 class SignalInbox:
     def __init__(self, signals: Sequence[int]) -> None:
         self.signals = tuple(signals)
         self._arrived: list[int] = []
-        self._old: dict[int, Any] = {}
+        self._old: dict[int, Union[Callable[[int, Optional[FrameType]], object], int, signal.Handlers, None]] = {}
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
 
@@ -31,7 +32,7 @@ class SignalInbox:
             self._old[sig] = signal.signal(sig, self._record)
         return self._wake_r.fileno()
 
-    def _record(self, signum: int, frame: Any) -> None:
+    def _record(self, signum: int, frame: Optional[FrameType]) -> None:
         self._arrived.append(signum)
 
     def drain(self) -> list[int]:
@@ -51,7 +52,8 @@ class SignalInbox:
         if self._wake_w is not None:
             signal.set_wakeup_fd(-1)
             self._wake_w.close()
-            self._wake_r.close()
+            if self._wake_r is not None:          # (set with _wake_w)
+                self._wake_r.close()
             self._wake_w = self._wake_r = None
 
 

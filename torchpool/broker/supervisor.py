@@ -19,7 +19,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Optional
 
 from ..config import InstanceGroup
 from ..config.devices import cpu_budget, threads_per_worker, visible_gpus
@@ -32,6 +32,12 @@ from ..worker.capture_size import DEFAULT_MIB
 from ..worker.entry import run_worker
 from ..worker.spec import WorkerSpec
 from .registry import ModelVersion
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    from ..protocol.reports import ReportRing
+    from .batch import Batch
 
 log = logging.getLogger("torchpool.broker")
 
@@ -132,12 +138,12 @@ class WorkerHandle:
     serial: int
     spec: WorkerSpec
     mv: ModelVersion
-    process: Any
+    process: BaseProcess
     sock: socket.socket
     state: str = STARTING
-    batch: Any = None                 # the Batch it is running
+    batch: Optional[Batch] = None     # the Batch it is running
     batch_id: int = 0
-    ahead: Any = None                 # a Batch sent to run right after it (Scheduler.take_ahead)
+    ahead: Optional[Batch] = None     # a Batch sent to run right after it (Scheduler.take_ahead)
     ahead_id: int = 0
     releases: list = field(default_factory=list)   # output blocks to hand back on the next RUN
     timed_out: float = 0.0            # set when killed for exceeding the execution timeout
@@ -147,7 +153,7 @@ class WorkerHandle:
     known: set = field(default_factory=set)   # segments whose fds it has been handed
     how_it_ended: str = ""            # once reaped: "was killed by signal SIGKILL (9)", ...
     closing_paths: bool = False       # told to close direct paths, not done yet (broker/direct.py)
-    reports: Any = None               # given a direct path: its report ring (protocol/reports.py)
+    reports: Optional[ReportRing] = None   # given a direct path: its report ring (protocol/reports.py)
 
     @property
     def label(self) -> str:

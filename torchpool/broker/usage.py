@@ -19,7 +19,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional, Protocol
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    from ..worker.spec import WorkerSpec
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -131,13 +136,25 @@ class PssSampler:
 PSS = PssSampler()
 
 
-def instance_row(h: Any, restarts: int, now: float, sampler: PssSampler = PSS) -> Optional[dict]:
-    """One worker (a supervisor.WorkerHandle: not imported, the registry
-    imports this module) as `torchpool ps` shows it; None when its process has
+class Instance(Protocol):
+    """What a row shows of a worker: a supervisor.WorkerHandle (not imported:
+    the registry imports this module)."""
+
+    process: BaseProcess
+    spec: WorkerSpec
+    state: str
+    stopping: bool
+    started: float
+
+
+def instance_row(h: Instance, restarts: int, now: float, sampler: PssSampler = PSS) -> Optional[dict]:
+    """One worker as `torchpool ps` shows it; None when its process has
     just been reaped (the metrics thread reads handles while the loop runs)."""
     try:
         pid = h.process.pid
     except ValueError:                # closed: reaped since the caller listed it
+        return None
+    if pid is None:                   # not started (never so for a handle)
         return None
     usage = read_stat(pid)
     pss, pss_age = sampler.reading(pid)
@@ -154,7 +171,7 @@ def instance_row(h: Any, restarts: int, now: float, sampler: PssSampler = PSS) -
     }
 
 
-def instance_rows(workers: Iterable[Any], restarts: dict, sampler: PssSampler = PSS) -> list[dict]:
+def instance_rows(workers: Iterable[Instance], restarts: dict, sampler: PssSampler = PSS) -> list[dict]:
     """The rows of a version's live workers, by instance name; `restarts` is
     its restarts per instance (VersionStats.restarts)."""
     now = time.monotonic()

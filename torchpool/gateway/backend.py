@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from .callers import Caller, FairShare
 from .owners import OwnerKey, RegionOwner
 from .tcp_table import loopback_peer_uid
 from .defaults import ALLOW_CLIENT_SHM, MAX_IN_FLIGHT_PER_CALLER
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("torchpool.gateway")
 
@@ -131,8 +134,8 @@ class InputTensor:
     name: str
     datatype: str
     shape: list[int]
-    raw: Any = None
-    values: Any = None
+    raw: Union[bytes, bytearray, memoryview, np.ndarray, None] = None
+    values: object = None             # a JSON array (nested or flat), or typed contents' list
     region: Optional[str] = None
     byte_size: int = 0
     offset: int = 0
@@ -168,7 +171,7 @@ class OutputTensor:
     byte_size: int = 0
     offset: int = 0
 
-    def raw(self) -> Any:
+    def raw(self) -> Union[bytes, memoryview]:
         """The tensor's bytes in Triton's layout (BYTES length-prefixed)."""
         if self.datatype == "BYTES":
             return datatypes.encode_bytes(self.array.reshape(-1).tolist())
@@ -205,7 +208,7 @@ def _float_to_bf16(values: np.ndarray) -> np.ndarray:
 _EXPECTED_VALUES = {"BOOL": "true/false", "BYTES": "strings"}
 
 
-def _flatten(values: Any) -> list:
+def _flatten(values: object) -> list:
     if not isinstance(values, (list, tuple)):
         return [values]
     if not any(isinstance(v, (list, tuple)) for v in values):
@@ -216,7 +219,7 @@ def _flatten(values: Any) -> list:
     return out
 
 
-def input_value(t: InputTensor, model: str) -> Any:
+def input_value(t: InputTensor, model: str) -> Union[SharedMemoryRef, RawTensor]:
     """What `AsyncClient.infer` takes for one parsed input."""
     where = f"input '{t.name}' for model '{model}'"
     if t.datatype not in datatypes.WIRE_DATATYPES:
@@ -257,7 +260,7 @@ def input_value(t: InputTensor, model: str) -> Any:
     return RawTensor(t.datatype, tuple(t.shape), arr)
 
 
-def output_wanted(o: OutputRequest, model: str) -> Any:
+def output_wanted(o: OutputRequest, model: str) -> Union[OutputRef, dict[str, object], str]:
     """What `AsyncClient.infer` takes for one requested output."""
     if o.region is not None:
         if o.classification:
@@ -273,7 +276,7 @@ def output_wanted(o: OutputRequest, model: str) -> Any:
     return o.name
 
 
-def output_tensor(name: str, value: Any, binary: bool) -> OutputTensor:
+def output_tensor(name: str, value: Union[RegionOutput, np.ndarray, torch.Tensor], binary: bool) -> OutputTensor:
     """One value of an `InferResult` as an `OutputTensor`."""
     if isinstance(value, RegionOutput):
         return OutputTensor(name, value.datatype, list(value.shape), region=value.region,
@@ -426,7 +429,7 @@ class Backend:
 
     async def infer(self, caller: Caller, model: str, version: str, inputs: list[InputTensor],
                     outputs: Optional[list[OutputRequest]], request_id: str = "",
-                    binary_default: bool = False, sequence_id: Any = 0, sequence_start: bool = False,
+                    binary_default: bool = False, sequence_id: Union[int, str] = 0, sequence_start: bool = False,
                     sequence_end: bool = False, priority: int = 0,
                     timeout_us: int = 0, sent: Optional[Callable[[], None]] = None) -> InferResponse:
         """Run one request of `caller`. The outputs of the answer view the

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .owners import RegionOwner
 
 
 class Caller:
@@ -38,7 +41,7 @@ class Caller:
         self.waiting: deque[asyncio.Future] = deque()
         self.address = address              # the peer's (address, port) (tcp_table.Address), if IP
         self.local_port = local_port        # the gateway's port it connected to
-        self.owner: Any = None              # its owners.RegionOwner, once it used regions
+        self.owner: Optional[RegionOwner] = None   # once it used regions
         self.gone = False
         # gRPC: its streamed requests read ahead of their answers, all its
         # streams together (grpc_server.py makes it on its first stream)

@@ -14,12 +14,15 @@ from __future__ import annotations
 import asyncio
 import json
 import weakref
-from typing import Any, Callable
+from typing import Callable, Union
 
 import numpy as np
 
 from ..protocol import datatypes
 from .backend import OutputTensor, bf16_to_float
+
+# an output's bytes, or a piece of them, as written out
+Chunk = Union[bytes, memoryview]
 
 CHUNK_ELEMENTS = 4096
 
@@ -43,7 +46,7 @@ async def _by_chunks(flat: np.ndarray, convert: Callable[[np.ndarray], bytes]) -
         return parts
 
 
-async def tensor_bytes(t: OutputTensor) -> Any:
+async def tensor_bytes(t: OutputTensor) -> Chunk:
     """`t.raw()`: a view for fixed-size datatypes; BYTES written a chunk at a time."""
     if t.datatype != "BYTES" or t.array.size <= CHUNK_ELEMENTS:
         return t.raw()

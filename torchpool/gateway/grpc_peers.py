@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional
+from typing import Awaitable, Callable, Optional
 
 from .callers import Caller
 from .tcp_table import open_connections, peer_address
@@ -29,7 +29,7 @@ class GrpcCallers:
     Backend.forget. A caller with nothing in progress and no regions is
     not kept."""
 
-    def __init__(self, port: int, forget: Any) -> None:
+    def __init__(self, port: int, forget: Callable[[Caller], Awaitable[None]]) -> None:
         self.port = port
         self.forget = forget
         self.by_peer: dict[str, Caller] = {}

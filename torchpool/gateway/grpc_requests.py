@@ -10,7 +10,7 @@ an input: Triton's clients send one per input that has no other data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 from ..protocol.names import check_model_name
 from .backend import InputTensor, OutputRequest, bad, check_counts, check_dims, input_value
@@ -29,7 +29,8 @@ _FIELD_DATATYPE = {"bool_contents": "BOOL", "int_contents": "INT32", "int64_cont
 
 # --- request parameters ------------------------------------------------------------------
 
-def _param(params: Any, key: str, kinds: tuple[str, ...], where: str = "") -> Any:
+def _param(params: Mapping[str, pb.InferParameter], key: str, kinds: tuple[str, ...],
+           where: str = "") -> Union[str, int, None]:
     """The value of parameter `key` (None if absent), which must be set as one
     of `kinds` (InferParameter oneof fields); Triton's error text otherwise."""
     if key not in params:        # not params[key]: that would insert an entry
@@ -41,7 +42,7 @@ def _param(params: Any, key: str, kinds: tuple[str, ...], where: str = "") -> An
     return getattr(value, which)
 
 
-def _region(tensor: Any) -> Optional[tuple[str, int, int]]:
+def _region(tensor: pb.ModelInferRequest.InferInputTensor) -> Optional[tuple[str, int, int]]:
     """(region, byte_size, offset) of a tensor in system shared memory, or None."""
     where = f" for tensor '{tensor.name}'"
     params = tensor.parameters
@@ -60,9 +61,9 @@ def _region(tensor: Any) -> Optional[tuple[str, int, int]]:
     return region, size, offset or 0
 
 
-def _request_options(params: Any) -> dict:
+def _request_options(params: Mapping[str, pb.InferParameter]) -> dict:
     """Backend.infer's keyword arguments from the request's parameters."""
-    options: dict[str, Any] = {}
+    options: dict[str, object] = {}
     sequence_id = _param(params, "sequence_id", ("int64_param", "string_param"))
     if sequence_id is not None:
         options["sequence_id"] = sequence_id
@@ -82,7 +83,7 @@ def _request_options(params: Any) -> dict:
 
 # --- tensors --------------------------------------------------------------------------------
 
-def _typed_values(tensor: Any, model: str) -> list:
+def _typed_values(tensor: pb.ModelInferRequest.InferInputTensor, model: str) -> list:
     """The elements of an input given in `contents`, checked as Triton does."""
     given = [field.name for field, _ in tensor.contents.ListFields()]
     if not given:
@@ -181,7 +182,7 @@ def infer_call_of_bytes(message: bytes, raw_count: int) -> InferCall:
     return infer_call(request, raw_count, convert=True)
 
 
-def attach_raw(call: InferCall, raws: Sequence[Any]) -> InferCall:
+def attach_raw(call: InferCall, raws: Sequence[Union[bytes, memoryview]]) -> InferCall:
     for t in call.inputs:
         if t.raw_index is not None:
             t.raw, t.raw_index = raws[t.raw_index], None

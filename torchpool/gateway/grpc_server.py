@@ -19,7 +19,7 @@ import errno
 import functools
 import logging
 import socket
-from typing import Any, Awaitable, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeAlias, TypeVar, Union
 
 import grpc
 from google.protobuf import json_format
@@ -29,7 +29,7 @@ from ..protocol import errors
 from ..protocol.errors import TorchpoolError
 from .backend import Backend, InferResponse, bad, grpc_status_name
 from .callers import Caller, ReadAhead, StreamAhead
-from .chunks import tensor_bytes
+from .chunks import Chunk, tensor_bytes
 from .defaults import MAX_INPUT_BYTES
 from .grpc_peers import GrpcCallers
 from .grpc_requests import InferCall, attach_raw, infer_call, infer_call_of_bytes
@@ -59,22 +59,36 @@ CLOSE_GRACE = 4.0
 HANDSHAKE_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0
 
+Context: TypeAlias = grpc.aio.ServicerContext
+# A ModelInfer request as _parse_infer_request leaves it: (the request, None, its raw
+# inputs), or (None, its bytes without the raw inputs, those) when the rest is large; or
+# the error it could not be parsed with.
+ParsedInfer = Union[tuple[Optional[pb.ModelInferRequest], Optional[bytes], Sequence[Union[bytes, memoryview]]],
+                    Exception]
+# ModelInfer's answer, serialized by wire.serialize_infer_response: the response without
+# its tensor bytes, and the bytes of each output
+InferAnswer = tuple[pb.ModelInferResponse, list[Chunk]]
+_Msg = TypeVar("_Msg")
+_Req = TypeVar("_Req")
+_Res = TypeVar("_Res")
+
+
 def _unimplemented(what: str) -> TorchpoolError:
     return TorchpoolError(errors.UNSUPPORTED, what)
 
 
-async def _answer(result: InferResponse) -> tuple[pb.ModelInferResponse, list[Any]]:
+async def _answer(result: InferResponse) -> InferAnswer:
     """The response without its tensor bytes, and the bytes of each output."""
     header = pb.ModelInferResponse(model_name=result.model_name, model_version=result.model_version,
                                    id=result.id)
-    chunks = []
+    chunks: list[Chunk] = []
     for t in result.outputs:
         header.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
         chunks.append(b"" if t.region is not None else await tensor_bytes(t))
     return header, chunks
 
 
-def _parse(values: dict, message: Any) -> Any:
+def _parse(values: dict, message: _Msg) -> _Msg:
     """A daemon answer (Triton's JSON form) as `message`; fields protobuf does
     not know (torchpool's extras) are left out."""
     try:
@@ -85,10 +99,13 @@ def _parse(values: dict, message: Any) -> Any:
 
 # --- the service --------------------------------------------------------------------------------
 
-def _rpc(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+Method = Callable[["InferenceServicer", _Req, Context], Awaitable[_Res]]
+
+
+def _rpc(method: Method[_Req, _Res]) -> Method[_Req, _Res]:
     """An error becomes the call's gRPC status with the daemon's message."""
     @functools.wraps(method)
-    async def call(self: "InferenceServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def call(self: InferenceServicer, request: _Req, context: Context) -> _Res:
         try:
             return await method(self, request, context)
         except TorchpoolError as exc:
@@ -114,39 +131,39 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # --- health and metadata
 
     @_rpc
-    async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=await self.backend.live())
 
     @_rpc
-    async def ServerReady(self, request: Any, context: Any) -> pb.ServerReadyResponse:
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=await self.backend.ready())
 
     @_rpc
-    async def ModelReady(self, request: Any, context: Any) -> pb.ModelReadyResponse:
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         return pb.ModelReadyResponse(ready=await self.backend.model_ready(request.name, request.version))
 
     @_rpc
-    async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         return _parse(await self.backend.server_metadata(), pb.ServerMetadataResponse())
 
     @_rpc
-    async def ModelMetadata(self, request: Any, context: Any) -> pb.ModelMetadataResponse:
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
         meta = await self.backend.model_metadata(request.name, request.version)
         return _parse(meta, pb.ModelMetadataResponse())
 
     @_rpc
-    async def ModelConfig(self, request: Any, context: Any) -> pb.ModelConfigResponse:
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
         config = await self.backend.model_config(request.name, request.version)
         return _parse({"config": config}, pb.ModelConfigResponse())
 
     @_rpc
-    async def ModelStatistics(self, request: Any, context: Any) -> pb.ModelStatisticsResponse:
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
         stats = await self.backend.statistics(request.name, request.version)
         return _parse(stats, pb.ModelStatisticsResponse())
 
     # --- inference
 
-    async def _call(self, parsed: Any) -> InferCall:
+    async def _call(self, parsed: ParsedInfer) -> InferCall:
         """A request as _parse_infer_request left it, parsed the rest of the
         way (in the helper process when its non-tensor part is large)."""
         if isinstance(parsed, Exception):
@@ -159,21 +176,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return attach_raw(call, raws)
 
     async def infer(self, call: InferCall, caller: Caller,
-                    sent: Optional[Callable[[], None]] = None) -> tuple[pb.ModelInferResponse, list[Any]]:
+                    sent: Optional[Callable[[], None]] = None) -> InferAnswer:
         result = await self.backend.infer(caller, call.model, call.version, call.inputs, call.outputs,
                                           request_id=call.id, binary_default=True, sent=sent,
                                           **call.options)
         return await _answer(result)
 
     @_rpc
-    async def ModelInfer(self, request: Any, context: Any) -> Any:
+    async def ModelInfer(self, request: ParsedInfer, context: Context) -> InferAnswer:
         caller = self.callers.enter(context.peer())
         try:
             return await self.infer(await self._call(request), caller)
         finally:
             self.callers.leave(caller)
 
-    async def ModelStreamInfer(self, requests: Any, context: Any) -> Any:
+    async def ModelStreamInfer(self, requests: AsyncIterator[ParsedInfer], context: Context
+                               ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """One response per request, in order; an error is a response
         (error_message), and the stream goes on.
 
@@ -211,7 +229,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             room.give(stream, stream.own)   # the caller's other streams read on
             self.callers.leave(caller)
 
-    async def _read_stream(self, requests: Any, caller: Caller, ahead: asyncio.Queue,
+    async def _read_stream(self, requests: AsyncIterator[ParsedInfer], caller: Caller, ahead: asyncio.Queue,
                            room: ReadAhead, stream: StreamAhead) -> None:
         """Start each request of a stream as it arrives, in order, once the
         caller has room ahead of its responses; None after the last (or when
@@ -226,7 +244,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         finally:
             ahead.put_nowait(None)
 
-    async def _stream_one(self, parsed: Any, caller: Caller, before: Optional[asyncio.Event],
+    async def _stream_one(self, parsed: ParsedInfer, caller: Caller, before: Optional[asyncio.Event],
                           sent: asyncio.Event) -> pb.ModelStreamInferResponse:
         call: Optional[InferCall] = None
         try:
@@ -251,13 +269,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # --- model repository
 
     @_rpc
-    async def RepositoryIndex(self, request: Any, context: Any) -> pb.RepositoryIndexResponse:
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         _no_repository_name(request)
         index = await self.backend.repository_index(ready_only=request.ready)
         return _parse({"models": index}, pb.RepositoryIndexResponse())
 
     @_rpc
-    async def RepositoryModelLoad(self, request: Any, context: Any) -> pb.RepositoryModelLoadResponse:
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: Context) -> pb.RepositoryModelLoadResponse:
         _no_repository_name(request)
         config, files = None, {}
         for key, value in request.parameters.items():
@@ -276,7 +295,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelLoadResponse()
 
     @_rpc
-    async def RepositoryModelUnload(self, request: Any, context: Any) -> pb.RepositoryModelUnloadResponse:
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context: Context) -> pb.RepositoryModelUnloadResponse:
         _no_repository_name(request)
         if "unload_dependents" in request.parameters \
                 and request.parameters["unload_dependents"].WhichOneof("parameter_choice") != "bool_param":
@@ -288,7 +308,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # --- system shared memory
 
     @_rpc
-    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> pb.SystemSharedMemoryStatusResponse:
+    async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,
+                                       context: Context) -> pb.SystemSharedMemoryStatusResponse:
         caller = self.callers.enter(context.peer())
         try:
             regions = await self.backend.shm_status(caller)
@@ -304,7 +325,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return _parse({"regions": {r["name"]: r for r in regions}}, pb.SystemSharedMemoryStatusResponse())
 
     @_rpc
-    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> pb.SystemSharedMemoryRegisterResponse:
+    async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
+                                         context: Context) -> pb.SystemSharedMemoryRegisterResponse:
         caller = self.callers.enter(context.peer())
         try:
             await self.backend.register_shm(caller, request.name, request.key, request.offset,
@@ -315,8 +337,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.SystemSharedMemoryRegisterResponse()
 
     @_rpc
-    async def SystemSharedMemoryUnregister(self, request: Any,
-                                           context: Any) -> pb.SystemSharedMemoryUnregisterResponse:
+    async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
+                                           context: Context) -> pb.SystemSharedMemoryUnregisterResponse:
         caller = self.callers.enter(context.peer())
         try:
             await self.backend.unregister_shm(caller, request.name)
@@ -329,32 +351,35 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # clean up both kinds before they start.
 
     @_rpc
-    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> pb.CudaSharedMemoryStatusResponse:
+    async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest,
+                                     context: Context) -> pb.CudaSharedMemoryStatusResponse:
         if request.name:
             raise TorchpoolError(errors.NOT_FOUND,
                                  f"Unable to find cuda shared memory region: '{request.name}'")
         return pb.CudaSharedMemoryStatusResponse()
 
     @_rpc
-    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+    async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest,
+                                       context: Context) -> pb.CudaSharedMemoryRegisterResponse:
         raise _unimplemented(f"failed to register CUDA shared memory region: '{request.name}', "
                              f"torchpool does not support CUDA shared memory: register the "
                              f"region as system shared memory")
 
     @_rpc
-    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> pb.CudaSharedMemoryUnregisterResponse:
+    async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
+                                         context: Context) -> pb.CudaSharedMemoryUnregisterResponse:
         return pb.CudaSharedMemoryUnregisterResponse()
 
     @_rpc
-    async def TraceSetting(self, request: Any, context: Any) -> Any:
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> pb.TraceSettingResponse:
         raise _unimplemented("the server does not support trace")
 
     @_rpc
-    async def LogSettings(self, request: Any, context: Any) -> Any:
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> pb.LogSettingsResponse:
         raise _unimplemented("the server does not support dynamic logging")
 
 
-def _parse_infer_request(data: bytes) -> Any:
+def _parse_infer_request(data: bytes) -> ParsedInfer:
     """(request, None, raw_input_contents), or (None, the request without its
     raw_input_contents, those) when its other fields are too large to parse
     on the loop; or the error: raised here, grpc would answer UNKNOWN with a
@@ -371,7 +396,7 @@ def _parse_infer_request(data: bytes) -> Any:
         return exc
 
 
-def _request_id(parsed: Any, call: Optional[InferCall]) -> str:
+def _request_id(parsed: ParsedInfer, call: Optional[InferCall]) -> str:
     if call is not None:
         return call.id
     if isinstance(parsed, tuple) and parsed[0] is not None:
@@ -379,7 +404,8 @@ def _request_id(parsed: Any, call: Optional[InferCall]) -> str:
     return ""
 
 
-def _no_repository_name(request: Any) -> None:
+def _no_repository_name(request: Union[pb.RepositoryIndexRequest, pb.RepositoryModelLoadRequest,
+                                              pb.RepositoryModelUnloadRequest]) -> None:
     if request.repository_name:
         raise _unimplemented("'repository_name' specification is not supported")
 

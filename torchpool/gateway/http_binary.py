@@ -27,13 +27,13 @@ import secrets
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from ..protocol import datatypes
 from .backend import InferResponse, InputTensor, OutputRequest, bad, check_counts, check_dims, input_value
-from .chunks import CHUNK_ELEMENTS, json_values, tensor_bytes
+from .chunks import CHUNK_ELEMENTS, Chunk, json_values, tensor_bytes
 from .defaults import MAX_INPUT_BYTES
-from .http_bodies import body_buffer
+from .http_bodies import Body, body_buffer
 from .http_messages import Response
 from .offload import OFFLOAD_BYTES, Offload
 
@@ -78,7 +78,7 @@ class InferCall:
 
 # --- JSON field checks (TritonJson's AsUInt / AsBool / AsString) ------------------
 
-def _uint(value: Any, what: str, bits: int = 63) -> int:
+def _uint(value: object, what: str, bits: int = 63) -> int:
     """An unsigned integer below 2^bits: 63 for most fields, 64 for the
     shared-memory offsets and byte sizes (Triton's uint64; the daemon checks
     them against the region in Triton's words)."""
@@ -87,31 +87,31 @@ def _uint(value: Any, what: str, bits: int = 63) -> int:
     return value
 
 
-def _bool(value: Any, what: str) -> bool:
+def _bool(value: object, what: str) -> bool:
     if type(value) is not bool:
         raise bad(f"Unable to parse '{what}': expected a boolean, got {_short(value)}")
     return value
 
 
-def _str(value: Any, what: str) -> str:
+def _str(value: object, what: str) -> str:
     if not isinstance(value, str):
         raise bad(f"Unable to parse '{what}': expected a string, got {_short(value)}")
     return value
 
 
-def _obj(value: Any, what: str) -> dict:
+def _obj(value: object, what: str) -> dict:
     if not isinstance(value, dict):
         raise bad(f"Unable to parse '{what}': expected an object, got {_short(value)}")
     return value
 
 
-def _list(value: Any, what: str) -> list:
+def _list(value: object, what: str) -> list:
     if not isinstance(value, list):
         raise bad(f"Unable to parse '{what}': expected an array, got {_short(value)}")
     return value
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     """A value as the client wrote it, cut short (an integer too long to
     print whole is shown by its digits' count)."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
@@ -172,7 +172,7 @@ def _refuse_json_shape(containers: int, deepest: int, stop: int, what: str) -> N
               f"flat arrays, or as binary data")
 
 
-def load_json(data: Any, what: str = "request") -> Any:
+def load_json(data: Body, what: str = "request") -> object:
     """A JSON document from bytes; a clear 400 for anything else (including
     nesting deeper than MAX_JSON_DEPTH, more arrays and objects than
     MAX_JSON_CONTAINERS, and integers longer than Python converts)."""
@@ -267,13 +267,13 @@ def raw_call(body: Buffer, config: dict, model: str) -> InferCall:
     return InferCall([InputTensor(name, datatype, shape, raw=data)], None, binary_default=True)
 
 
-def parse_infer(body: Any, headers: dict, model: str) -> InferCall:
+def parse_infer(body: Body, headers: dict, model: str) -> InferCall:
     """The whole request, parsed here (small documents, tests)."""
     document, json_end = json_document(body, headers)
     return attach_binary(infer_call(document, json_end, len(body), model), body)
 
 
-async def parse_infer_off_loop(body: Any, headers: dict, model: str, offload: Offload) -> InferCall:
+async def parse_infer_off_loop(body: Body, headers: dict, model: str, offload: Offload) -> InferCall:
     """The request, its JSON parsed in the helper process when it is large."""
     document, json_end = json_document(body, headers)
     if len(document) < OFFLOAD_BYTES:
@@ -284,14 +284,14 @@ async def parse_infer_off_loop(body: Any, headers: dict, model: str, offload: Of
     return attach_binary(call, body)
 
 
-def json_document(body: Any, headers: dict) -> tuple[memoryview, Optional[int]]:
+def json_document(body: Body, headers: dict) -> tuple[memoryview, Optional[int]]:
     """The JSON part of a body, and where it ends (None: the whole body)."""
     json_end = header_length(headers, len(body))
     view = memoryview(body)
     return (view[:json_end] if json_end is not None else view), json_end
 
 
-def infer_call(document: Any, json_end: Optional[int], size: int, model: str,
+def infer_call(document: Union[memoryview, bytes], json_end: Optional[int], size: int, model: str,
                convert: bool = False) -> InferCall:
     """The request's JSON document as an InferCall; binary inputs point into
     the body (`raw_at`); with `convert`, "data" lists become tensor bytes
@@ -316,7 +316,7 @@ def infer_call(document: Any, json_end: Optional[int], size: int, model: str,
     return call
 
 
-def attach_binary(call: InferCall, body: Any) -> InferCall:
+def attach_binary(call: InferCall, body: Body) -> InferCall:
     """Binary inputs as views of the body (no copy)."""
     view = memoryview(body)
     for t in call.inputs:
@@ -326,7 +326,7 @@ def attach_binary(call: InferCall, body: Any) -> InferCall:
     return call
 
 
-def _parse_params(params: Any, call: InferCall) -> None:
+def _parse_params(params: object, call: InferCall) -> None:
     if params is None:
         return
     for key, value in _obj(params, "parameters").items():
@@ -410,7 +410,7 @@ def _parse_output(item: dict, model: str) -> OutputRequest:
 
 # --- the response --------------------------------------------------------------
 
-def _nbytes(chunk: Any) -> int:
+def _nbytes(chunk: Chunk) -> int:
     return chunk.nbytes if isinstance(chunk, memoryview) else len(chunk)
 
 
@@ -495,7 +495,7 @@ def decompressed_bound(compressed: int, limit: int) -> int:
     return min(limit, compressed * _MAX_RATIO + 64)
 
 
-def decompress(body: Any, encoding: str, limit: int) -> Any:
+def decompress(body: Body, encoding: str, limit: int) -> memoryview:
     """The body of a request sent with Content-Encoding, never more than
     `limit` bytes however small the compressed body (a bomb stops there).
     Written a piece at a time into a buffer whose memory is taken as it is
@@ -504,7 +504,7 @@ def decompress(body: Any, encoding: str, limit: int) -> Any:
     size = decompressed_bound(len(body), limit)
     out = body_buffer(size + 1)
     filled = 0
-    data: Any = body
+    data: Body = body
     try:
         while True:
             piece = d.decompress(data, _PIECE)
@@ -523,7 +523,7 @@ def decompress(body: Any, encoding: str, limit: int) -> Any:
     return memoryview(out)[:filled]
 
 
-async def decompress_off_loop(body: Any, encoding: str, limit: int) -> Any:
+async def decompress_off_loop(body: Body, encoding: str, limit: int) -> memoryview:
     """`decompress`, in a thread for a body worth it (zlib lets go of the GIL)."""
     if len(body) < THREAD_BYTES:
         return decompress(body, encoding, limit)

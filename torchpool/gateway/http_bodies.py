@@ -19,10 +19,14 @@ from __future__ import annotations
 import asyncio
 import mmap
 from collections import deque
-from typing import Any, Callable
+from typing import Callable, Union
+
+# A request body as received: bytes (one read), a bytearray (chunked, or empty), an
+# anonymous mmap (`body_buffer`), or a view of one (decompressed).
+Body = Union[bytes, bytearray, memoryview, mmap.mmap]
 
 
-def body_buffer(size: int) -> Any:
+def body_buffer(size: int) -> Union[bytearray, mmap.mmap]:
     """A writable buffer of `size` bytes whose memory is taken only where
     it is written (size 0: an empty bytearray)."""
     if size <= 0:

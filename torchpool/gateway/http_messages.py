@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from .callers import Caller
 from .defaults import MAX_INPUT_BYTES
+from .http_bodies import Body
 
 # A body is held whole in memory, at most this (--http-max-input-size); a
 # compressed body is held to the same limit once decompressed.
@@ -50,7 +51,7 @@ class Request:
     method: str
     path: str                       # as sent, query string included
     headers: dict                   # lower-case name -> value (latin-1 text)
-    body: Any                       # bytes, bytearray, an anonymous mmap or b""
+    body: Body                      # bytes, bytearray, an anonymous mmap or b""
     keep_alive: bool = True
     caller: Optional[Caller] = None
     held: int = 0                   # body bytes counted in the budget (given back once answered)

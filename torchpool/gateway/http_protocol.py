@@ -34,15 +34,18 @@ import logging
 import math
 import select
 from collections import deque
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Protocol, Union
 
 import httptools
 
 from .callers import Caller
 from .tcp_table import socket_address
-from .http_bodies import BodyBudget, body_buffer
-from .http_messages import Request, Response, error_response
+from .http_bodies import Body, BodyBudget, body_buffer
+from .http_messages import Handler, Limits, Request, Response, error_response
 from .http_messages import head as head_of
+
+if TYPE_CHECKING:
+    import mmap
 
 log = logging.getLogger("torchpool.gateway.http")
 
@@ -70,32 +73,49 @@ class _Partial:
         self.headers: dict = {}
         self.size = 0               # header bytes so far
         self.length: Optional[int] = None
-        self.buf: Any = None        # body_buffer(length), or a bytearray for a chunked body
+        self.buf: Union[bytearray, mmap.mmap, None] = None   # body_buffer(length), or a bytearray for a chunked body
         self.filled = 0
-        self.whole: Any = None      # a body that came in one piece, kept as it came
+        self.whole: Optional[bytes] = None   # a body that came in one piece, kept as it came
         self.method = ""
         self.keep_alive = True
         self.upgrade = False
         self.held = 0               # body bytes taken from the budget
 
-    def body(self) -> Any:
+    def body(self) -> Body:
         if self.buf is not None:
             return self.buf
         return self.whole if self.whole is not None else b""
+
+
+class ConnectionHost(Protocol):
+    """What a connection uses of its server (http_server.HttpServer, which imports this module)."""
+
+    handler: Handler
+    limits: Limits
+    budget: BodyBudget
+    scratch: memoryview
+    loop: asyncio.AbstractEventLoop
+    connections: set[HttpConnection]
+
+    def caller_gone(self, caller: Optional[Caller]) -> None: ...
+
+    def no_request(self, conn: HttpConnection) -> None: ...
+
+    def has_request(self, conn: HttpConnection) -> None: ...
 
 
 class HttpConnection(asyncio.BufferedProtocol):
     """One client connection; `server` gives the handler, the limits, the
     loop and the set of connections (http_server.HttpServer)."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: ConnectionHost) -> None:
         self.server = server
         self.limits = server.limits
         self.loop = server.loop
         self.budget: BodyBudget = server.budget
-        self.transport: Any = None
+        self.transport: Optional[asyncio.Transport] = None
         self.caller: Optional[Caller] = None
-        self.parser: Any = httptools.HttpRequestParser(self)
+        self.parser: Optional[httptools.HttpRequestParser] = httptools.HttpRequestParser(self)
         self.scratch: memoryview = server.scratch   # shared: each read is parsed before the next
         self.direct: Optional[memoryview] = None    # the rest of a body, read into place
         self.cur: Optional[_Partial] = None
@@ -115,7 +135,7 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     # --- transport events -----------------------------------------------------
 
-    def connection_made(self, transport: Any) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         if self.turned_away is not None:
             # nothing it sends is read: the answer may be lost to a reset

@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import re
-from typing import Any, Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional
 from urllib.parse import unquote
 
 from ..protocol import errors
@@ -53,7 +53,7 @@ _REPOSITORY = re.compile(r"/v2/repository(?:/([^/]+))?/(index|models/([^/]+)/(lo
 _EMPTY = Response(200, [], None)
 
 
-def _json(value: Any) -> Response:
+def _json(value: object) -> Response:
     return Response(200, [json.dumps(value, separators=(",", ":")).encode()])
 
 
@@ -192,7 +192,7 @@ class Router:
                                           call.id, call.binary_default, **call.params)
         return await encode_infer(result, request.headers.get("accept-encoding"))
 
-    async def _decompressed(self, request: Request, encoding: str) -> Any:
+    async def _decompressed(self, request: Request, encoding: str) -> memoryview:
         """The body decompressed (within the body limit), its bytes counted
         in the budget until the request is answered: room for as much as
         the body could make is waited for first."""
@@ -320,7 +320,7 @@ class HttpServer:
         # connections with no request in hand -> since when; oldest first
         self.reclaimable: dict[HttpConnection, float] = {}
         self.port = 0
-        self._server: Any = None
+        self._server: Optional[asyncio.Server] = None
         self._sweeper: Optional[asyncio.Task] = None
         self._forgetting: set[asyncio.Task] = set()
         self.own_offload: Optional[Offload] = None  # closed with the server

@@ -34,7 +34,7 @@ import os
 import resource
 import signal
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
@@ -62,7 +62,10 @@ def _start_helper() -> None:
         pass
 
 
-def _run(fn: Callable[..., Any], args: tuple) -> tuple:
+_T = TypeVar("_T")
+
+
+def _run(fn: Callable[..., object], args: tuple) -> tuple:
     """In the helper: ("ok", result) or ("error", code, message). Errors
     travel as values: TorchpoolError does not survive pickling."""
     try:
@@ -88,7 +91,7 @@ class Offload:
                 initializer=_start_helper)
         return self._pool
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run(self, fn: Callable[..., _T], *args: object) -> _T:
         """fn(*args) in the helper; its TorchpoolError raised here."""
         loop = asyncio.get_running_loop()
         try:

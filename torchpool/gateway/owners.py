@@ -25,7 +25,10 @@ last of its connections closes.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from ..client import AsyncClient
 
 OwnerKey = tuple[str, object]        # ("uid", 1000) or ("caller", id of the caller)
 
@@ -39,10 +42,10 @@ class RegionOwner:
     def __init__(self, key: OwnerKey, name: str) -> None:
         self.key = key
         self.name = name                         # for logs: "uid 1000", or the caller's name
-        self.client: Any = None                  # an AsyncClient with its own session, while it holds regions
+        self.client: Optional[AsyncClient] = None   # an AsyncClient with its own session, while it holds regions
         self.names: set[str] = set()             # the regions registered there
         self.lock = asyncio.Lock()               # one region call of an owner at a time: they are rare
-        self.callers: set[Any] = set()
+        self.callers: set[object] = set()        # the callers.Caller using them (callers.py imports this)
 
     def __repr__(self) -> str:
         return f"RegionOwner({self.name})"

@@ -18,11 +18,17 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Coroutine, Optional, Union
 
 from ..broker.connections import raise_open_files_limit
 from ..logs import FORMATS, set_process_title, setup_logging
 from . import defaults
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .grpc_server import GrpcServer
+    from .http_server import HttpServer
+    from .offload import Offload
 
 log = logging.getLogger("torchpool.gateway")
 
@@ -89,8 +95,8 @@ class _Status:
         self.fd = None
 
 
-async def _start(backend: Any, kind: str, host: str, port: int, args: argparse.Namespace,
-                 offload: Any, max_connections: int) -> Any:
+async def _start(backend: Backend, kind: str, host: str, port: int, args: argparse.Namespace,
+                 offload: Offload, max_connections: int) -> Union[HttpServer, GrpcServer]:
     if kind == "HTTP":
         from .http_server import Limits, start_http
         limits = Limits(max_body=args.http_max_input_size, max_connections=max_connections)
@@ -108,7 +114,7 @@ async def serve(args: argparse.Namespace, status: _Status, open_files: int) -> i
     shm = ShmPolicy(args.allow_client_shm == "true", tuple(args.allow_client_shm_prefixes))
     backend = Backend(args.url, shm=shm, per_caller=args.gateway_max_in_flight_per_caller)
     offload = Offload()          # one helper process for both protocols, started on first use
-    servers: list[tuple[str, Any]] = []
+    servers: list[tuple[str, Union[HttpServer, GrpcServer]]] = []
     wanted = [(kind, host, port) for kind, host, port in (("HTTP", args.http_host, args.http_port),
                                                           ("gRPC", args.grpc_host, args.grpc_port))
               if port is not None]
@@ -141,7 +147,7 @@ async def serve(args: argparse.Namespace, status: _Status, open_files: int) -> i
         offload.close()
 
 
-def _run(coro: Any) -> int:
+def _run(coro: Coroutine[object, object, int]) -> int:
     """uvloop when installed: its transports cost less per request."""
     try:
         import uvloop

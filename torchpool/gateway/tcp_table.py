@@ -10,11 +10,12 @@ loopback peer is (owners.py).
 from __future__ import annotations
 
 import ipaddress
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional, Union
 
 ESTABLISHED = "01"
 
-Address = tuple[Any, int]       # (ipaddress.IPv4Address or IPv6Address, port)
+IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+Address = tuple[IPAddress, int]       # (address, port)
 
 
 def peer_address(peer: str) -> Optional[Address]:
@@ -28,7 +29,7 @@ def peer_address(peer: str) -> Optional[Address]:
         return None
 
 
-def socket_address(host: Any, port: Any) -> Optional[Address]:
+def socket_address(host: str, port: int) -> Optional[Address]:
     """A socket's (host, port) as Python names it (getpeername) as (address, port)."""
     try:
         return plain(ipaddress.ip_address(str(host).split("%")[0])), int(port)
@@ -36,7 +37,7 @@ def socket_address(host: Any, port: Any) -> Optional[Address]:
         return None
 
 
-def plain(address: Any) -> Any:
+def plain(address: IPAddress) -> IPAddress:
     """An IPv4 address seen through an IPv6 socket (::ffff:a.b.c.d) as IPv4."""
     mapped = getattr(address, "ipv4_mapped", None)
     return mapped or address

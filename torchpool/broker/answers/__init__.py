@@ -21,7 +21,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import zmq
 
@@ -32,7 +32,7 @@ from ...shm import Arena, MappedSegments
 from ...shm.fdpass import close_all
 from ...shm.arena import Block
 from ...shm.segment import Segment
-from ..batch import Batch
+from ..batch import Batch, CopiedOutput, SegmentRef
 from ..frontend import Frontend
 from ..registry import ModelVersion
 from ..requests import InferRequest
@@ -40,6 +40,9 @@ from ..schedulers.base import TIMEOUT
 from ..stats import BACKEND, OTHER, REJECTED
 from ..supervisor import DEAD, WorkerHandle
 from .split import check_reused_outputs, split_outputs
+
+if TYPE_CHECKING:
+    from ..sessions import Session, SessionManager
 
 log = logging.getLogger("torchpool.broker")
 
@@ -74,7 +77,7 @@ class _Order:
     """preserve_ordering: a version's batches are answered in the order they
     were sent; one that finished early waits here for its turn."""
 
-    sent: Any = field(default_factory=itertools.count)
+    sent: itertools.count[int] = field(default_factory=itertools.count)
     next_answer: int = 0
     held: dict[int, tuple[Batch, Outcome]] = field(default_factory=dict)
 
@@ -93,18 +96,10 @@ class _OutBlock:
 class _Loan:
     """An output sub-range lent in place to a local client's session."""
 
-    session: Any
+    session: Session
     generation: int                   # the client names it when it releases the range
     owner: _OutBlock
 
-
-class _Copied:
-    """Output bytes copied out of a worker that died before they were sent."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
 
 
 class Answers:
@@ -116,7 +111,7 @@ class Answers:
         self.frontend = frontend
         self.arena = arena                    # the broker's input arena (requests' blocks)
         self.transfer = transfer              # bytes copied / lent / sent, for benchmarks and tests
-        self.sessions: Any = None             # the SessionManager, set once it exists
+        self.sessions: Optional[SessionManager] = None   # the SessionManager, set once it exists
         self._orders: dict[ModelVersion, _Order] = {}
         # each worker's output segments (fds kept); a dead worker's are closed by
         # `close_segment` (the server's reaper: the last close frees their pages)
@@ -173,14 +168,14 @@ class Answers:
     def close(self) -> None:
         self.worker_segments.close()
 
-    def _lend(self, session: Any, owner: _OutBlock, segment: str, offset: int) -> int:
+    def _lend(self, session: Session, owner: _OutBlock, segment: str, offset: int) -> int:
         generation = next(self._generations)
         self._lent[segment, offset] = _Loan(session, generation, owner)
         owner.refs += 1
         session.loans += 1
         return generation
 
-    def release_lent(self, session: Any, releases: Any) -> int:
+    def release_lent(self, session: Session, releases: object) -> int:
         """Give back the lent outputs a client names `[segment, offset,
         generation]`. One that matches no range lent to this session with
         that generation (a worker that died since, a duplicate) frees nothing
@@ -203,7 +198,7 @@ class Answers:
             self._unref(loan.owner)
         return ignored
 
-    def end_loans(self, session: Any) -> None:
+    def end_loans(self, session: Session) -> None:
         """The session closed: everything lent to it goes back."""
         if session.loans:
             for key in [k for k, loan in self._lent.items() if loan.session is session]:
@@ -313,8 +308,8 @@ class Answers:
         for shared in blocks.values():
             self._unref(shared)
 
-    def read_output(self, segment: Any, offset: int, nbytes: int) -> memoryview:
-        if isinstance(segment, _Copied):
+    def read_output(self, segment: SegmentRef, offset: int, nbytes: int) -> memoryview:
+        if isinstance(segment, CopiedOutput):
             return memoryview(segment.data)[offset:offset + nbytes]
         return memoryview(self.worker_segments.get(segment).buf)[offset:offset + nbytes]
 
@@ -372,7 +367,7 @@ class Answers:
             if trackers:
                 self._sending.append((trackers, sending[0].worker, sending))
 
-    def _answer_view(self, entry: dict, segment: Any, offset: int, nbytes: int, held: list[Block],
+    def _answer_view(self, entry: dict, segment: str, offset: int, nbytes: int, held: list[Block],
                      frames: list, trackers: list) -> None:
         """Fill in an output that is a view of one of the request's inputs:
         in the client's own block (it keeps the block for the output), or in
@@ -387,8 +382,9 @@ class Answers:
         if frame is not None:
             trackers.append(frame.tracker)
 
-    def _answer_output(self, entry: dict, segment: Any, offset: int, nbytes: int, owner: Any,
-                       lend_to: Any, frames: list, trackers: list, sending: list) -> None:
+    def _answer_output(self, entry: dict, segment: SegmentRef, offset: int, nbytes: int,
+                       owner: Optional[_OutBlock], lend_to: Optional[Session], frames: list,
+                       trackers: list, sending: list) -> None:
         """Fill in one output of the worker's: lent in place to a local client
         (`lend_to`: its session, else None); small ones inline; large ones as
         zero-copy frames of the worker's shared memory (`owner`: its block;
@@ -436,7 +432,8 @@ class Answers:
         for seq, (batch, outcome) in list(order.held.items()):
             if isinstance(outcome, Executed) and outcome.worker is h:
                 reused = outcome.reused
-                copied = [OutputDescriptor(name, datatype, shape, _Copied(bytes(self.read_output(seg, off, n))), 0, n)
+                copied = [OutputDescriptor(name, datatype, shape,
+                                           CopiedOutput(bytes(self.read_output(seg, off, n))), 0, n)
                           if isinstance(seg, str) and name not in reused else d
                           for d in outcome.outputs for name, datatype, shape, seg, off, n in [d]]
                 order.held[seq] = (batch, Executed(copied, None, reused))
@@ -461,6 +458,6 @@ def _take_viewed_blocks(req: InferRequest, pieces: list, reused: frozenset) -> l
     return held
 
 
-def _within(blocks: list[Block], segment: Any, offset: int, nbytes: int) -> bool:
+def _within(blocks: list[Block], segment: object, offset: int, nbytes: int) -> bool:
     return any(b.segment == segment and b.offset <= offset and offset + nbytes <= b.offset + b.size
                for b in blocks)

@@ -11,13 +11,16 @@ worker answered as views of an input block are checked to lie in one.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from ...config import ModelConfig, TensorSpec
 from ...protocol import datatypes, errors
 from ...protocol.errors import TorchpoolError
 from ...rules.split import row_spans
 from ..batch import Batch
+
+if TYPE_CHECKING:
+    from ..schedulers.base import ReadOutput
 
 SCATTER = "BATCH_SCATTER_WITH_INPUT_SHAPE"
 
@@ -58,7 +61,7 @@ def check_reused_outputs(batch: Batch, descriptors: list, reused: frozenset, lab
 
 
 def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: list,
-                  read: Callable[[Any, int, int], memoryview]) -> list[list[tuple]]:
+                  read: ReadOutput) -> list[list[tuple]]:
     """Each request's own part of a batch's outputs.
 
     `descriptors` are the worker's `[name, datatype, shape, segment, offset,

@@ -27,17 +27,19 @@ import os
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from ...protocol.errors import TorchpoolError
 
 if TYPE_CHECKING:
     from ...config import ModelConfig
-    from ..batch import Batch
+    from ..batch import Batch, SegmentRef
+    from ..lane import ReplySocket
     from ..requests import InferRequest
+    from ..supervisor import WorkerHandle
 
 # read(segment, offset, nbytes) -> memoryview of a worker output's bytes
-ReadOutput = Callable[[Any, int, int], memoryview]
+ReadOutput = Callable[["SegmentRef", int, int], memoryview]
 # requests the scheduler gives up on, each with the error its client gets
 Refusals = list[tuple["InferRequest", TorchpoolError]]
 
@@ -107,11 +109,11 @@ class Scheduler(ABC):
         answered with it and holds nothing of the scheduler's."""
 
     @abstractmethod
-    def take(self, instance: Any, now: float) -> Optional["Batch"]:
+    def take(self, instance: WorkerHandle, now: float) -> Optional["Batch"]:
         """The batch the idle `instance` (a worker handle) runs now, or None.
         A returned batch with `error` set is failed instead of run."""
 
-    def take_ahead(self, instance: Any, now: float) -> Optional["Batch"]:
+    def take_ahead(self, instance: WorkerHandle, now: float) -> Optional["Batch"]:
         """The batch the busy `instance` runs right after its current one, sent
         to it now so that it never waits for the broker between two; None
         (the default) where it must wait: a batch has to be formed when an
@@ -138,18 +140,18 @@ class Scheduler(ABC):
         keeps them: a policy says otherwise only where it knows so."""
         return "its requests are sequenced by the daemon"
 
-    def instance_ready(self, instance: Any) -> None:
+    def instance_ready(self, instance: WorkerHandle) -> None:
         """`instance` (a worker handle) is ready to run batches: at its start
         and after each restart, before it takes any. A scheduler that places
         requests on instances before they ask (a sequence's slot) counts it
         from now, not from its first take."""
 
-    def instance_gone(self, instance: Any) -> Refusals:
+    def instance_gone(self, instance: WorkerHandle) -> Refusals:
         """An instance died or stopped: requests bound to it that can no
         longer run (a sequence's slot), to be failed."""
         return []
 
-    def cancel(self, sock: Any, identity: bytes) -> Refusals:
+    def cancel(self, sock: ReplySocket, identity: bytes) -> Refusals:
         """The connection (sock, routing id) is gone: its queued requests,
         which nothing can answer, to be failed instead of run. By default
         none: a batching policy may keep them with the batch they are in."""

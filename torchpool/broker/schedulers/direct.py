@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter, deque
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from ...config import ModelConfig
 from ...protocol import errors
@@ -30,6 +30,10 @@ from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch, stage_batch_inputs
 from ..requests import InferRequest, stage_inputs
 from .base import TIMEOUT, Refusals, Scheduler
+
+if TYPE_CHECKING:
+    from ..lane import ReplySocket
+    from ..supervisor import WorkerHandle
 
 
 class DirectScheduler(Scheduler):
@@ -83,7 +87,7 @@ class DirectScheduler(Scheduler):
             req.blocks = req.blocks + blocks
         req.staged = []
 
-    def take(self, instance: Any, now: float) -> Optional[Batch]:
+    def take(self, instance: WorkerHandle, now: float) -> Optional[Batch]:
         queues = self.queues
         while queues:
             identity = next(iter(queues))
@@ -99,7 +103,7 @@ class DirectScheduler(Scheduler):
             return Batch.single(req)
         return None
 
-    def take_ahead(self, instance: Any, now: float) -> Optional[Batch]:
+    def take_ahead(self, instance: WorkerHandle, now: float) -> Optional[Batch]:
         if not self.queues:
             return None
         head = self.queues[next(iter(self.queues))][0]
@@ -139,7 +143,7 @@ class DirectScheduler(Scheduler):
             self._count -= len(late)
         return [(req, TorchpoolError(errors.UNAVAILABLE, TIMEOUT)) for req in late]
 
-    def cancel(self, sock: Any, identity: bytes) -> Refusals:
+    def cancel(self, sock: ReplySocket, identity: bytes) -> Refusals:
         queue = self.queues.pop(identity, None)
         if not queue:
             return []

@@ -39,7 +39,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter, deque
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from ...config import ModelConfig
 from ...protocol import errors
@@ -50,6 +50,9 @@ from ..batch import Batch, stage_batch_inputs
 from ..requests import InferRequest
 from .base import TIMEOUT, Refusals, Scheduler, SchedulerHold
 from .forming import FormingBatch
+
+if TYPE_CHECKING:
+    from ..supervisor import WorkerHandle
 
 
 class DynamicBatcher(Scheduler):
@@ -116,7 +119,7 @@ class DynamicBatcher(Scheduler):
         req.level = self.level_of(header.get("priority"))
         self.check_room(req)
 
-    def level_of(self, priority: Any) -> int:
+    def level_of(self, priority: object) -> int:
         """The request's priority level (1 = highest). 0, absent or above
         priority_levels mean default_priority_level, as in Triton."""
         if priority is None:
@@ -259,7 +262,7 @@ class DynamicBatcher(Scheduler):
         except ArenaFull:
             pass                 # the batch is written when it goes out (or fails then)
 
-    def take(self, instance: Any, now: float) -> Optional[Batch]:
+    def take(self, instance: WorkerHandle, now: float) -> Optional[Batch]:
         """The batch to run now; None while it waits for more requests (until
         `next_deadline`, or while the test switch holds it)."""
         if self.hold.holding(queued=self.count):

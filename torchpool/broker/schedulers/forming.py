@@ -12,7 +12,7 @@ client's arena or a registered region) is not copied at all.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 from ...config import ModelConfig, TensorSpec
 from ...protocol.internal import InputDescriptor
@@ -52,7 +52,7 @@ class InputBuffer:
             self.arena.free(self.block)
         self.block, self.capacity = block, size
 
-    def write(self, start: int, payload: Any) -> int:
+    def write(self, start: int, payload: memoryview) -> int:
         n = len(payload)
         if n:
             self.ensure(start + n)
@@ -75,7 +75,7 @@ class InputBuffer:
 class FormingBatch:
     """The batch that goes out next, being written while the instances are busy."""
 
-    def __init__(self, arena: Arena, key: Any, max_items: int) -> None:
+    def __init__(self, arena: Arena, key: Optional[tuple[object, ...]], max_items: int) -> None:
         self.arena = arena
         self.key = key
         self.max_items = max_items
@@ -83,7 +83,7 @@ class FormingBatch:
         self.marks: list[dict[str, int]] = []        # per request: input -> start offset
         self.buffers: dict[str, InputBuffer] = {}
         self.elements: list[dict[str, int]] = []     # per request: input -> element count
-        self.deferred: list[tuple[str, int, Any]] = []   # request 0's inputs left in place
+        self.deferred: list[tuple[str, int, memoryview]] = []   # request 0's inputs left in place
         self.items = 0
         self.copied = 0                              # bytes written (for the transfer counters)
 

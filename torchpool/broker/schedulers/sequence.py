@@ -48,7 +48,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ...config import ModelConfig
 from ...protocol import errors
@@ -56,10 +56,13 @@ from ...rules.batching import limits, select_batch
 from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch
-from ..requests import InferRequest
+from ..requests import CorrId, InferRequest
 from .base import ReadOutput, Refusals, Scheduler, SchedulerHold
 from .sequence_tensors import (SequenceFlags, check_corrid, layout_rows, parse_control, parse_flags,
                                parse_state, split_state, stage_rows)
+
+if TYPE_CHECKING:
+    from ..supervisor import WorkerHandle
 
 log = logging.getLogger("torchpool.broker")
 
@@ -68,7 +71,7 @@ log = logging.getLogger("torchpool.broker")
 
 @dataclass(eq=False)
 class Sequence:
-    corrid: Any
+    corrid: CorrId
     queue: deque = field(default_factory=deque)           # its requests not yet handed out
     state: dict[str, tuple[tuple, bytes]] = field(default_factory=dict)   # input -> (shape, bytes)
     home: Optional["_Instance"] = None                    # the instance whose slot it holds
@@ -79,7 +82,7 @@ class Sequence:
 
 @dataclass(eq=False)
 class _Instance:
-    handle: Any
+    handle: WorkerHandle
     order: int                                            # registration order (ties between instances)
     slots: list[Optional[Sequence]]
 
@@ -104,7 +107,7 @@ class _Front:
 class SequenceBatchContext:
     """A sequence batch's own bookkeeping (Batch.context)."""
     members: list[tuple[Sequence, InferRequest]]          # in batch.requests order
-    instance: Any
+    instance: WorkerHandle
 
 
 # ------------------------------------------------------------------ the scheduler
@@ -134,10 +137,10 @@ class SequenceBatcher(Scheduler):
         self.controls = [parse_control(config.name, entry) for entry in sb.get("control_input", ())]
         self.states = [parse_state(config.name, s, model_dir, self.batching) for s in config.sequence_states()]
         self.hidden_outputs = frozenset(s.spec.output_name for s in self.states)
-        self.sequences: dict[Any, Sequence] = {}       # live ids (END not yet pushed)
+        self.sequences: dict[CorrId, Sequence] = {}       # live ids (END not yet pushed)
         self.backlog: deque[Sequence] = deque()        # started, waiting for a slot
-        self.instances: dict[Any, _Instance] = {}
-        self.lost: dict[Any, str] = {}                 # ids whose instance died, until START again
+        self.instances: dict[WorkerHandle, _Instance] = {}
+        self.lost: dict[CorrId, str] = {}                 # ids whose instance died, until START again
         self.count = 0
         self.wake_at: Optional[float] = None
         self._order = 0
@@ -191,7 +194,7 @@ class SequenceBatcher(Scheduler):
 
     # --- slots --------------------------------------------------------------------
 
-    def _instance(self, handle: Any) -> _Instance:
+    def _instance(self, handle: WorkerHandle) -> _Instance:
         inst = self.instances.get(handle)
         if inst is None:
             inst = self.instances[handle] = _Instance(handle, self._order, [None] * self.slot_count)
@@ -253,7 +256,7 @@ class SequenceBatcher(Scheduler):
     def _ready(self, inst: _Instance) -> list[Sequence]:
         return [s for s in inst.slots if s is not None and s.queue and s.running is None]
 
-    def take(self, instance: Any, now: float) -> Optional[Batch]:
+    def take(self, instance: WorkerHandle, now: float) -> Optional[Batch]:
         inst = self._instance(instance)
         self._fill(inst)
         if self.hold.holding(queued=self._queued_in_slots(),
@@ -376,14 +379,14 @@ class SequenceBatcher(Scheduler):
             elif captured:
                 seq.state = {name: parts[i] for name, parts in states.items()}
 
-    def instance_ready(self, instance: Any) -> None:
+    def instance_ready(self, instance: WorkerHandle) -> None:
         # Every instance has its slots from its start, as Triton's batchers
         # do: two STARTs that arrive before the second instance's first take
         # would otherwise share the first one's slots (qa/L0_sequence_batcher
         # test_half_batch on two instances ran them as batches of two).
         self._fill(self._instance(instance))
 
-    def instance_gone(self, instance: Any) -> Refusals:
+    def instance_gone(self, instance: WorkerHandle) -> Refusals:
         inst = self.instances.pop(instance, None)
         if inst is None:
             return []

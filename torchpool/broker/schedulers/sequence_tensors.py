@@ -21,15 +21,18 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ...config import ModelConfig, SequenceState
 from ...protocol import datatypes, errors
 from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import batch_input_values, write_tensors
-from ..requests import InferRequest
+from ..requests import CorrId, InferRequest, SequenceFlags
 from .forming import FormingBatch
+
+if TYPE_CHECKING:
+    from .base import ReadOutput
 
 START, END, READY, CORRID = ("CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END",
                              "CONTROL_SEQUENCE_READY", "CONTROL_SEQUENCE_CORRID")
@@ -39,21 +42,14 @@ _CORRID_FORMATS = {"INT32": "<i", "UINT32": "<I", "INT64": "<q", "UINT64": "<Q"}
 Tensors = list[tuple[str, str, list, bytes]]      # [(name, datatype, shape, bytes)]
 
 
-@dataclass(frozen=True)
-class SequenceFlags:
-    corrid: Any
-    start: bool
-    end: bool
-
-
 def parse_flags(header: dict, model: str) -> SequenceFlags:
     """The request's `sequence` header field, checked (Triton's wording)."""
     raw = header.get("sequence")
     if not isinstance(raw, dict):
         raw = {}
     corrid = raw.get("id")
-    valid_int = isinstance(corrid, int) and not isinstance(corrid, bool) and 0 < corrid < 2 ** 64
-    if not (valid_int or (isinstance(corrid, str) and corrid)):
+    if not (isinstance(corrid, int) and not isinstance(corrid, bool) and 0 < corrid < 2 ** 64
+            or isinstance(corrid, str) and corrid):
         raise TorchpoolError(errors.INVALID_ARG, f"inference request to model '{model}' must specify a "
                                                  f"non-zero or non-empty correlation ID")
     return SequenceFlags(corrid, raw.get("start") is True, raw.get("end") is True)
@@ -67,7 +63,7 @@ class Control:
     pack: str                          # struct format of one element
     values: tuple = ()                 # (false, true); empty for CORRID
 
-    def value(self, corrid: Any, start: bool, end: bool, ready: bool) -> bytes:
+    def value(self, corrid: CorrId, start: bool, end: bool, ready: bool) -> bytes:
         if self.kind == CORRID:
             return struct.pack(self.pack, corrid if ready else 0)
         on = {START: start, END: end, READY: ready}[self.kind]
@@ -100,7 +96,7 @@ def parse_control(model: str, entry: dict) -> Control:
                                              f"int32_false_true, fp32_false_true, bool_false_true")
 
 
-def check_corrid(controls: list[Control], corrid: Any, model: str) -> None:
+def check_corrid(controls: list[Control], corrid: CorrId, model: str) -> None:
     """A CONTROL_SEQUENCE_CORRID input takes only ids that fit its type."""
     for c in controls:
         if c.kind != CORRID:
@@ -281,8 +277,8 @@ def state_tensors(states: list[State], rows: list, state_of: Callable[[InferRequ
     return out
 
 
-def split_state(model: str, s: State, descriptor: Any, rows: int, row_starts: list[int], batching: bool,
-                read: Callable[[Any, int, int], memoryview]) -> list[tuple[tuple, bytes]]:
+def split_state(model: str, s: State, descriptor: Optional[list], rows: int, row_starts: list[int], batching: bool,
+                read: ReadOutput) -> list[tuple[tuple, bytes]]:
     """A batch's state output cut per request (at `row_starts`): [(shape, bytes)].
     Raises TorchpoolError when it cannot be cut."""
     name = s.spec.output_name

@@ -17,9 +17,12 @@ message, not one object per field.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence, Union
 
 from . import grpc_service_pb2 as pb
+
+# an output's bytes (gateway/chunks.py's Chunk)
+Chunk = Union[bytes, memoryview]
 
 RAW_INPUT_FIELD = 7     # ModelInferRequest.raw_input_contents
 RAW_OUTPUT_FIELD = 6    # ModelInferResponse.raw_output_contents
@@ -36,7 +39,7 @@ class WireError(ValueError):
     """A message that is not valid protobuf."""
 
 
-def _varint(data: Any, pos: int) -> tuple[int, int]:
+def _varint(data: Union[bytes, memoryview], pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= len(data) or shift > 63:
@@ -49,7 +52,7 @@ def _varint(data: Any, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _skip(data: Any, pos: int, wire_type: int) -> int:
+def _skip(data: Union[bytes, memoryview], pos: int, wire_type: int) -> int:
     """Where the value of a field of `wire_type` starting at `pos` ends."""
     if wire_type == 0:
         return _varint(data, pos)[1]
@@ -104,12 +107,12 @@ def split_infer_request(data: bytes) -> tuple[bytes, list[memoryview]]:
     return b"".join(runs), raws
 
 
-def serialize_infer_response(answer: tuple[pb.ModelInferResponse, Sequence[Any]]) -> bytes:
+def serialize_infer_response(answer: tuple[pb.ModelInferResponse, Sequence[Chunk]]) -> bytes:
     """A ModelInferResponse without its raw outputs, then one
     raw_output_contents entry per chunk, copied once."""
     header, chunks = answer
     tag = bytes([RAW_OUTPUT_FIELD << 3 | _LEN])
-    parts: list[Any] = [header.SerializeToString()]
+    parts: list[Chunk] = [header.SerializeToString()]
     for chunk in chunks:
         parts += (tag, encode_varint(memoryview(chunk).nbytes), chunk)
     return b"".join(parts)
