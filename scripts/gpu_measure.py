@@ -95,16 +95,17 @@ def _copies(host: torch.Tensor, size: int, device: str, n: int) -> dict:
 def repository(root: Path, kind: str) -> None:
     """identity and the example MLP (with and without dynamic batching) on `kind`."""
     from tests.gpu.test_gpu_serving import Identity, mlp
-    from tests.support.model_repository import _write, config, dynamic_batching, instances, serialize, tensor
+    from tests.support.models.core import config, dynamic_batching, instances, serialize, tensor, write_model_dir
 
     fp32, out = [tensor("INPUT__0", "FP32", [-1])], [tensor("OUTPUT__0", "FP32", [-1])]
-    _write(root, "identity", model=serialize(Identity()),
-           config_text=config("identity", inputs=fp32, outputs=out, max_batch_size=0, extra=instances(1, kind)))
+    write_model_dir(root, "identity", model=serialize(Identity()),
+                    config_text=config("identity", inputs=fp32, outputs=out, max_batch_size=0,
+                                       extra=instances(1, kind)))
     io = dict(inputs=[tensor("INPUT__0", "FP32", [256])], outputs=[tensor("OUTPUT__0", "FP32", [10])],
               max_batch_size=32)
-    _write(root, "mlp", model=serialize(mlp()), config_text=config("mlp", **io, extra=instances(1, kind)))
-    _write(root, "mlp_batched", model=serialize(mlp()),
-           config_text=config("mlp_batched", **io, extra=instances(1, kind) + dynamic_batching(200)))
+    write_model_dir(root, "mlp", model=serialize(mlp()), config_text=config("mlp", **io, extra=instances(1, kind)))
+    write_model_dir(root, "mlp_batched", model=serialize(mlp()),
+                    config_text=config("mlp_batched", **io, extra=instances(1, kind) + dynamic_batching(200)))
 
 
 def worker_gpu_memory(pids: list[int]) -> dict:

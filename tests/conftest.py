@@ -15,7 +15,7 @@ import pytest
 from torchpool.shm import remove_segments_with_prefix
 
 from .support.daemon import Daemon, free_tcp_port, torchpool_processes, torchpool_segments, wait_for
-from .support.model_repository import build_test_repository
+from .support.models.repository import build_test_repository
 
 
 @pytest.fixture(scope="session")

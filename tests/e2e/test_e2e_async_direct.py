@@ -25,7 +25,7 @@ from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon, daemon_segments
-from ..support.model_repository import slow_iterations
+from ..support.models.slow import slow_iterations
 from .test_e2e_direct import _busy, _ready_lines, stats, transfer, worker_pid
 from .test_e2e_lane import A
 

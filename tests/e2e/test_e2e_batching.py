@@ -1,7 +1,7 @@
 """Dynamic batching with Triton's semantics.
 
-End to end (a daemon on tests/batching_models.py's repository): concurrent
-requests are batched (fewer executions than requests) and each gets exactly
+End to end (a daemon on the repository of tests/support/models/batching_repository.py):
+concurrent requests are batched (fewer executions than requests) and each gets exactly
 its own rows and strings; the queue delay is honoured; preferred sizes send
 at once; max_batch_size is never exceeded; shapes are not mixed; priorities
 are served first; timeouts REJECT and DELAY; a full queue rejects at once;
@@ -26,7 +26,7 @@ from torchpool.client import AsyncClient, Client, decode_infer
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
-from ..support.batching_models import build_batching_repository
+from ..support.models.batching_repository import build_batching_repository
 from ..support.daemon import free_tcp_port
 from ..support.daemon import Daemon, RawConnection, wait_for, worker_pids
 

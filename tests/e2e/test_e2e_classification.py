@@ -28,7 +28,7 @@ from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon
-from ..support.model_repository import config, dynamic_batching, serialize, tensor
+from ..support.models.core import config, dynamic_batching, serialize, tensor
 
 
 class Batched(nn.Module):

@@ -12,7 +12,7 @@ from torchpool.client import AsyncClient, Client
 from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
-from ..support.model_repository import slow_iterations
+from ..support.models.slow import slow_iterations
 
 F32 = "libtorch_float32_float32_float32"
 

@@ -29,7 +29,9 @@ from torchpool.examples import ADDSUB_CONFIG, IDENTITY_CONFIG, AddSub, Identity,
 from torchpool.protocol import errors
 
 from ..support.daemon import Daemon, RawConnection, free_tcp_port, wait_for
-from ..support.model_repository import RaiseOnNegative, Slow, _write, config, serialize, slow_iterations, tensor
+from ..support.models.core import config, serialize, tensor, write_model_dir
+from ..support.models.execution_errors import RaiseOnNegative
+from ..support.models.slow import Slow, slow_iterations
 
 IN_FLIGHT = 64
 UNREAD = 16
@@ -51,14 +53,14 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_model(repository, "identity", IDENTITY_CONFIG, serialize(Identity()))
     write_model(repository, "clone", IDENTITY_CONFIG.replace('"identity"', '"clone"'), serialize(Identity()))
     i64 = tensor("INPUT__0", "INT64", [1]), tensor("OUTPUT__0", "INT64", [1])
-    _write(repository, "slow", model=serialize(Slow()),
-           config_text=config("slow", inputs=[i64[0]], outputs=[i64[1]], max_batch_size=0))
-    _write(repository, "zeros", model=serialize(Zeros()),
-           config_text=config("zeros", inputs=[i64[0]], outputs=[tensor("OUTPUT__0", "FP32", [-1])],
-                              max_batch_size=0))
+    write_model_dir(repository, "slow", model=serialize(Slow()),
+                    config_text=config("slow", inputs=[i64[0]], outputs=[i64[1]], max_batch_size=0))
+    write_model_dir(repository, "zeros", model=serialize(Zeros()),
+                    config_text=config("zeros", inputs=[i64[0]], outputs=[tensor("OUTPUT__0", "FP32", [-1])],
+                                       max_batch_size=0))
     f4 = tensor("INPUT__0", "FP32", [4]), tensor("OUTPUT__0", "FP32", [4])
-    _write(repository, "raise", model=serialize(RaiseOnNegative()),
-           config_text=config("raise", inputs=[f4[0]], outputs=[f4[1]], max_batch_size=8))
+    write_model_dir(repository, "raise", model=serialize(RaiseOnNegative()),
+                    config_text=config("raise", inputs=[f4[0]], outputs=[f4[1]], max_batch_size=8))
     return repository
 
 

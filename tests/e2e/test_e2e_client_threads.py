@@ -24,7 +24,7 @@ from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon, descendants, free_tcp_port
-from ..support.model_repository import slow_iterations
+from ..support.models.slow import slow_iterations
 from ..support.threads import in_threads
 
 THREADS = 8

@@ -17,7 +17,7 @@ from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import RawConnection
-from ..support.model_repository import slow_iterations
+from ..support.models.slow import slow_iterations
 
 F32 = "libtorch_float32_float32_float32"
 TINY = 2000          # iterations of `slow` that take a few ms at most, even cold

@@ -12,7 +12,7 @@ from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon
-from ..support.model_repository import EXPECTED_READY
+from ..support.models.repository import EXPECTED_READY
 
 
 def test_server_live(client: Client) -> None:

@@ -151,7 +151,7 @@ def test_a_direct_call_past_the_clients_timeout_leaves_no_trace(direct_daemon: D
     """A plain call goes the short way (no flow) on its open path; one that
     outlives the client's timeout fails DEADLINE_EXCEEDED, its late answer
     is dropped, and the calls after it get their own answers."""
-    from ..support.model_repository import slow_iterations
+    from ..support.models.slow import slow_iterations
     n = slow_iterations(0.5)
     with Client(direct_daemon.url, timeout=30) as c:
         assert int(c.infer("slow", {"INPUT__0": np.array([5])})["OUTPUT__0"][0]) == 5     # the path opens
@@ -417,7 +417,7 @@ def test_a_path_whose_worker_dies_fails_fast_and_the_client_goes_on(direct_daemo
         pid = worker_pid(direct_daemon, "slow")
         before = _ready_lines(direct_daemon, "slow")
         failed = stats(c, "slow")["inference_stats"]["fail"]["count"]
-        from ..support.model_repository import slow_iterations
+        from ..support.models.slow import slow_iterations
         import threading
         outcome: dict = {}
 

@@ -22,8 +22,9 @@ from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon, cpu_ticks, daemon_segments
-from ..support.model_repository import RaiseOnNegative, serialize, tensor
-from ..support.model_repository import config as model_config
+from ..support.models.core import config as model_config
+from ..support.models.core import serialize, tensor
+from ..support.models.execution_errors import RaiseOnNegative
 from .test_e2e_direct import RawPath, flood, stats, transfer, worker_pid
 from .test_e2e_lane import RawLane
 

@@ -18,7 +18,7 @@ from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon, RawConnection
-from ..support.model_repository import expected_load_errors
+from ..support.models.load_failures import expected_load_errors
 
 F32 = "libtorch_float32_float32_float32"
 I32 = "libtorch_int32_int32_int32"

@@ -27,7 +27,8 @@ from tritonclient.utils import InferenceServerException, deserialize_bytes_tenso
 from tritonclient.utils import np_to_triton_dtype, triton_to_np_dtype  # noqa: E402
 
 from ..support.daemon import Daemon, free_tcp_port, wait_for  # noqa: E402
-from ..support.model_repository import Identity, config, serialize, tensor  # noqa: E402
+from ..support.models.basic import Identity  # noqa: E402
+from ..support.models.core import config, serialize, tensor  # noqa: E402
 
 F32 = "libtorch_float32_float32_float32"        # INPUT__0/1 FP32 [16], mbs 8 -> sum, difference
 COPIED = [F32, "all_dtypes", "string_io", "sequence_accumulate", "multi_instance",

@@ -28,7 +28,7 @@ from torchpool.client import Client
 from torchpool.protocol import errors, messages
 
 from ..support.daemon import Daemon, RawConnection, free_tcp_port, wait_for
-from ..support.model_repository import write_plus_one
+from ..support.models.basic import write_plus_one
 from ..support.threads import in_threads
 
 HONEST = 2

@@ -39,7 +39,8 @@ from torchpool.protocol import errors, messages
 from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon, cpu_ticks, free_tcp_port, memfds, wait_for, worker_pids
-from ..support.model_repository import config, serialize, slow_iterations, tensor
+from ..support.models.core import config, serialize, tensor
+from ..support.models.slow import slow_iterations
 
 MiB = 1 << 20
 N = 4096                                  # elements of the region tensors (16 KiB of FP32)

@@ -32,7 +32,7 @@ import yaml
 from torchpool.client import Client
 
 from ..support.daemon import ROOT, Daemon, free_tcp_port, wait_for
-from ..support.model_repository import slow_iterations
+from ..support.models.slow import slow_iterations
 
 AUTOSCALING = ROOT / "deploy" / "autoscaling"
 COMPUTE = 0.05        # seconds one `slow` request computes

@@ -22,7 +22,7 @@ import pytest
 from ..support.daemon import Daemon, free_tcp_port, wait_for
 from ..support.http_gateway import (InProcessGateway, ResponseReader, closed_by_server, connect, error_of,
                                     gateway_pid, request)
-from ..support.model_repository import slow_iterations
+from ..support.models.slow import slow_iterations
 from torchpool.gateway.defaults import MAX_INPUT_BYTES
 
 IDENTITY = "/v2/models/identity/infer"

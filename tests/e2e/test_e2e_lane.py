@@ -28,7 +28,7 @@ from torchpool.client.types import NoAnswer
 from torchpool.protocol import errors, lane, messages
 
 from ..support.daemon import Daemon, daemon_segments, wait_for
-from ..support.model_repository import slow_iterations
+from ..support.models.slow import slow_iterations
 
 A = np.arange(16, dtype=np.float32).reshape(1, 16)
 UNREAD = 4

@@ -23,7 +23,7 @@ from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import (ROOT, Daemon, RawConnection, alive, cpu_ticks, daemon_segments, descendants,
                               memfds, torchpool_processes, wait_for, worker_pids)
-from ..support.model_repository import slow_iterations
+from ..support.models.slow import slow_iterations
 
 ADDSUB_IN = {"INPUT0": np.arange(16, dtype=np.float32).reshape(1, 16),
              "INPUT1": np.full((1, 16), 2.0, np.float32)}

@@ -29,7 +29,7 @@ from torchpool.protocol import errors
 from ..support.daemon import free_tcp_port
 from ..support.daemon import ROOT, Daemon, cpu_ticks, daemon_segments, memfds, wait_for, worker_pids
 from ..support.mappings import mapped_file
-from ..support.model_repository import slow_iterations
+from ..support.models.slow import slow_iterations
 
 MiB = 1 << 20
 A = np.arange(16, dtype=np.float32).reshape(1, 16)

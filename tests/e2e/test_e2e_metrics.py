@@ -16,7 +16,7 @@ import pytest
 from torchpool import Client, InferenceError
 
 from ..support.daemon import Daemon, RawConnection, free_tcp_port, wait_for
-from ..support.model_repository import slow_iterations
+from ..support.models.slow import slow_iterations
 
 A = np.arange(16, dtype=np.float32).reshape(1, 16)
 ADDSUB = {"INPUT0": A, "INPUT1": A}

@@ -29,7 +29,8 @@ import pytest
 from torchpool import Client
 
 from ..support.daemon import ROOT, Daemon, alive, descendants, free_tcp_port, wait_for
-from ..support.model_repository import PlusOne, config, parameters, serialize, tensor
+from ..support.models.basic import PlusOne
+from ..support.models.core import config, parameters, serialize, tensor
 
 httpclient = pytest.importorskip("tritonclient.http")
 

@@ -21,7 +21,7 @@ from torchpool import Client, InferenceError
 
 from ..support.daemon import free_tcp_port
 from ..support.daemon import Daemon, RawConnection, alive, cmdline, descendants, started_at, wait_for, worker_pids
-from ..support.model_repository import slow_iterations
+from ..support.models.slow import slow_iterations
 
 A = np.arange(16, dtype=np.float32).reshape(1, 16)
 ADDSUB = {"INPUT0": A, "INPUT1": A}

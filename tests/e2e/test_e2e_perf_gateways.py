@@ -23,7 +23,7 @@ from torchpool.protocol import messages  # noqa: E402
 
 from ..support.daemon import Daemon, free_tcp_port, wait_for  # noqa: E402
 from ..support.kserve_v2 import http_status  # noqa: E402
-from ..support.model_repository import slow_iterations  # noqa: E402
+from ..support.models.slow import slow_iterations  # noqa: E402
 from ..support.relay import TcpRelay  # noqa: E402
 from .test_e2e_perf import CSV_HEADER, SHORT, perf, table_rows  # noqa: E402
 

@@ -1,7 +1,7 @@
 """End to end: PyTorch 2 models — torch.export programs and AOTInductor packages.
 
 The models are exported (and one compiled by AOTInductor) at set-up, once per
-session (tests/support/pt2_models.py), and served by a real daemon: dynamic
+session (tests/support/models/pt2_repository.py), and served by a real daemon: dynamic
 batching, tuple and dict outputs, a dict input, static shapes, a sequence with
 implicit state, weight sharing, dimension ranges checked with Triton-style
 errors, configs that contradict the program and broken packages refused at
@@ -22,7 +22,7 @@ from torchpool.client import Client
 from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon, descendants, wait_for, worker_pids
-from ..support.pt2_models import affine_expected, build_once
+from ..support.models.pt2_repository import affine_expected, build_once
 
 LOAD_ERRORS = {
     "pt2_bad_batch": ["input 'a'", "max_batch_size is 16", "at most 8"],

@@ -18,7 +18,7 @@ from torchpool.client import Client
 from torchpool.protocol import errors, messages
 
 from ..support.daemon import Daemon
-from ..support.model_repository import write_plus_one
+from ..support.models.basic import write_plus_one
 
 MAX_SESSIONS = 6
 PER_CONNECTION = 6                 # also the attached sessions one user may hold

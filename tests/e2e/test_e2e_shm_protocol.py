@@ -718,7 +718,7 @@ def test_regions_belong_to_their_session(shm_daemon: Daemon, session: Session, r
 
 
 def test_unregister_in_flight_is_deferred(session: Session, region) -> None:
-    from ..support.model_repository import slow_iterations
+    from ..support.models.slow import slow_iterations
 
     _key, mm = region
     mm[64:72] = np.array([slow_iterations(0.5)], np.int64).tobytes()
@@ -756,7 +756,7 @@ signal.pause()   # until the test kills us
 
 
 def test_client_killed_mid_request_has_its_arena_released(shm_daemon: Daemon) -> None:
-    from ..support.model_repository import slow_iterations
+    from ..support.models.slow import slow_iterations
 
     root = str(Path(__file__).resolve().parent.parent.parent)
     proc = subprocess.Popen([sys.executable, "-c", CLIENT.format(root=root, url=shm_daemon.url,

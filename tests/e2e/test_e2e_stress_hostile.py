@@ -27,7 +27,8 @@ from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import Daemon, wait_for, worker_pids
 from ..support.offender import ELEMENTS, offend
-from ..support.model_repository import instances, write_plus_one
+from ..support.models.basic import write_plus_one
+from ..support.models.core import instances
 
 HONEST = 4
 REQUESTS = 300                   # per honest client and phase

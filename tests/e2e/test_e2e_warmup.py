@@ -29,7 +29,7 @@ import torch
 from torchpool.client import Client
 
 from ..support.daemon import Daemon
-from ..support.pt2_models import Affine, affine_expected, affine_program, config, save_program, tensor, write
+from ..support.models.pt2_repository import Affine, affine_expected, affine_program, config, save_program, tensor, write
 
 COMPILE = 'parameters { key: "TORCH_COMPILE" value: { string_value: "true" } }\n'
 IO = ([tensor("x", [4])], [tensor("OUTPUT__0", [4])])

@@ -20,7 +20,8 @@ from torchpool.protocol import errors
 from torchpool.protocol.errors import InferenceError
 
 from ..support.daemon import ROOT, Daemon, wait_for
-from ..support.model_repository import RaiseOnNegative, _write, config, serialize, tensor
+from ..support.models.core import config, serialize, tensor, write_model_dir
+from ..support.models.execution_errors import RaiseOnNegative
 
 MODEL = "raise_forward"
 SECRET_DIR = "/srv/torchpool-secret/weights"
@@ -53,8 +54,8 @@ def daemon(request: pytest.FixtureRequest, tmp_path: Path):
     repository = tmp_path / "repository"
     for name, module, output in ((MODEL, RaiseOnNegative(), f4[1]), ("wrong_shape", WrongShape(), f3),
                                  ("raise_with_path", RaiseWithPath(), f4[1]), ("missing_file", None, f4[1])):
-        _write(repository, name, model=None if module is None else serialize(module),
-               config_text=config(name, inputs=[f4[0]], outputs=[output], max_batch_size=8))
+        write_model_dir(repository, name, model=None if module is None else serialize(module),
+                        config_text=config(name, inputs=[f4[0]], outputs=[output], max_batch_size=8))
     d = Daemon(repository, tmp_path, "--log-format", request.param).start()
     d.format = request.param
     yield d
@@ -64,7 +65,7 @@ def daemon(request: pytest.FixtureRequest, tmp_path: Path):
 def clean(message: str, daemon: Daemon) -> None:
     """One line, no traceback, no path of the server's files."""
     assert "\n" not in message and "Traceback" not in message and "File " not in message, message
-    assert str(ROOT) not in message and "model_repository.py" not in message, message
+    assert str(ROOT) not in message and "execution_errors.py" not in message, message
     assert str(daemon.socket_path.parent) not in message and "code/__torch__" not in message, message
     assert SECRET_DIR not in message, message
 

@@ -24,8 +24,7 @@ from torch import Tensor, nn  # noqa: E402
 from torchpool import Client, InferenceError  # noqa: E402
 
 from ..support.daemon import Daemon, wait_for  # noqa: E402
-from ..support.model_repository import (_write, config, dynamic_batching, instances, serialize,  # noqa: E402
-                                        tensor)
+from ..support.models.core import config, dynamic_batching, instances, serialize, tensor, write_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 
@@ -54,16 +53,16 @@ def mlp() -> nn.Module:
 def gpu_repository(root: Path) -> None:
     fp32 = [tensor("INPUT__0", "FP32", [-1])]
     out = [tensor("OUTPUT__0", "FP32", [-1])]
-    _write(root, "identity_gpu", model=serialize(Identity()),
-           config_text=config("identity_gpu", inputs=fp32, outputs=out, max_batch_size=0,
-                              extra=instances(1, "KIND_GPU")))
-    _write(root, "assert_gpu", model=serialize(AssertOnNegative()),
-           config_text=config("assert_gpu", inputs=fp32, outputs=out, max_batch_size=0,
-                              extra=instances(1, "KIND_GPU")))
-    _write(root, "mlp_gpu", model=serialize(mlp()),
-           config_text=config("mlp_gpu", inputs=[tensor("INPUT__0", "FP32", [256])],
-                              outputs=[tensor("OUTPUT__0", "FP32", [10])], max_batch_size=32,
-                              extra=instances(1, "KIND_GPU") + dynamic_batching(500)))
+    write_model_dir(root, "identity_gpu", model=serialize(Identity()),
+                    config_text=config("identity_gpu", inputs=fp32, outputs=out, max_batch_size=0,
+                                       extra=instances(1, "KIND_GPU")))
+    write_model_dir(root, "assert_gpu", model=serialize(AssertOnNegative()),
+                    config_text=config("assert_gpu", inputs=fp32, outputs=out, max_batch_size=0,
+                                       extra=instances(1, "KIND_GPU")))
+    write_model_dir(root, "mlp_gpu", model=serialize(mlp()),
+                    config_text=config("mlp_gpu", inputs=[tensor("INPUT__0", "FP32", [256])],
+                                       outputs=[tensor("OUTPUT__0", "FP32", [10])], max_batch_size=32,
+                                       extra=instances(1, "KIND_GPU") + dynamic_batching(500)))
 
 
 @pytest.fixture(scope="module")

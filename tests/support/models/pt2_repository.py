@@ -1,4 +1,4 @@
-"""PyTorch 2 test models, exported (and AOTInductor-compiled) here, at test set-up.
+"""PyTorch 2 formats: torch.export programs and AOTInductor packages, made at test set-up.
 
 `build_pt2_repository(root)` writes a Triton-style repository:
 

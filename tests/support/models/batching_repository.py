@@ -1,4 +1,4 @@
-"""Models whose outputs reveal how they were batched (tests/test_e2e_batching.py).
+"""Models whose outputs reveal how they were batched (tests/e2e/test_e2e_batching.py).
 
 `build_batching_repository(root)` writes them under `root`.
 
@@ -59,7 +59,8 @@ from typing import List, Tuple
 import torch
 from torch import Tensor, nn
 
-from .model_repository import ReverseStrings, serialize
+from .core import serialize, write_model_dir
+from .strings import ReverseStrings
 
 SLEEP_OPS = '''
 import time
@@ -208,13 +209,6 @@ dynamic_batching { max_queue_delay_microseconds: 300000 }
 """
 
 
-def _write(root: Path, name: str, config: str, model: bytes, ops: bool = False) -> None:
-    model_dir = root / name
-    (model_dir / "1").mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(config)
-    (model_dir / "1" / "model.pt").write_bytes(model)
-    if ops:
-        (model_dir / "batching_ops.py").write_text(SLEEP_OPS)
 
 
 def build_batching_repository(root: Path) -> list[str]:
@@ -224,7 +218,8 @@ def build_batching_repository(root: Path) -> list[str]:
     probe = serialize(Probe())
     for name, extra in PROBES.items():
         config = f'name: "{name}"\nplatform: "pytorch_libtorch"\nmax_batch_size: 8\n{PROBE_IO}{extra}\n'
-        _write(root, name, config, probe, ops=True)
-    _write(root, "strings_batched", STRINGS_CONFIG, serialize(ReverseStrings()))
-    _write(root, "ragged_all", RAGGED_CONFIG, serialize(RaggedReveal()))
+        write_model_dir(root, name, config, probe)
+        (root / name / "batching_ops.py").write_text(SLEEP_OPS)
+    write_model_dir(root, "strings_batched", STRINGS_CONFIG, serialize(ReverseStrings()))
+    write_model_dir(root, "ragged_all", RAGGED_CONFIG, serialize(RaggedReveal()))
     return [*PROBES, "strings_batched", "ragged_all"]
