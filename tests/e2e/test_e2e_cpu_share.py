@@ -23,7 +23,7 @@ from torchpool.protocol.errors import InferenceError
 from torchpool.shm.cpu_ledger import SLOTS, CpuLedger
 
 from ..support.daemon import Daemon, wait_for, worker_pids
-from ..support.model_repository import slow_iterations
+from ..support.models.slow import slow_iterations
 
 
 def _busy(ledger: CpuLedger) -> int:

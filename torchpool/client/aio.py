@@ -294,6 +294,12 @@ class AsyncClient(ClientBase):
         """As `Client.empty` (a coroutine: the first call may say hello)."""
         return await self._perform(lambda: self._state.empty_flow(shape, datatype, None), None)
 
+    @property
+    def lease_s(self) -> Optional[float]:
+        """How long the daemon keeps this client's session without a request
+        (its hello said; None before one): any call renews it."""
+        return self._state.lease_s
+
     async def register_system_shared_memory(self, name: str, key: str, byte_size: int,
                                             offset: int = 0) -> None:
         await self._perform(lambda: self._state.register_flow(name, key, byte_size, offset, None),

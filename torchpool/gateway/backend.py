@@ -55,6 +55,12 @@ EXTENSIONS = ["classification", "sequence", "model_repository", "model_repositor
 
 LOAD_TIMEOUT = 3600.0      # a load may compile and warm a model: wait as long as the daemon does
 CONTROL_TIMEOUT = 60.0
+# An owner's session holding regions is renewed a third of its lease after
+# the last renewal (the daemon closes a session idle for its lease, and its
+# regions with it: broker/sessions.py); its lease as the hello said, else the
+# daemon's default (--client-lease)
+RENEW_PART = 3
+DEFAULT_LEASE = 60.0
 # How long a model's config serves raw binary requests before it is asked
 # again, and how many models' configs are kept at most
 CONFIG_TTL = 1.0
@@ -315,20 +321,32 @@ class Backend:
         await self.client.aclose()
 
     async def forget(self, caller: Caller) -> None:
-        """`caller` is gone: its owner's regions go with its last caller
-        (their session is closed)."""
+        """`caller` is gone. A user's regions stay after its last caller, until
+        unregistered (its later callers find them); a caller's own (a remote
+        caller's: owners.py) go with it (their session is closed)."""
         caller.gone = True
         owner, caller.owner = caller.owner, None
         if owner is None:
             return
         owner.callers.discard(caller)
-        if not owner.callers:
-            if self._owners.get(owner.key) is owner:
-                del self._owners[owner.key]
-            async with owner.lock:
+        if owner.callers:
+            return
+        if owner.key[0] == "uid":
+            async with owner.lock:          # (after a register under way: it may keep a region)
+                if owner.callers:           # a connection of the user came meanwhile
+                    return
                 if owner.client is not None:
-                    log.info("the last connection of %s closed: its regions are unregistered", owner.name)
-                await self._close_regions(owner)
+                    log.info("the last connection of %s closed: its %d regions stay until unregistered",
+                             owner.name, len(owner.names))
+                elif self._owners.get(owner.key) is owner:
+                    del self._owners[owner.key]     # it holds nothing
+            return
+        if self._owners.get(owner.key) is owner:
+            del self._owners[owner.key]
+        async with owner.lock:
+            if owner.client is not None:
+                log.info("the last connection of %s closed: its regions are unregistered", owner.name)
+            await self._close_regions(owner)
 
     async def _owner_of(self, caller: Caller) -> RegionOwner:
         """The owner of the regions `caller` may use (owners.py), found at its
@@ -492,6 +510,8 @@ class Backend:
                 # the daemon refuses its own segments' names (broker/regions.py region_key)
                 await owner.client.register_system_shared_memory(name, key, byte_size, offset)
                 owner.names.add(name)
+                if owner.renewal is None:           # (its hello told the lease)
+                    owner.renewal = asyncio.ensure_future(self._renew(owner, owner.client))
             except SegmentUnusable:
                 # the gateway opens the segment with the daemon's rights: why it
                 # failed (missing, forbidden, a symlink, its size) is not the
@@ -520,9 +540,23 @@ class Backend:
         client = (await self._owner_of(caller)).client or self.client
         return await client.get_system_shared_memory_status(name or None)
 
+    async def _renew(self, owner: RegionOwner, client: AsyncClient) -> None:
+        """Renew the lease of the owner's session while it holds regions (until
+        _close_regions): an owner idle for a lease, such as a user whose
+        connections have all closed, keeps them."""
+        while True:
+            await asyncio.sleep(max(0.2, (client.lease_s or DEFAULT_LEASE) / RENEW_PART))
+            try:
+                await client.server_live()      # any call naming the session renews it
+            except Exception as exc:            # the daemon is away: the next call finds out
+                log.debug("renewing the session of %s's regions failed: %r", owner.name, exc)
+
     async def _close_regions(self, owner: RegionOwner) -> None:
         """Close the owner's session: its regions go with it."""
         client, owner.client = owner.client, None
+        renewal, owner.renewal = owner.renewal, None
         owner.names.clear()
+        if renewal is not None:
+            renewal.cancel()
         if client is not None:
             await client.aclose()

@@ -8,8 +8,9 @@ connections to the gateway's port, each with its socket's inode (never the
 same for two sockets open at once). A caller that holds regions is tied to
 the inode its connection had when it registered; once no connection from
 its address and port is open, or one with another inode is (the port was
-reused), it is forgotten and its regions go. That is checked every
-`SWEEP_S` seconds, and only while some caller holds regions.
+reused), it is forgotten (Backend.forget: its own regions go, its user's
+stay). That is checked every `SWEEP_S` seconds, and only while some caller
+holds regions.
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ class GrpcCallers:
                 address = peer_address(caller.peer)
                 if address is not None and connections.get(address, -2) == inode:
                     continue
-                log.info("%s is gone: its regions are unregistered", caller.name)
+                log.info("%s is gone", caller.name)
                 self._connection.pop(caller, None)
                 if self.by_peer.get(caller.peer) is caller:
                     del self.by_peer[caller.peer]

@@ -19,8 +19,19 @@ another per thread, and users' code does the same with several
   (gRPC): nothing tells two remote connections apart as one client.
 
 An owner's regions live in a daemon session of its own (so the daemon's
-region limit and "unregister all" are the owner's alone), and go when the
-last of its connections closes.
+region limit, --max-regions-per-session, and "unregister all" are the
+owner's alone), which the gateway renews while it holds regions (the daemon
+ends a session idle for its lease, --client-lease). How long they stay:
+
+- a user's (uid) regions stay until they are unregistered, or the gateway
+  stops, as Triton keeps regions: also after the user's last connection
+  closes (perf_analyzer registers on a connection it closes, then infers
+  on others). A later connection of that uid sees, uses and unregisters
+  them; another uid's still cannot. The region limit bounds what one user
+  holds, and there are as many such owners as users that registered.
+- a caller's own regions go when its connection does (HTTP: when it
+  closes; gRPC: when the kernel no longer shows it, grpc_peers.py):
+  nothing would let a later connection prove it is the same client.
 """
 from __future__ import annotations
 
@@ -37,12 +48,13 @@ class RegionOwner:
     """The regions of one owner: its daemon session, what it registered
     there, and the callers (connections) it is shared by."""
 
-    __slots__ = ("key", "name", "client", "names", "lock", "callers")
+    __slots__ = ("key", "name", "client", "renewal", "names", "lock", "callers")
 
     def __init__(self, key: OwnerKey, name: str) -> None:
         self.key = key
         self.name = name                         # for logs: "uid 1000", or the caller's name
         self.client: Optional[AsyncClient] = None   # an AsyncClient with its own session, while it holds regions
+        self.renewal: Optional[asyncio.Task[None]] = None   # what renews that session's lease meanwhile
         self.names: set[str] = set()             # the regions registered there
         self.lock = asyncio.Lock()               # one region call of an owner at a time: they are rare
         self.callers: set[object] = set()        # the callers.Caller using them (callers.py imports this)
