@@ -43,7 +43,7 @@ from ..support.kserve_v2 import http_status
 
 ENV = "TORCHPOOL_PERF_ANALYZER"
 GLIBC_NOTE = ("the perf-analyzer wheel's binary (2.60.0) needs glibc 2.38; on an older system run it through "
-              "Debian 13's loader and libc6/libstdc++6 unpacked with dpkg -x (docs/perf.md, "
+              "Debian 13's loader and libc6/libstdc++6, which scripts/get-perf-analyzer fetches (docs/perf.md, "
               "'perf_analyzer against torchpool')")
 SHORT = ["-p", "500", "-r", "3", "-s", "1000"]
 # perf_analyzer's CSV header (without --verbose-csv) when the server reports statistics
