@@ -23,7 +23,30 @@ Then
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional, Protocol, TypeVar, Union
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
+    from .validation import Staged
+
+# what a request's batch key holds per input: its name, and "ragged" or its shape beyond dim 0
+BatchKey = tuple[tuple[str, Union[str, tuple[int, ...]]], ...]
+
+
+class Queued(Protocol):
+    """A request waiting to be batched, as `select_batch` reads it."""
+
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def key(self) -> object: ...
+    @property
+    def exclusive(self) -> bool: ...
+    @property
+    def enqueued(self) -> float: ...
+
+
+Q = TypeVar("Q", bound=Queued)
 
 
 class BatchLimits(NamedTuple):
@@ -41,32 +64,33 @@ def limits(max_batch_size: int, preferred_sizes: Iterable[int], delay_us: float)
                        delay_us / 1e6)
 
 
-def batch_limits(cfg: Any) -> BatchLimits:
+def batch_limits(cfg: ModelConfig) -> BatchLimits:
     """The sizes and the delay of a model's `dynamic_batching`."""
     db = cfg.dynamic_batching or {}
     return limits(cfg.max_batch_size, db.get("preferred_batch_size", []),
                   db.get("max_queue_delay_microseconds", 0))
 
 
-def batch_rows(staged: list[Any], batching: bool) -> int:
+def batch_rows(staged: list[Staged], batching: bool) -> int:
     """A validated request's rows along dim 0 (1 for a model without batching)."""
     return staged[0][1][0] if batching and staged and staged[0][1] else 1
 
 
-def batch_key(staged: Iterable[tuple[Any, ...]]) -> tuple[Any, ...]:
+def batch_key(staged: Iterable[Staged]) -> BatchKey:
     """The key of the requests a request with these validated inputs
     (`validate_infer`'s staged tuples) may share a batch with."""
     return tuple(sorted((spec.name, "ragged" if spec.allow_ragged_batch else tuple(shape[1:]))
                         for spec, shape, *_ in staged))
 
 
-def select_batch(ordered: Iterable[Any], lim: BatchLimits,
-                 now: float) -> tuple[list[Any], bool, Optional[float]]:
+def select_batch(ordered: Iterable[Q], lim: BatchLimits,
+                 now: float) -> tuple[list[Q], bool, Optional[float]]:
     """The requests of the next batch (in `ordered`, each with `batch_size`,
     `key`, `exclusive` and `enqueued`), whether it should go now, and else
     when it should go at the latest (`enqueued`, the delay and `now` in one
     clock's seconds)."""
-    reqs: list[Any] = []
+    reqs: list[Q] = []
+    key: object
     items, best, full, key, oldest = 0, 0, False, None, 0.0
     for req in ordered:
         n = req.batch_size

@@ -10,13 +10,13 @@ requests at all is its scheduler's to say (Scheduler.direct_refusal).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Mapping, Optional
 
 from ..protocol import errors, tensors
 from ..protocol.errors import TorchpoolError
 
 
-def plain_refusal(header: dict[str, Any], model: str) -> Optional[TorchpoolError]:
+def plain_refusal(header: Mapping[str, object], model: str) -> Optional[TorchpoolError]:
     """None when a direct path takes this infer request; otherwise the
     error the worker answers it with (a client sends it to the daemon)."""
     if header.get("priority") or header.get("sequence"):

@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 _now = time.perf_counter_ns
 _yield = os.sched_yield
+
+T = TypeVar("T")
 
 WORKER_SPIN_SHARE = 0.5      # a worker spins while its waits average under half the window
 
@@ -69,7 +71,7 @@ class SpinWait:
     def spinning(self) -> bool:
         return self.typical_ns < self.window_ns * self.share
 
-    def wait(self, poll: Callable[[Optional[int]], list[Any]], timeout_ms: Optional[int]) -> list[Any]:
+    def wait(self, poll: Callable[[Optional[int]], list[T]], timeout_ms: Optional[int]) -> list[T]:
         """`poll(timeout_ms)` (None: no timeout), after spinning on `poll(0)`
         while that pays; what it found ready."""
         window = self.window_ns

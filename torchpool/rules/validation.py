@@ -11,11 +11,65 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Generic, Mapping, Optional, Protocol, Sequence, TypeVar, Union
 
 from ..config import ModelConfig, TensorSpec
 from ..protocol import datatypes, errors, tensors
 from ..protocol.errors import TorchpoolError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer, TypeGuard
+
+    from ..protocol.tensors import Entry
+
+# A request's header, as msgpack decoded it: values are checked where read.
+Header = Mapping[str, object]
+# A validated input: (spec, shape, the shape the model sees, its bytes, where a
+# worker finds them in shared memory or None: see _payload)
+Staged = tuple[TensorSpec, list[int], list[int], memoryview, Optional[list[object]]]
+# A requested output as the worker takes it: a name, [name, region ref, offset,
+# capacity] or [name, k] (_requested_outputs)
+WorkerOutput = Union[str, list[object]]
+
+S = TypeVar("S", contravariant=True)       # a session, passed through to the sessions
+R = TypeVar("R", bound="SessionRegion")
+R_co = TypeVar("R_co", bound="SessionRegion", covariant=True)
+
+
+class Limited(Protocol):
+    """What TensorLimits.of reads of a daemon's options."""
+
+    @property
+    def max_bytes_elements(self) -> int: ...
+    @property
+    def max_bytes_tensor_bytes(self) -> int: ...
+
+
+class ModelVersionLike(Protocol):
+    """What validate_infer reads of a model version."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def config(self) -> ModelConfig: ...
+
+
+class SessionRegion(Protocol):
+    """A registered shared-memory region (broker/regions.py Region)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    def view(self, offset: int, nbytes: int) -> memoryview: ...
+    def worker_ref(self) -> list[object]: ...
+
+
+class Sessions(Protocol, Generic[S, R_co]):
+    """Where shared-memory references resolve (broker/sessions.py SessionManager)."""
+
+    def arena_view(self, session: Optional[S], ref: object, what: str) -> tuple[memoryview, list[object]]: ...
+    def region(self, session: Optional[S], ref: object, what: str) -> tuple[R_co, int, int]: ...
 
 MiB = 1 << 20
 
@@ -34,7 +88,7 @@ class TensorLimits:
     max_bytes_tensor_bytes: int = 256 * MiB      # bytes of one BYTES tensor
 
     @classmethod
-    def of(cls, options: Any) -> "TensorLimits":
+    def of(cls, options: Limited) -> TensorLimits:
         """The limits a daemon's ServerOptions set."""
         return cls(options.max_bytes_elements, options.max_bytes_tensor_bytes)
 
@@ -57,7 +111,7 @@ def _shape_str(shape: Sequence[int]) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
-def _check_shape(entry: dict[str, Any], model: str) -> list[int]:
+def _check_shape(entry: Entry, model: str) -> list[int]:
     shape = entry.get("shape")
     if shape.__class__ is list:
         for d in shape:
@@ -99,8 +153,8 @@ def _model_shape(spec: TensorSpec, shape: list[int], batching: bool) -> list[int
     return prefix + target
 
 
-def _payload(e: dict[str, Any], frames: Sequence[Any], session: Any, sessions: Any, name: str, model: str,
-             regions: list[Any]) -> tuple[memoryview, Optional[list[Any]]]:
+def _payload(e: Entry, frames: Sequence[Buffer], session: Optional[S], sessions: Optional[Sessions[S, R]], name: str,
+             model: str, regions: list[R]) -> tuple[memoryview, Optional[list[object]]]:
     """The input's bytes, and where a worker finds them when they are already
     in shared memory ([segment ref, offset, nbytes, generation], and `True`
     when the client lets the answer point into the block; None when inline
@@ -109,6 +163,8 @@ def _payload(e: dict[str, Any], frames: Sequence[Any], session: Any, sessions: A
     if where != tensors.SHM and where != tensors.REGION:       # inline bytes: the common case
         return memoryview(tensors.tensor_payload(e, frames)).cast("B"), None
     what = f"input '{name}' for model '{model}'"
+    if sessions is None:
+        raise _bad(f"{what}: shared memory takes a session of the daemon's")
     if where == tensors.SHM:
         view, location = sessions.arena_view(session, e[tensors.SHM], what)
         if e.get(tensors.REUSE) is True:
@@ -119,9 +175,9 @@ def _payload(e: dict[str, Any], frames: Sequence[Any], session: Any, sessions: A
     return region.view(offset, nbytes), [region.worker_ref(), region.offset + offset, nbytes, 0]
 
 
-def validate_infer(header: dict[str, Any], frames: Sequence[Any], mv: Any, session: Any = None,
-                   sessions: Any = None, *, limits: TensorLimits = DEFAULT_LIMITS
-                   ) -> tuple[list[tuple[Any, ...]], list[Any], int, list[Any], dict[str, Any]]:
+def validate_infer(header: Header, frames: Sequence[Buffer], mv: ModelVersionLike, session: Optional[S] = None,
+                   sessions: Optional[Sessions[S, R]] = None, *, limits: TensorLimits = DEFAULT_LIMITS
+                   ) -> tuple[list[Staged], list[WorkerOutput], int, list[R], dict[str, tuple[str, int]]]:
     """Check inputs and requested outputs against the config and `limits`.
 
     Returns ([(spec, shape, model_shape, payload, location)], requested
@@ -134,7 +190,7 @@ def validate_infer(header: dict[str, Any], frames: Sequence[Any], mv: Any, sessi
         raise _bad(f"request for model '{model}' has no valid 'inputs' list")
     specs = cfg.inputs_by_name
     batching = cfg.max_batch_size > 0
-    seen: dict[str, dict[str, Any]] = {}
+    seen: dict[str, Entry] = {}
     for e in entries:
         name = e.get("name")
         if name.__class__ is not str:
@@ -152,15 +208,15 @@ def validate_infer(header: dict[str, Any], frames: Sequence[Any], mv: Any, sessi
                        f"Got input(s) {sorted(seen)}, but missing required input(s) {missing}. "
                        f"Please provide all required input(s).")
 
-    staged = []
-    regions: list[Any] = []
+    staged: list[Staged] = []
+    regions: list[R] = []
     batch_size = None
     for name, e in seen.items():
         spec = specs[name]
-        datatype = e.get("datatype")
-        if datatype != spec.datatype:
-            raise _bad(f"inference input '{name}' data-type is '{datatype}', but model '{model}' "
-                       f"expects '{spec.datatype}'")
+        datatype = spec.datatype
+        if e.get("datatype") != datatype:
+            raise _bad(f"inference input '{name}' data-type is '{e.get('datatype')}', but model '{model}' "
+                       f"expects '{datatype}'")
         shape = _check_shape(e, model)
         if batching:
             if not shape:
@@ -213,7 +269,7 @@ def validate_infer(header: dict[str, Any], frames: Sequence[Any], mv: Any, sessi
     return staged, requested, batch_size or 1, regions, region_outputs
 
 
-def _all_dicts(entries: list[Any]) -> bool:
+def _all_dicts(entries: list[object]) -> TypeGuard[list[Entry]]:
     for e in entries:
         if e.__class__ is not dict:
             return False
@@ -226,7 +282,7 @@ CLASSIFIABLE = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16"
                           "FP32", "FP64"})
 
 
-def _class_count(out: dict[str, Any], spec: TensorSpec, model: str) -> int:
+def _class_count(out: Entry, spec: TensorSpec, model: str) -> int:
     """The `classification` of a requested output map: the number of classes
     wanted, 0 for none (absent, nil or 0: Triton's class_count 0 means none)."""
     count = out.get(tensors.CLASSIFICATION)
@@ -247,8 +303,9 @@ def _class_count(out: dict[str, Any], spec: TensorSpec, model: str) -> int:
     return count
 
 
-def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: Any, sessions: Any,
-                       regions: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+def _requested_outputs(requested: object, cfg: ModelConfig, model: str, session: Optional[S],
+                       sessions: Optional[Sessions[S, R]], regions: list[R]
+                       ) -> tuple[list[WorkerOutput], dict[str, tuple[str, int]]]:
     """Output names, maps {name, region} that send an output into a region,
     or maps {name, classification} that ask for its top-k classes. For the
     worker: a name, [name, region ref, offset, capacity] or [name, k]."""
@@ -256,6 +313,9 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
         return list(cfg.outputs_by_name), {}
     if not isinstance(requested, list):
         raise _bad(f"'outputs' for model '{model}' must be a list of output names")
+    worker_outputs: list[WorkerOutput]
+    region_outputs: dict[str, tuple[str, int]]
+    seen: set[str]
     worker_outputs, region_outputs, seen = [], {}, set()
     for out in requested:
         name = out.get("name") if isinstance(out, dict) else out
@@ -274,6 +334,8 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
         if count:
             worker_outputs.append([name, count])
         elif tensors.REGION in out:
+            if sessions is None:
+                raise _bad(f"output '{name}' for model '{model}': a region takes a session of the daemon's")
             region, offset, capacity = sessions.region(session, out[tensors.REGION],
                                                        f"output '{name}' for model '{model}'")
             regions.append(region)
@@ -290,7 +352,7 @@ def _requested_outputs(requested: Any, cfg: ModelConfig, model: str, session: An
 TIMEOUT = "Request timeout expired"
 
 
-def request_timeout_us(header: dict[str, Any]) -> int:
+def request_timeout_us(header: Header) -> int:
     """A request's own timeout in microseconds (0: none); anything but a
     non-negative integer counts as none, on every path."""
     timeout_us = header.get("timeout_us")
@@ -299,7 +361,7 @@ def request_timeout_us(header: dict[str, Any]) -> int:
     return timeout_us
 
 
-def start_deadline(header: dict[str, Any], model: str) -> Optional[int]:
+def start_deadline(header: Header, model: str) -> Optional[int]:
     """When a request taken on a direct path must have started
     (time.monotonic_ns), or None without a timeout: counted from when its
     client sent it (`sent_ns`, on the host's monotonic clock, which a

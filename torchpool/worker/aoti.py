@@ -37,7 +37,7 @@ import tempfile
 import zipfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -54,10 +54,16 @@ _HANDLE_ERROR = re.compile(r"input_handles\[(\d+)\]: ([^\n]*)")
 _HANDLE = re.compile(r"ConstantHandle (\w+) = ConstantHandle\(input_handles\[(\d+)\]\);")
 
 
+class BoxedLoader(Protocol):
+    """The package's loader (torch._C._aoti.AOTIModelPackageLoader), as the runner calls it."""
+
+    def boxed_run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+
 class AotiRunner:
     """Calls the package with the flat list of input tensors; returns the flat outputs."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: BoxedLoader) -> None:
         self.loader = loader
 
     def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
@@ -133,7 +139,7 @@ def load_aoti(config: ModelConfig, model_path: Path, device: Optional[torch.devi
 
 
 @contextlib.contextmanager
-def _extraction_removed_after_load() -> Any:
+def _extraction_removed_after_load() -> Iterator[None]:
     """torch's package loader extracts the package into a directory under
     TMPDIR and never removes it (a day of tests left 72 such directories of
     6.6 MB in /tmp here, one per load). Here it extracts into a directory of

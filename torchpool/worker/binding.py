@@ -14,7 +14,7 @@ Error texts are Triton's, word for word where its users look for them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional, Sequence, Union, cast
 
 import torch
 
@@ -24,9 +24,15 @@ from torchpool.worker.naming import NamingConvention
 from torchpool.worker.settings import ExecutionError, ModelLoadError
 
 if TYPE_CHECKING:
+    from torch._C import JitType, TupleType
+
     from torchpool.worker.shapes import ShapeRules
 
 Value = Union[torch.Tensor, list]   # a tensor, or a list of str for BYTES
+# One of forward's arguments: an input, the one dict of a dict input, None for one left out
+Argument = Union[Value, dict[str, Value], None]
+# What an output must be to pass at once: `list` for BYTES, a torch dtype, None when none fits
+_Kind = Union[type, torch.dtype, None]
 
 EXECUTE_FAILURE = "PyTorch execute failure: "
 
@@ -59,7 +65,7 @@ class Binding:
     output_names: tuple[str, ...]                   # config outputs, config order
     arity: int                                      # forward's arguments, without self
     required_inputs: frozenset[str]
-    return_type: Any = field(default=None, repr=False, compare=False)  # TorchScript's, for messages
+    return_type: Optional[JitType] = field(default=None, repr=False, compare=False)  # TorchScript's, for messages
     flat_outputs: bool = False
     shapes: Optional["ShapeRules"] = field(default=None, repr=False, compare=False)
     explain: Optional[Callable[[str], Optional[ExecutionError]]] = field(default=None, repr=False, compare=False)
@@ -67,7 +73,7 @@ class Binding:
     # request only what depends on the request (filled in __post_init__).
     _bound_inputs: frozenset[str] = field(init=False, repr=False, compare=False)
     _output_count: int = field(init=False, repr=False, compare=False)
-    _output_checks: tuple[tuple[str, int, Any], ...] = field(init=False, repr=False, compare=False)
+    _output_checks: tuple[tuple[str, int, _Kind], ...] = field(init=False, repr=False, compare=False)
     _all_outputs: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -84,7 +90,7 @@ class Binding:
 
     def run(
         self,
-        module: Any,
+        module: Callable[..., object],
         inputs: Mapping[str, Value],
         requested: Optional[Sequence[str]] = None,
     ) -> dict[str, Value]:
@@ -152,7 +158,7 @@ class Binding:
                 INVALID_ARG,
             )
 
-    def arguments(self, inputs: Mapping[str, Value]) -> list[Any]:
+    def arguments(self, inputs: Mapping[str, Value]) -> list[Argument]:
         """`forward`'s arguments: positions from `input_index`, or one dict.
 
         A position with no input is None: only an Optional argument can be
@@ -160,17 +166,18 @@ class Binding:
         """
         if self.is_dict_input:
             return [dict(inputs)]
-        args: list[Any] = [None] * self.arity
+        args: list[Argument] = [None] * self.arity
         for name, value in inputs.items():
             args[self.input_index[name]] = value
         return args
 
     # -- outputs --
 
-    def _unpack(self, result: Any) -> Sequence[Value]:
+    def _unpack(self, result: object) -> Sequence[Value]:
         """The model's return value as a sequence of Tensors and string lists."""
         if self.flat_outputs:
-            return result if type(result) is list else list(result)
+            # its loader checked the structure: a flat list (or tuple) of values
+            return result if type(result) is list else list(cast("Iterable[Value]", result))
         if isinstance(result, torch.Tensor):
             return (result,)
         if isinstance(result, tuple):
@@ -194,7 +201,7 @@ class Binding:
             INTERNAL,
         )
 
-    def _tuple_element(self, index: int, value: Any) -> Value:
+    def _tuple_element(self, index: int, value: object) -> Value:
         if isinstance(value, torch.Tensor):
             return value
         if isinstance(value, list):
@@ -253,7 +260,7 @@ class Binding:
             )
 
 
-def _expected_kind(wire: str) -> Any:
+def _expected_kind(wire: str) -> _Kind:
     """`list` for BYTES, else the torch dtype of `wire` (None when it has none)."""
     if wire == "BYTES":
         return list
@@ -263,7 +270,7 @@ def _expected_kind(wire: str) -> Any:
         return None
 
 
-def _wire_name(value: Any) -> str:
+def _wire_name(value: object) -> str:
     """The wire datatype of an output value; unknown torch dtypes by their name."""
     if isinstance(value, list):
         return "BYTES"
@@ -275,16 +282,16 @@ def _wire_name(value: Any) -> str:
         return str(value.dtype).removeprefix("torch.").upper()
 
 
-def _static_list_element(type_: Any) -> Optional[str]:
+def _static_list_element(type_: Optional[JitType]) -> Optional[str]:
     """`str` for a TorchScript `List[str]` type, the element's name for any list."""
     if type_ is not None and type_.kind() == "ListType":
         return str(type_.getElementType())
     return None
 
 
-def _static_tuple_element(type_: Any, index: int) -> Any:
+def _static_tuple_element(type_: Optional[JitType], index: int) -> Optional[JitType]:
     if type_ is not None and type_.kind() == "TupleType":
-        elements = type_.elements()
+        elements = cast("TupleType", type_).elements()
         if index < len(elements):
             return elements[index]
     return None
@@ -303,7 +310,7 @@ def _list_element_name(values: list, static: Optional[str]) -> str:
     return _python_type_name(next(v for v in values if not isinstance(v, str)))
 
 
-def _python_type_name(value: Any) -> str:
+def _python_type_name(value: object) -> str:
     """TorchScript's name for a value's type, for error messages."""
     if isinstance(value, torch.Tensor):
         return "Tensor"

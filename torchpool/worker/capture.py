@@ -33,7 +33,7 @@ every output, as before.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -183,7 +183,7 @@ class OutputCapture:
 
 # Outputs that lie where they are sent already, without capture: views of an input.
 
-def reuse_input(value: Any, reusable: list) -> Optional[tuple]:
+def reuse_input(value: object, reusable: list) -> Optional[tuple]:
     """(segment, offset, nbytes) when the output tensor `value` lies inside an
     input block its client handed over for reuse: the answer then points
     there and the output is not copied (an identity, or a model that works

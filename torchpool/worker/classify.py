@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 import torch
 
@@ -35,6 +35,10 @@ from ..config.model_config import ModelConfig
 from ..protocol import datatypes, internal
 from ..protocol.errors import INTERNAL, INVALID_ARG
 from .settings import ExecutionError, ModelLoadError
+
+if TYPE_CHECKING:
+    from .binding import Value
+
 
 _FLOATS = frozenset({torch.float32, torch.float64})
 _INTEGERS = frozenset({torch.uint8, torch.uint16, torch.uint32, torch.uint64,
@@ -84,7 +88,7 @@ def read_labels(config: ModelConfig, model_dir: Path) -> dict[str, list[bytes]]:
     return labels
 
 
-def _format(score: Any, is_float: bool, index: int, labels: Sequence[bytes]) -> bytes:
+def _format(score: float, is_float: bool, index: int, labels: Sequence[bytes]) -> bytes:
     text = (b"%f:%d" if is_float else b"%d:%d") % (score, index)
     if index < len(labels) and labels[index]:
         text += b":" + labels[index]
@@ -127,20 +131,22 @@ class Classifier:
     def load(cls, config: ModelConfig, model_dir: Path) -> "Classifier":
         return cls(config.name, config.max_batch_size > 0, read_labels(config, model_dir))
 
-    def apply(self, results: dict[str, Any], targets: Mapping[str, Any]) -> dict[str, Any]:
+    def apply(self, results: dict[str, Value],
+              targets: Mapping[str, internal.Classify | internal.OutputTarget]
+              ) -> dict[str, internal.OutputTarget]:
         """Replace each result that `targets` asks classified (`Classify`)
         by its class strings; returns the other targets (outputs written into
         regions)."""
-        rest = {}
+        rest: dict[str, internal.OutputTarget] = {}
         for name, target in targets.items():
-            if target.__class__ is internal.Classify:
+            if isinstance(target, internal.Classify):
                 if name in results:
                     results[name] = self.classify(name, results[name], target.count)
             else:
                 rest[name] = target
         return rest
 
-    def classify(self, name: str, value: Any, count: int) -> Classified:
+    def classify(self, name: str, value: Value, count: int) -> Classified:
         if not isinstance(value, torch.Tensor) or value.dtype not in _SCORED:
             kind = "BYTES" if isinstance(value, list) else _wire_name(value.dtype)
             raise ExecutionError(f"output '{name}' for model '{self.model}': class result not "
@@ -151,7 +157,7 @@ class Classifier:
         return top_k(value, count, self.batched, self.labels.get(name, ()))
 
 
-def _wire_name(dtype: Any) -> str:
+def _wire_name(dtype: torch.dtype) -> str:
     try:
         return datatypes.wire_from_torch(dtype)
     except KeyError:

@@ -28,7 +28,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -94,7 +94,7 @@ def prepare_compiled(loaded: LoadedModel, config: ModelConfig, options: CompileS
     return replace(loaded, module=compiled, weights=graph_module)
 
 
-def _from_torchscript(loaded: LoadedModel, config: ModelConfig) -> Any:
+def _from_torchscript(loaded: LoadedModel, config: ModelConfig) -> torch.nn.Module:
     """A ScriptModule as an ExportedProgram's module, via torch's converter."""
     binding = loaded.binding
     if binding.is_dict_input or binding.required_inputs != frozenset(binding.input_index):
@@ -117,7 +117,9 @@ def _from_torchscript(loaded: LoadedModel, config: ModelConfig) -> Any:
                               f"{text[0] if text else type(exc).__name__}") from exc
 
 
-def _device_of(module: Any) -> Optional[torch.device]:
+def _device_of(module: Optional[torch.nn.Module]) -> Optional[torch.device]:
+    if module is None:
+        return None
     for tensor in list(module.parameters()) + list(module.buffers()):
         return tensor.device
     return None

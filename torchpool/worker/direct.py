@@ -42,7 +42,7 @@ import os
 import select
 import socket
 import time
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol
 
 from ..config import ModelConfig
 from ..protocol import errors, internal, lane, messages
@@ -56,6 +56,11 @@ from ..rules.validation import TIMEOUT, TensorLimits, start_deadline, validate_i
 from ..shm.fdpass import DONTWAIT, close_all
 from .direct_batch import DirectBatcher, DirectRunner, Waiting, poll_timeout_ms
 from .engine import Part, StagedInput
+
+if TYPE_CHECKING:
+    from ..shm.fdpass import FdReceiver
+    from .engine import Engine
+    from .spec import WorkerSpec
 
 log = logging.getLogger("torchpool.worker")
 
@@ -72,6 +77,21 @@ class _Model(NamedTuple):
     config: ModelConfig
 
 
+class Host(Protocol):
+    """What the direct clients use of their worker (process.Worker)."""
+
+    spec: WorkerSpec
+    sock: socket.socket
+    receiver: FdReceiver
+    engine: Engine
+    busy_poll_ns: int
+    label: str
+
+    def send(self, msg: internal.Message) -> None: ...
+    def handle(self, raw: memoryview, fds: list[int]) -> bool: ...
+    def failed(self, batch_id: int, exc: Exception, what: str = "") -> internal.Failed: ...
+
+
 class _Client:
     __slots__ = ("name", "session", "sock", "outbox", "stalled_at")
 
@@ -86,7 +106,7 @@ class _Client:
 class DirectClients:
     """The direct clients of one worker, served between the broker's messages."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: Host) -> None:
         self.worker = worker
         spec = worker.spec
         self.model = _Model(spec.model, spec.config)

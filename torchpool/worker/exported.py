@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, cast
 
 import torch
 
@@ -31,6 +31,10 @@ from torchpool.worker.settings import ExecutionSettings, ModelLoadError, grad_co
 from torchpool.worker.shapes import ShapeRules, dims_of
 from torchpool.worker.signature import ProgramSignature, bind_program, read_signature
 
+if TYPE_CHECKING:
+    from torch.export import ExportedProgram
+    from torch.utils._pytree import TreeSpec
+
 WHAT = "the exported program"
 
 
@@ -39,7 +43,7 @@ def load_exported(
     model_path: Path,
     device: Optional[torch.device],
     settings: ExecutionSettings,
-) -> tuple[Any, Binding]:
+) -> tuple[torch.nn.Module, Binding]:
     """Load an ExportedProgram onto `device` (None: where it was exported) and
     bind it to `config`. Returns the runnable module and the binding."""
     try:
@@ -70,7 +74,7 @@ class ProgramRunner(torch.nn.Module):
     tensor object each, shared with the argument list), so ENABLE_WEIGHT_SHARING
     and torch.compile see them as a module's weights."""
 
-    def __init__(self, program: Any) -> None:
+    def __init__(self, program: ExportedProgram) -> None:
         super().__init__()
         from torch.export.graph_signature import InputKind, OutputKind
 
@@ -81,8 +85,9 @@ class ProgramRunner(torch.nn.Module):
             if spec.kind == InputKind.USER_INPUT:
                 continue
             if spec.kind == InputKind.PARAMETER:
-                value: Any = torch.nn.Parameter(program.state_dict[spec.target], requires_grad=False)
-                self.state.register_parameter(f"p{position}", value)
+                parameter = torch.nn.Parameter(program.state_dict[spec.target], requires_grad=False)
+                self.state.register_parameter(f"p{position}", parameter)
+                value: torch.Tensor = parameter
             elif spec.kind == InputKind.BUFFER and spec.persistent:
                 value = program.state_dict[spec.target]
                 self.state.register_buffer(f"b{position}", value)
@@ -105,13 +110,13 @@ class ProgramRunner(torch.nn.Module):
             raise _NotFlat("outputs other than user outputs and buffer mutations")
 
     @classmethod
-    def of(cls, program: Any) -> torch.nn.Module:
+    def of(cls, program: ExportedProgram) -> torch.nn.Module:
         try:
             return cls(program)
         except _NotFlat:
             return _FlatModule(program.module(), program.call_spec.in_spec)
 
-    def forward(self, *inputs: torch.Tensor) -> Any:
+    def forward(self, *inputs: torch.Tensor) -> Sequence[torch.Tensor]:
         outputs = self.graph_module(*self.lifted, *inputs)
         if not self.mutated:
             return outputs
@@ -127,19 +132,19 @@ class _NotFlat(Exception):
 class _FlatModule(torch.nn.Module):
     """`.module()` called with the flat list of inputs, returning flat outputs."""
 
-    def __init__(self, module: Any, in_spec: Any) -> None:
+    def __init__(self, module: torch.nn.Module, in_spec: TreeSpec) -> None:
         super().__init__()
         self.module = module
         self.in_spec = in_spec
 
-    def forward(self, *inputs: torch.Tensor) -> Any:
+    def forward(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
         from torch.utils import _pytree as pytree
 
         args, kwargs = pytree.tree_unflatten(list(inputs), self.in_spec)
         return pytree.tree_leaves(self.module(*args, **kwargs))
 
 
-def bind_exported(config: ModelConfig, program: Any) -> Binding:
+def bind_exported(config: ModelConfig, program: ExportedProgram) -> Binding:
     """The binding of `program` to `config`, with its dtypes and shapes checked."""
     call_spec = program.call_spec
     signature = read_signature(config.name, call_spec.in_spec, call_spec.out_spec,
@@ -153,13 +158,14 @@ def bind_exported(config: ModelConfig, program: Any) -> Binding:
     fakes = {name: inputs[position] for name, position in binding.input_index.items()}
     _check_input_dtypes(config, fakes)
     _check_output_dtypes(config, binding, signature, _user_outputs(program))
-    shapes = ShapeRules(config.name, {name: dims_of(fake, program.range_constraints)
+    # (fake tensors: a config input that is none failed the dtype check above)
+    shapes = ShapeRules(config.name, {name: dims_of(cast(torch.Tensor, fake), program.range_constraints)
                                       for name, fake in fakes.items()}, WHAT)
     shapes.check_config(config)
     return replace(binding, shapes=shapes)
 
 
-def _forward_arg_names(program: Any) -> list[str]:
+def _forward_arg_names(program: ExportedProgram) -> list[str]:
     """`forward`'s argument names, as recorded at export (empty if not)."""
     try:
         return list(program.module_call_graph[0].signature.forward_arg_names or ())
@@ -167,7 +173,7 @@ def _forward_arg_names(program: Any) -> list[str]:
         return []
 
 
-def _user_inputs(program: Any) -> list[Any]:
+def _user_inputs(program: ExportedProgram) -> list[object]:
     """The fake tensors of the program's user inputs, in flat order."""
     from torch.export.graph_signature import InputKind
 
@@ -176,7 +182,7 @@ def _user_inputs(program: Any) -> list[Any]:
             for spec in program.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
 
 
-def _user_outputs(program: Any) -> list[Any]:
+def _user_outputs(program: ExportedProgram) -> list[object]:
     """The fake values of the program's user outputs, in flat order."""
     from torch.export.graph_signature import OutputKind
 
@@ -186,11 +192,11 @@ def _user_outputs(program: Any) -> list[Any]:
             if spec.kind == OutputKind.USER_OUTPUT]
 
 
-def _meta(value: Any) -> Any:
+def _meta(value: object) -> object:
     return value.meta.get("val") if isinstance(value, torch.fx.Node) else value
 
 
-def _check_input_dtypes(config: ModelConfig, fakes: dict[str, Any]) -> None:
+def _check_input_dtypes(config: ModelConfig, fakes: Mapping[str, object]) -> None:
     wanted = {spec.name: spec.data_type for spec in config.inputs}
     wanted.update({state.input_name: state.data_type for state in config.sequence_states()})
     for name, fake in fakes.items():
@@ -206,7 +212,7 @@ def _check_input_dtypes(config: ModelConfig, fakes: dict[str, Any]) -> None:
 
 
 def _check_output_dtypes(config: ModelConfig, binding: Binding, signature: ProgramSignature,
-                         outputs: list[Any]) -> None:
+                         outputs: list[object]) -> None:
     if len(outputs) != signature.output_count:
         return          # an unusual graph: the checks at run time still apply
     for name, index in binding.output_index.items():

@@ -21,7 +21,7 @@ from __future__ import annotations
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -53,10 +53,10 @@ class LoadedModel:
 
     format: str
     path: Path
-    module: Any
+    module: Callable[..., object]
     binding: Binding
     weights: Optional[torch.nn.Module]
-    source: Any
+    source: Optional[torch.nn.Module]
 
 
 def resolve_model_file(model_path: Path | str) -> Path:
@@ -121,8 +121,8 @@ def load_model(
         module, binding = load_torchscript(config, path, device, settings)
         return LoadedModel(kind, path, module, binding, module, module)
     if kind == EXPORTED_PROGRAM:
-        module, binding = load_exported(config, path, device, settings)
-        return LoadedModel(kind, path, module, binding, module, module)
+        program, binding = load_exported(config, path, device, settings)
+        return LoadedModel(kind, path, program, binding, program, program)
     runner, binding = load_aoti(config, path, device)
     return LoadedModel(kind, path, runner, binding, None, None)
 

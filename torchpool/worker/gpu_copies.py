@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("torchpool.worker")
 
@@ -86,7 +89,7 @@ class DeviceCopies:
     """An instance's CUDA stream: its inputs' copies and its model's kernels in
     order on it, one synchronisation per batch."""
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: torch.device) -> None:
         import torch
 
         self._torch = torch
@@ -98,7 +101,7 @@ class DeviceCopies:
         with self._torch.cuda.stream(self.stream):
             yield
 
-    def to_device(self, tensor: Any, pinned: bool) -> Any:
+    def to_device(self, tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
         """`tensor` (a view of host memory) on the device; asynchronous when the
         memory is page-locked (its bytes must stay until `finish`: a batch's
         inputs do)."""

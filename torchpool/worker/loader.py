@@ -5,7 +5,7 @@
     compile (synthetic batches) ─► model_warmup samples ─► READY
 
 Compiling and warming up run under the model's grad mode, as requests do,
-so nothing is compiled or allocated again at the first request. Any failure
+so nothing is compiled or allocated again at the first request. Every failure
 is a ModelLoadError naming the model and the step.
 """
 from __future__ import annotations
@@ -16,13 +16,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from ..config.parameters import ModelParameters
 from ..config.paths import leaves_message, resolved_inside
 from ..protocol import errors
+from ..shm.segment import NamedSegment
 from .classify import Classifier
 from .compile import compile_now, configure_compile_cache, prepare_compiled
 from .formats import AOTI_PACKAGE, LoadedModel, load_model, resolve_model_file
@@ -43,7 +44,7 @@ class LoadedInstance:
     device: torch.device
     model: LoadedModel
     classifier: Classifier
-    weights: Any = None            # the shared weights segment, if any (kept mapped)
+    weights: Optional[NamedSegment] = None   # the shared weights segment, if any (kept mapped)
 
 
 def load_instance(spec: WorkerSpec) -> LoadedInstance:
@@ -88,7 +89,7 @@ def load_instance(spec: WorkerSpec) -> LoadedInstance:
     return instance
 
 
-def _share_weights(spec: WorkerSpec, model: LoadedModel, device: torch.device) -> Optional[Any]:
+def _share_weights(spec: WorkerSpec, model: LoadedModel, device: torch.device) -> Optional[NamedSegment]:
     if not spec.shared_weights or device.type != "cpu":
         return None
     if model.weights is None:

@@ -28,7 +28,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
@@ -42,9 +42,9 @@ from ..shm.segment import Segment
 from ..shm.reaper import Reaper
 from .binding import ExecutionError, ModelLoadError
 from .capture import CaptureRegion, OutputCapture, reuse_input
-from .classify import Classified
+from .classify import Classified, Classifier
 from .direct import DirectClients
-from .engine import Engine
+from .engine import Engine, Value
 from .gpu_copies import HostPinning, cuda_pinning, lost_cuda_context
 from .lending import LendingAreas
 from .loader import load_instance
@@ -55,6 +55,9 @@ from .texts import client_text
 from ..protocol.internal import DIRECT_PREFIX, LEND_PREFIX
 from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_header, worth_descriptor
 from ..shm.regions import RegionMaps
+
+if TYPE_CHECKING:
+    import mmap
 
 log = logging.getLogger("torchpool.worker")
 
@@ -93,7 +96,7 @@ class Worker:
         self.outputs = Arena(lambda i: f"{spec.segment_prefix}{i}", spec.arena_chunk,
                              spec.arena_limit, prefault=True, announce=self.announce)
         self.engine: Engine           # built by load(): inputs to the device, the model, outputs
-        self.classifier: Any = None   # labels, and outputs asked as top-k classes
+        self.classifier: Optional[Classifier] = None   # labels, and outputs asked as top-k classes
         self.busy_poll_ns = spec.busy_poll_us * 1000
         self.weights = None           # the shared weights segment, if any (kept mapped)
         self.label = f"model '{spec.model}' version {spec.version} instance '{spec.instance}'"
@@ -383,7 +386,8 @@ class Worker:
             log.error("%s: the CUDA context is lost: this worker exits and is replaced", self.label)
         return internal.Failed(batch_id, code, text)
 
-    def _buffer(self, ref: Any, offset: int, nbytes: int, generation: int, name: str) -> Any:
+    def _buffer(self, ref: internal.SegmentRef, offset: int, nbytes: int, generation: int,
+                name: str) -> mmap.mmap:
         """The mapping that holds [offset, offset + nbytes) of input `name`: a
         daemon segment (named) or a client's registered region ([key, inode])."""
         if ref.__class__ is list:
@@ -401,7 +405,7 @@ class Worker:
                                      f"before the model ran)", errors.INVALID_ARG)
         return buf
 
-    def view_input(self, d: internal.InputDescriptor) -> Any:
+    def view_input(self, d: internal.InputDescriptor) -> Value:
         name, datatype, shape, segment, offset, nbytes, generation, _ = d
         buf = self._buffer(segment, offset, nbytes, generation, name)
         pinned = False
@@ -416,14 +420,14 @@ class Worker:
             self.pinning.unpin(seg.name)
         self.reaper.close(seg)
 
-    def write_output(self, name: str, value: Any, target: Optional[internal.OutputTarget] = None,
+    def write_output(self, name: str, value: Value, target: Optional[internal.OutputTarget] = None,
                      lend_to: int = 0) -> internal.OutputDescriptor:
         """Write one output once: into the caller's region when it named one,
         else, when it is large enough to be lent, into the area of the session
         the batch's outputs may be lent to (`lend_to`) while it has room, else
         into this worker's arena. Returns its descriptor."""
         if isinstance(value, list):   # List[str], or class strings (classify.py)
-            data: Any = datatypes.encode_bytes(value)
+            data: Union[bytes, torch.Tensor] = datatypes.encode_bytes(value)
             shape = value.shape if value.__class__ is Classified else [len(value)]
             datatype, nbytes = "BYTES", len(data)
         else:
@@ -436,7 +440,7 @@ class Worker:
                 raise ExecutionError(f"output '{name}' of model '{self.spec.model}' needs {nbytes} "
                                      f"bytes but its region provides {capacity}", errors.INVALID_ARG)
             buf = self.regions.get(ref, offset + nbytes, f"output '{name}' for model '{self.spec.model}'")
-            segment: Any = ref
+            segment: internal.SegmentRef = ref
         else:
             area = self.lending.area(lend_to) if lend_to and worth_descriptor(nbytes) else None
             offset = area.alloc(nbytes) if area is not None else None
@@ -469,7 +473,7 @@ class Worker:
 
 
 @functools.cache
-def _address_of(buf: Any) -> Optional[int]:
+def _address_of(buf: mmap.mmap) -> Optional[int]:
     """Where a writable mapping starts (the export is dropped at once: the
     mapping can still be closed); None for a read-only one."""
     try:

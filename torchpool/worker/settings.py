@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, ContextManager, Mapping, Optional
+from typing import TYPE_CHECKING, ContextManager, Mapping, Optional
 
 from torchpool.config.parameters import ModelParameters, ParameterError, model_parameters
 from torchpool.config.parameters import read_boolean   # Triton's spellings, one owner
 from torchpool.config.parameters import parse_parameters as _parse
 from torchpool.protocol.errors import INTERNAL, INVALID_ARG, TorchpoolError
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchpool.config.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ def parse_parameters(model_name: str, parameters: Mapping[str, str]) -> Executio
         raise ModelLoadError(exc.message, INVALID_ARG) from None
 
 
-def model_settings(config: Any) -> ExecutionSettings:
+def model_settings(config: ModelConfig) -> ExecutionSettings:
     """The parameters of a `ModelConfig` (parsed once per config object)."""
     try:
         return model_parameters(config)
@@ -79,7 +84,7 @@ class CompileSettings:
     mode: str = "default"
 
 
-def compile_settings(config: Any) -> CompileSettings:
+def compile_settings(config: ModelConfig) -> CompileSettings:
     """TORCH_COMPILE / TORCH_COMPILE_MODE of a `ModelConfig`; a bad value fails the load."""
     parameters = config.parameters or {}
     try:
@@ -148,7 +153,7 @@ def _set_interop_threads(count: int) -> None:
         )
 
 
-def grad_context(settings: ExecutionSettings) -> ContextManager[Any]:
+def grad_context(settings: ExecutionSettings) -> ContextManager[None]:
     """The grad mode to load and run under: inference mode unless disabled.
 
     Inference mode is the cheaper of the two; some models need plain
@@ -161,7 +166,7 @@ def grad_context(settings: ExecutionSettings) -> ContextManager[Any]:
     return torch.no_grad()
 
 
-def after_execution(settings: ExecutionSettings, device: Any) -> None:
+def after_execution(settings: ExecutionSettings, device: Optional[torch.device]) -> None:
     """Give cached CUDA memory back after a batch when the model asks for it."""
     if not settings.enable_cache_cleaning or device is None:
         return

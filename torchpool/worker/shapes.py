@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 import torch
 
@@ -31,6 +31,9 @@ from torchpool.config.model_config import ModelConfig
 from torchpool.protocol.errors import INVALID_ARG
 from torchpool.worker.naming import model_dims
 from torchpool.worker.settings import ExecutionError, ModelLoadError
+
+if TYPE_CHECKING:
+    from torch.utils._sympy.value_ranges import ValueRanges
 
 _UNBOUNDED = None
 
@@ -72,7 +75,7 @@ class Dim:
         return f"{self.low if self.low > 2 else 0}..{'inf' if self.high is None else self.high}"
 
 
-def dims_of(fake: Any, range_constraints: Mapping[Any, Any]) -> tuple[Dim, ...]:
+def dims_of(fake: torch.Tensor, range_constraints: Mapping[object, ValueRanges]) -> tuple[Dim, ...]:
     """The `Dim`s of one program input, from its placeholder's fake tensor."""
     dims = []
     for size in fake.shape:
@@ -90,7 +93,7 @@ def dims_of(fake: Any, range_constraints: Mapping[Any, Any]) -> tuple[Dim, ...]:
     return tuple(dims)
 
 
-def _bounds(value_range: Any) -> tuple[int, Optional[int]]:
+def _bounds(value_range: Optional[ValueRanges]) -> tuple[int, Optional[int]]:
     if value_range is None:
         return 0, None
     low, high = value_range.lower, value_range.upper
@@ -102,7 +105,7 @@ def _bounds(value_range: Any) -> tuple[int, Optional[int]]:
     return low, int(high) if math.isfinite(high_value) else None
 
 
-def _shape_text(shape: Sequence[Any]) -> str:
+def _shape_text(shape: Sequence[object]) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
@@ -197,7 +200,7 @@ class ShapeRules:
 
     # -- per batch --
 
-    def check(self, inputs: Mapping[str, Any]) -> None:
+    def check(self, inputs: Mapping[str, object]) -> None:
         """Raise ExecutionError (INVALID_ARG) when an open dimension of the
         batch is outside the program's range, or tied dimensions differ."""
         if not self._checks:

@@ -17,13 +17,16 @@ knows keyword and dict keys). `bind_program` applies Triton's naming rules
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from torchpool.config.model_config import ModelConfig
 from torchpool.protocol.errors import INVALID_ARG
 from torchpool.worker import naming
 from torchpool.worker.binding import Binding
 from torchpool.worker.settings import ModelLoadError
+
+if TYPE_CHECKING:
+    from torch.utils._pytree import TreeSpec
 
 
 @dataclass(frozen=True)
@@ -45,15 +48,15 @@ class ProgramSignature:
     output_count: int
 
 
-def _is_leaf(spec: Any) -> bool:
+def _is_leaf(spec: TreeSpec) -> bool:
     return spec.is_leaf()
 
 
-def _type_name(spec: Any) -> str:
+def _type_name(spec: TreeSpec) -> str:
     return getattr(spec.type, "__name__", str(spec.type))
 
 
-def read_signature(model_name: str, in_spec: Any, out_spec: Any,
+def read_signature(model_name: str, in_spec: TreeSpec, out_spec: TreeSpec,
                    positional_names: Optional[list[str]] = None,
                    what: str = "the exported program") -> ProgramSignature:
     """The signature of a program from its specs; a structure torchpool cannot
@@ -89,7 +92,7 @@ def read_signature(model_name: str, in_spec: Any, out_spec: Any,
     return ProgramSignature(tuple(names) + keywords, keywords, dict_argument, output_keys, output_count)
 
 
-def _read_outputs(model_name: str, out_spec: Any, what: str) -> tuple[Optional[tuple[str, ...]], int]:
+def _read_outputs(model_name: str, out_spec: TreeSpec, what: str) -> tuple[Optional[tuple[str, ...]], int]:
     if _is_leaf(out_spec):
         return None, 1
     if out_spec.type not in (tuple, list, dict) or not all(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 import torch
 
@@ -20,6 +20,9 @@ from torchpool.protocol.errors import INTERNAL, INVALID_ARG
 from torchpool.worker import naming
 from torchpool.worker.binding import Binding
 from torchpool.worker.settings import ExecutionSettings, ModelLoadError, grad_context
+
+if TYPE_CHECKING:
+    from torch._C import DictType, FunctionSchema, JitType, ScriptMethod, ScriptModule
 
 _JIT_LOAD_DEPRECATION = r".*torch\.jit\.load.* is deprecated"
 
@@ -52,7 +55,7 @@ def load_torchscript(
 @dataclass(frozen=True)
 class _ForwardArgument:
     name: str
-    type: Any           # torch._C.JitType
+    type: JitType
 
     @property
     def kind(self) -> str:
@@ -63,7 +66,7 @@ class _ForwardArgument:
         return self.kind == "OptionalType"
 
 
-def bind(module: Any, config: ModelConfig) -> Binding:
+def bind(module: torch.nn.Module, config: ModelConfig) -> Binding:
     """Validate `config` against `module.forward` and decide the binding.
 
     Raises ModelLoadError with Triton's texts when they do not fit. The
@@ -107,13 +110,15 @@ def bind(module: Any, config: ModelConfig) -> Binding:
     )
 
 
-def _forward_signature(module: Any, model_name: str) -> tuple[list[_ForwardArgument], Any]:
+def _forward_signature(module: torch.nn.Module, model_name: str
+                       ) -> tuple[list[_ForwardArgument], Optional[JitType]]:
     """`forward`'s arguments without `self`, and its return type."""
-    try:
-        schema = module.forward.schema
+    schema: FunctionSchema
+    try:        # a ScriptModule's forward is a ScriptMethod; an eager module's has no schema
+        schema = cast("ScriptMethod[..., object]", module.forward).schema
     except AttributeError:
         try:
-            schema = module._c._get_method("forward").schema
+            schema = cast("ScriptModule", module._c)._get_method("forward").schema
         except Exception:
             raise ModelLoadError(
                 f"model '{model_name}' is not a TorchScript module with a 'forward' method",
@@ -126,19 +131,19 @@ def _forward_signature(module: Any, model_name: str) -> tuple[list[_ForwardArgum
     return arguments, return_type
 
 
-def _is_string_list(type_: Any) -> bool:
+def _is_string_list(type_: JitType) -> bool:
     return type_.kind() == "ListType" and type_.getElementType().kind() == "StringType"
 
 
-def _is_tensor_dict(type_: Any) -> bool:
+def _is_tensor_dict(type_: JitType) -> bool:
     return (
         type_.kind() == "DictType"
-        and type_.getKeyType().kind() == "StringType"
-        and type_.getValueType().kind() == "TensorType"
+        and cast("DictType", type_).getKeyType().kind() == "StringType"
+        and cast("DictType", type_).getValueType().kind() == "TensorType"
     )
 
 
-def _is_accepted_argument(type_: Any) -> bool:
+def _is_accepted_argument(type_: JitType) -> bool:
     """Tensor, List[str] or Optional[Tensor]: what a worker can hand over."""
     kind = type_.kind()
     if kind == "OptionalType":

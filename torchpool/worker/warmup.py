@@ -23,11 +23,11 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
-from torchpool.config.model_config import CONFIG_TO_WIRE, ModelConfig, TensorSpec
+from torchpool.config.model_config import CONFIG_TO_WIRE, ModelConfig, TensorSpec, WarmupInput, WarmupSample
 from torchpool.protocol import datatypes
 from torchpool.protocol.errors import INVALID_ARG
 from torchpool.worker.binding import Binding, Value
@@ -42,7 +42,7 @@ _CONTROL_TYPES = {"int32_false_true": "TYPE_INT32", "fp32_false_true": "TYPE_FP3
                   "bool_false_true": "TYPE_BOOL"}
 
 
-def run_warmup(config: ModelConfig, model_dir: Path, module: Any, binding: Binding,
+def run_warmup(config: ModelConfig, model_dir: Path, module: Callable[..., object], binding: Binding,
                device: Optional[torch.device] = None) -> int:
     """Run the config's warm-up samples on `device` (None: CPU); returns how
     many batches ran.
@@ -68,7 +68,7 @@ def _failed(config: ModelConfig, what: str, why: str) -> ModelLoadError:
                           INVALID_ARG)
 
 
-def sample_inputs(config: ModelConfig, model_dir: Path, sample: Any) -> dict[str, Value]:
+def sample_inputs(config: ModelConfig, model_dir: Path, sample: WarmupSample) -> dict[str, Value]:
     """The inputs of one `model_warmup` sample, as the model sees them."""
     batching = config.max_batch_size > 0
     batch = max(int(sample.batch_size), 1)    # the config checked it against max_batch_size
@@ -81,7 +81,7 @@ def sample_inputs(config: ModelConfig, model_dir: Path, sample: Any) -> dict[str
     return inputs
 
 
-def _sample_value(name: str, given: Any, model_dir: Path) -> Value:
+def _sample_value(name: str, given: WarmupInput, model_dir: Path) -> Value:
     """One sample's tensor (or string list) of `dims`, without the batch dimension."""
     dims = tuple(int(d) for d in given.dims)
     if any(d < 0 for d in dims):
@@ -93,6 +93,7 @@ def _sample_value(name: str, given: Any, model_dir: Path) -> Value:
     count = math.prod(dims)
     source = given.source
     if source == "file":
+        assert given.file is not None       # the config's check: a file source names its file
         return _from_file(name, wire, dims, count, model_dir / WARMUP_DIR / given.file)
     if wire == "BYTES":
         return [("" if source == "zero" else str(i)) for i in range(count)]
@@ -147,7 +148,7 @@ def _as_model_sees(spec: Optional[TensorSpec], value: Value, batch: Optional[int
 
 
 def filler_inputs(config: ModelConfig, batch: Optional[int],
-                  exclude: Mapping[str, Any] = {}) -> dict[str, Value]:
+                  exclude: Mapping[str, object] = {}) -> dict[str, Value]:
     """Zeros for the sequence controls and implicit states a batch carries."""
     rows = [batch] if batch is not None else []
     out: dict[str, Value] = {}
@@ -209,7 +210,7 @@ def _synthetic(spec: TensorSpec, binding: Binding, batch: Optional[int], mark: b
     return tensor
 
 
-def run_batches(config: ModelConfig, module: Any, binding: Binding,
+def run_batches(config: ModelConfig, module: Callable[..., object], binding: Binding,
                 batches: list[dict[str, Value]], what: str,
                 device: Optional[torch.device] = None) -> None:
     """Run each batch as a request's would run (its tensors on the worker's

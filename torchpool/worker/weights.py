@@ -15,7 +15,6 @@ model version (the broker unlinks it with the daemon's other segments).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import posix_ipc
 import torch
@@ -27,7 +26,7 @@ from .settings import ModelLoadError
 log = logging.getLogger("torchpool.worker")
 
 
-def _shareable_tensors(module: Any) -> list[torch.Tensor]:
+def _shareable_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """CPU parameters and buffers, each storage once (tied weights stay tied)."""
     seen: set[int] = set()
     tensors = []
@@ -42,7 +41,7 @@ def _shareable_tensors(module: Any) -> list[torch.Tensor]:
     return tensors
 
 
-def share_weights(module: Any, segment_name: str, model: str) -> NamedSegment | None:
+def share_weights(module: torch.nn.Module, segment_name: str, model: str) -> NamedSegment | None:
     """Back the module's CPU weights by the named segment; returns it (kept mapped)."""
     tensors = _shareable_tensors(module)
     layout, total = [], 0
