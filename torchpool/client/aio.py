@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Awaitable, Callable, Hashable, Mapping, Optional, Sequence
+from typing import Awaitable, Callable, Hashable, Optional, Sequence, Union, cast
 
 import numpy as np
 import zmq
@@ -17,8 +17,8 @@ from .common import (DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, Serve
 from .aio_lane import AsyncDirect, AsyncLane, AsyncPaths
 from .flows import SessionLost, is_session_error, run_async, sequence_field
 from .regions import needs_session
-from .types import Call, Flow, NoAnswer, Reply
-from .types import InferResult, ModelConfig, SequenceId, Version
+from .types import Call, Flow, NoAnswer, Reply, T
+from .types import InferResult, Inputs, ModelConfig, RequestedOutput, SequenceId, Version
 from .watch import Mark
 
 
@@ -128,9 +128,10 @@ class AsyncClient(ClientBase):
         has one, else over ZeroMQ (as sync.py's Client._send)."""
         if self._state.direct.wanted:
             self._ask_for_paths()
-        channel = call.channel
-        if channel is None:
+        if call.channel is None:
             return await self._call(call.frames, call.rid, call.timeout, sent)
+        # what this client's factories made
+        channel = cast("Union[AsyncLane, AsyncPaths]", call.channel)
         limit = self.timeout if call.timeout is None else call.timeout
         try:
             header, payload = await channel.request(call.frames, call.rid, limit, sent)
@@ -144,8 +145,8 @@ class AsyncClient(ClientBase):
             raise error_of(header)
         return header, payload
 
-    async def _perform(self, make_flow: Callable[[], Flow], timeout: Optional[float], session: bool = False,
-                       sent: Optional[Callable[[], None]] = None) -> Any:
+    async def _perform(self, make_flow: Callable[[], Flow[T]], timeout: Optional[float], session: bool = False,
+                       sent: Optional[Callable[[], None]] = None) -> T:
         st = self._state
         send: Callable[[Call], Awaitable[Reply]] = self._send
         if sent is not None:
@@ -167,8 +168,9 @@ class AsyncClient(ClientBase):
                 st.session_lost(lost.token)
                 if attempt:
                     raise lost.error from None
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
-    async def _control(self, op: str, timeout: Optional[float] = None, **fields: Any) -> Any:
+    async def _control(self, op: str, timeout: Optional[float] = None, **fields: object) -> object:
         if self._state.session is None:
             rid = next(self._ids)
             header, _ = await self._call(encode_control(rid, op, **fields), rid, timeout)
@@ -186,22 +188,22 @@ class AsyncClient(ClientBase):
                                         version=self._version_field(version)))
 
     async def model_metadata(self, name: str, version: Version = None) -> dict:
-        return await self._control(messages.OP_MODEL_METADATA, model=name,
-                                   version=self._version_field(version))
+        return cast(dict, await self._control(messages.OP_MODEL_METADATA, model=name,
+                                   version=self._version_field(version)))
 
     async def model_config(self, name: str, version: Version = None) -> dict:
-        return await self._control(messages.OP_MODEL_CONFIG, model=name,
-                                   version=self._version_field(version))
+        return cast(dict, await self._control(messages.OP_MODEL_CONFIG, model=name,
+                                   version=self._version_field(version)))
 
     async def repository_index(self) -> list[dict]:
-        return await self._control(messages.OP_REPOSITORY_INDEX)
+        return cast("list[dict]", await self._control(messages.OP_REPOSITORY_INDEX))
 
     async def server_metadata(self) -> dict:
-        return await self._control(messages.OP_SERVER_METADATA)
+        return cast(dict, await self._control(messages.OP_SERVER_METADATA))
 
     async def statistics(self, model: Optional[str] = None, version: Version = None) -> dict:
-        return await self._control(messages.OP_STATISTICS, model=model or "",
-                                   version=self._version_field(version))
+        return cast(dict, await self._control(messages.OP_STATISTICS, model=model or "",
+                                   version=self._version_field(version)))
 
     async def load(self, name: str, config: ModelConfig = None, timeout: Optional[float] = None) -> None:
         await self._control(messages.OP_LOAD, timeout, model=name,
@@ -210,7 +212,7 @@ class AsyncClient(ClientBase):
     async def unload(self, name: str, timeout: Optional[float] = None) -> None:
         await self._control(messages.OP_UNLOAD, timeout, model=name)
 
-    async def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
+    async def infer(self, model: str, inputs: Inputs, outputs: Optional[Sequence[RequestedOutput]] = None,
                     version: Version = None, timeout: Optional[float] = None, copy: bool = False,
                     priority: int = 0, sequence_id: SequenceId = 0, sequence_start: bool = False,
                     sequence_end: bool = False, sent: Optional[Callable[[], None]] = None,
@@ -309,7 +311,7 @@ class AsyncClient(ClientBase):
         await self._perform(lambda: self._state.unregister_flow(name, None), None, True)
 
     async def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[dict]:
-        return await self._perform(lambda: self._state.status_flow(name, None), None, True)
+        return cast("list[dict]", await self._perform(lambda: self._state.status_flow(name, None), None, True))
 
     def _stop(self) -> None:
         for task in (self._reader, self._watcher, *self._asking.values()):

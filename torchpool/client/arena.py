@@ -21,7 +21,7 @@ import math
 import mmap
 import os
 import weakref
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 
@@ -31,6 +31,11 @@ from ..protocol.tensors import BLOCK_HEADER_BYTES, ShmRef, clear_block_header, w
 from ..shm.arena import FreeList
 from ..shm.bulkcopy import copy_into
 from ..shm.segment import Segment
+
+if TYPE_CHECKING:
+
+    from .local import LocalLink
+    from .values import Source
 
 ALIGN = 64                             # blocks start (and so data starts) 64-byte aligned
 DEFAULT_ARENA_CAP = 1 << 30            # the most arena this client asks the daemon for
@@ -80,7 +85,7 @@ class ArenaBlock:
         return self.start + BLOCK_HEADER_BYTES
 
 
-def _address_of(buf: Any) -> int:
+def _address_of(buf: Union[mmap.mmap, memoryview, bytes, bytearray]) -> int:
     arr = np.frombuffer(buf, dtype=np.uint8, count=1)
     try:
         return arr.ctypes.data
@@ -157,7 +162,7 @@ class ClientArena:
         start = block.data_offset
         return memoryview(self.segments[block.segment].buf)[start:start + n]
 
-    def write(self, block: ArenaBlock, src: Any, nbytes: int) -> None:
+    def write(self, block: ArenaBlock, src: Source, nbytes: int) -> None:
         """Copy a prepared source (bytes, or any numpy array: strided or
         byte-swapped ones are converted on the way) into the block's data."""
         start = block.data_offset
@@ -248,7 +253,7 @@ class OutputMaps:
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
-        self.link: Any = None            # local.LocalLink of the session, when local
+        self.link: Optional[LocalLink] = None    # the session's side channel, when local
 
     def get(self, name: str, end: int) -> mmap.mmap:
         mm = self._maps.get(name)

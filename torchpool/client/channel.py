@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, Union, cast
 
 import zmq
 
@@ -34,6 +34,9 @@ from ..protocol.errors import InferenceError
 from ..rules.spin import SpinWait
 from .types import NoAnswer, Reply
 from .watch import ConnectionWatch, Mark
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 # Reading the monitor costs a few us, too much for every call: a send right
 # after a poll (the hot path) trusts that poll. Anything that happened in so
@@ -44,6 +47,28 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 # zmq_poll itself, not Poller.poll: one Python layer less on every wait
 _zmq_poll = zmq.zmq_poll
+
+
+class _Frame(Protocol):
+    """A received frame (zmq.Frame): its bytes, and whether more follow."""
+
+    @property
+    def more(self) -> bool: ...
+
+    @property
+    def buffer(self) -> memoryview: ...
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+
+class _Socket(Protocol):
+    """What a SharedSocket does with its ZeroMQ socket (zmq.Socket)."""
+
+    def send(self, data: Buffer, flags: int) -> object: ...
+
+    def send_multipart(self, msg_parts: Sequence[Buffer], flags: int, copy: bool) -> object: ...
+
+    def recv(self, flags: int, copy: bool) -> _Frame: ...
 
 
 class CallWaiter:
@@ -72,8 +97,11 @@ class SharedSocket:
     `on_late(header)` gets each answer nobody waits for any more (a call
     that timed out): it must give back what that request held."""
 
-    def __init__(self, sock: Any, watch: Optional[ConnectionWatch], on_late: Callable[[object], None]) -> None:
-        self._sock = sock
+    def __init__(self, sock: Union[zmq.Socket[bytes], int], watch: Optional[ConnectionWatch],
+                 on_late: Callable[[object], None]) -> None:
+        # a ZeroMQ socket; a LaneSocket's is an fd, only polled here (it overrides
+        # the methods that send and receive)
+        self._sock = cast(_Socket, sock)
         self._watch = watch
         self._on_late = on_late
         self._lock = threading.Lock()
@@ -84,13 +112,13 @@ class SharedSocket:
         self._closed = False
         self._polled = 0.0            # when a poll last saw the monitor (as good as a drain)
         self._spin: Optional[SpinWait] = None     # a direct path's (client/direct.py)
-        self._spin_poll: Any = None               # and its poll of `_poll_items`
         # threads that queued a request wake the reader through this
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._wake_closer = weakref.finalize(self, os.close, self._wake)
         self._poll_items = [(sock, _POLLIN), (self._wake, _POLLIN)]
         if watch is not None:
             self._poll_items.append((watch.fd, _POLLIN))
+        self._spin_poll = functools.partial(_zmq_poll, self._poll_items)   # the spin's: built once, not per wait
 
     # -- a call
     def request(self, frames: list, rid: int, timeout: float) -> Reply:
@@ -205,7 +233,6 @@ class SharedSocket:
         """Poll this long for an answer before sleeping, while answers come
         sooner (rules/spin.py; a direct path's daemon says how long)."""
         self._spin = SpinWait(window_us) if window_us else None
-        self._spin_poll = functools.partial(_zmq_poll, self._poll_items)   # built once, not per wait
 
     def _no_answer(self, timeout: float) -> NoAnswer:
         watch = self._watch
@@ -273,10 +300,13 @@ class SharedSocket:
             payload.append(frame.buffer)
         self._deliver(me, messages.unpack(first), payload)
 
-    def _deliver(self, me: Optional[CallWaiter], header: Any, payload: list) -> None:
+    def _deliver(self, me: Optional[CallWaiter], header: object, payload: list) -> None:
         """Hand a reply to the call it answers (the reader's thread only;
         `me`: the reader's own call, if it has one in flight)."""
-        rid = header.get("id") if isinstance(header, dict) else None
+        if not isinstance(header, dict):
+            self._on_late(header)               # answers no call
+            return
+        rid = header.get("id")
         w = self._waiting.get(rid)
         if w is me and w is not None:
             # the reader's own answer needs no lock: no other thread gives it

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import zmq
 from zmq.utils import z85
@@ -12,9 +12,12 @@ from zmq.utils import z85
 from ..protocol import errors, messages, tensors
 from ..protocol.errors import InferenceError
 from .flows import Call, ClientState
-from .types import Flow, Version
+from .types import Flow, Inputs, Tensor, Version
 from .values import output_array, prepare_input
 from .watch import ConnectionWatch, timeout_error
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 DEFAULT_TIMEOUT = 60.0   # seconds a call waits for the server before giving up
 GOODBYE_WAIT = 1.0       # seconds close() waits for the daemon to acknowledge goodbye
@@ -34,7 +37,7 @@ CONNECT_TIMEOUT_MS = 2000
 
 # --- inline requests, with no session (kept for callers that build frames) ---------
 
-def encode_infer(request_id: int, model: str, inputs: Mapping[str, Any],
+def encode_infer(request_id: int, model: str, inputs: Inputs,
                  outputs: Optional[Sequence[str]], version: Version, timeout: Optional[float]) -> list:
     """The frames of an inline infer request: header first, then large tensors."""
     entries: list[dict] = []
@@ -51,11 +54,11 @@ def encode_infer(request_id: int, model: str, inputs: Mapping[str, Any],
     return [messages.pack(header), *frames]
 
 
-def encode_control(request_id: int, op: str, **fields: Any) -> list:
+def encode_control(request_id: int, op: str, **fields: object) -> list:
     return [messages.pack({"v": messages.PROTOCOL_VERSION, "op": op, "id": request_id, **fields})]
 
 
-def decode_infer(header: dict, frames: Sequence[Any]) -> dict[str, Any]:
+def decode_infer(header: dict, frames: Sequence[Buffer]) -> dict[str, Tensor]:
     """Outputs that came as bytes (inline or payload frames)."""
     return {e[tensors.NAME]: output_array(e, frames) for e in header.get("outputs", [])}
 
@@ -67,7 +70,7 @@ def decode_infer(header: dict, frames: Sequence[Any]) -> dict[str, Any]:
 ServerKey = Union[str, bytes, "os.PathLike[str]"]
 ClientKey = Union[str, "os.PathLike[str]", tuple, list]
 
-def _z85_key(value: Any) -> Optional[bytes]:
+def _z85_key(value: object) -> Optional[bytes]:
     """`value` as a z85 CURVE key (40 characters, 32 bytes), or None."""
     key = value.encode("ascii", "replace") if isinstance(value, str) else value
     if not isinstance(key, bytes) or len(key) != 40:
@@ -78,7 +81,7 @@ def _z85_key(value: Any) -> Optional[bytes]:
         return None
 
 
-def _certificate(path: Any, what: str) -> tuple[bytes, Optional[bytes]]:
+def _certificate(path: Union[str, os.PathLike[str]], what: str) -> tuple[bytes, Optional[bytes]]:
     import zmq.auth
 
     try:
@@ -103,7 +106,7 @@ def curve_keys(server_key: Optional[ServerKey], client_key: Optional[ClientKey])
         if not isinstance(server_key, (str, bytes, os.PathLike)) or not os.path.isfile(server_key):
             raise ValueError("server_key: expected the server's public key (40 Z85 characters) or the "
                              f"path of its .key file, got {server_key!r}")
-        server = _certificate(server_key, "server_key")[0]
+        server = _certificate(os.fsdecode(server_key), "server_key")[0]
     if isinstance(client_key, (tuple, list)):
         if len(client_key) != 2:
             raise ValueError("client_key: expected a (public, secret) pair of Z85 keys")
@@ -217,7 +220,7 @@ class ClientBase:
         """True once the daemon agreed this client shares its host (arena in use)."""
         return self._state.local
 
-    def _control_flow(self, op: str, timeout: Optional[float], fields: dict[str, object]) -> Callable[[], Flow]:
+    def _control_flow(self, op: str, timeout: Optional[float], fields: dict[str, object]) -> Callable[[], Flow[object]]:
         return lambda: self._state.control_flow(op, timeout, fields)
 
     def _check_open(self) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from ..protocol.errors import InferenceError
 from ..shm.fdpass import DONTWAIT, FdReceiver, close_all
 from ..rules.direct import plain_refusal
 from .lane import LaneSocket
-from .types import NoAnswer, RawTensor
+from .types import DirectPath, Flow, Inputs, Lane, NoAnswer, RawTensor, Reply, RequestedOutput
 
 if TYPE_CHECKING:
     from .arena import ClientArena
@@ -98,16 +98,27 @@ def takes_direct(header: dict) -> bool:
     return True
 
 
+class PathAsker(Protocol):
+    """What `DirectPaths`' flows use of the session (flows.ClientState)."""
+
+    link: Optional[LocalLink]
+    direct_factory: Optional[Callable[[socket.socket, str], DirectPath]]
+    direct_group: Optional[Callable[[list], DirectPath]]
+
+    def exchange(self, op: str, timeout: Optional[float], fields: dict[str, object],
+                 lane: bool = False) -> Flow[Reply]: ...
+
+
 class DirectPaths:
     """A session's direct paths, by (model, version as sent)."""
 
     def __init__(self) -> None:
         # (model, version) -> its DirectSocket, or when to ask again after a refusal
-        self._paths: dict[tuple[str, str], Any] = {}
+        self._paths: dict[tuple[str, str], Any] = {}   # (a DirectPath or a float: told apart by __class__)
         self._asking: set[tuple[str, str]] = set()      # keys whose path is being asked for
         self.wanted: set[tuple[str, str]] = set()       # keys to ask for, not asked in a flow
 
-    def open_path(self, model: str, version: str) -> Optional["DirectSocket"]:
+    def open_path(self, model: str, version: str) -> Optional[DirectPath]:
         """The path to `model` if one is open and not lost (asks nothing)."""
         path = self._paths.get((model, version))
         return path if path.__class__ is not float and path is not None and not path.lost else None
@@ -122,8 +133,8 @@ class DirectPaths:
             return time.monotonic() >= path
         return bool(path.lost)
 
-    def path_flow(self, state: Any, model: str, version: str, timeout: Optional[float],
-                  ask: bool = True) -> Any:
+    def path_flow(self, state: PathAsker, model: str, version: str, timeout: Optional[float],
+                  ask: bool = True) -> Flow[Optional[DirectPath]]:
         """The open path to `model`, asking the daemon for one when due
         (unless not `ask`); None when there is none. (A flow: `yield from` it.)"""
         key = (model, version)
@@ -163,12 +174,14 @@ class DirectPaths:
         if state.direct_group is not None:
             fields["all"] = True             # a path to each instance (broker/direct.py)
         fds: list[int] = []
+        link, make = state.link, state.direct_factory
+        assert link is not None and make is not None    # direct_allowed(): a lane and a factory
         try:
             header, _ = yield from state.exchange(messages.OP_DIRECT, timeout, fields, lane=True)
             result = header["result"]
             names = result.get("paths") or [result["direct"]]
             for name in names:
-                fds.append(state.link.take(name))
+                fds.append(link.take(name))
         except (InferenceError, KeyError, TypeError, AttributeError):
             close_all(fds)
             # not for this model (or not now): the lane takes its requests, and says
@@ -183,7 +196,7 @@ class DirectPaths:
         spin_us = result.get("spin_us")
         members = []
         for name, fd in zip(names, fds):
-            member = state.direct_factory(socket.socket(fileno=fd), model)
+            member = make(socket.socket(fileno=fd), model)
             member.name = name
             member.version = result.get("version")     # the version it serves
             member.spin(spin_us if spin_us.__class__ is int else 0)
@@ -191,7 +204,7 @@ class DirectPaths:
         path = self._paths[key] = members[0] if state.direct_group is None else state.direct_group(members)
         return path
 
-    def ended_flow(self, state: Any, path: "DirectSocket", timeout: Optional[float]) -> Any:
+    def ended_flow(self, state: PathAsker, path: DirectPath, timeout: Optional[float]) -> Flow[InferenceError]:
         """The error of a call `path` had taken when it closed: the daemon
         knows why (the instance crashed, the model is unloading, ...). (A flow.)"""
         try:
@@ -220,25 +233,26 @@ class DirectRequests:
     arena: Optional[ClientArena]
     direct: DirectPaths
     session: Optional[str]
-    direct_factory: Optional[Callable[[socket.socket, str], Any]]
+    direct_factory: Optional[Callable[[socket.socket, str], DirectPath]]
     link: Optional[LocalLink]
     releases: collections.deque[Release]
 
     if TYPE_CHECKING:
-        def _encode_inline(self, inputs: Mapping[str, Any]) -> EncodedInputs: ...
+        def _encode_inline(self, inputs: Inputs) -> EncodedInputs: ...
 
         def finish(self, enc: EncodedInputs, arena: Optional[ClientArena], answered: bool,
-                   rid: Any = None, token: Optional[str] = None) -> None: ...
+                   rid: Optional[int] = None, token: Optional[str] = None) -> None: ...
 
-        def _infer_header(self, model: str, version: Version, enc: EncodedInputs, outputs: Optional[Sequence[Any]],
+        def _infer_header(self, model: str, version: Version, enc: EncodedInputs,
+                          outputs: Optional[Sequence[RequestedOutput]],
                           timeout: Optional[float], priority: int, sequence: Optional[dict]) -> dict: ...
 
-        def open_lane(self) -> Any: ...
+        def open_lane(self) -> Optional[Lane]: ...
 
         def _answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: EncodedInputs,
                       arena: Optional[ClientArena]) -> InferResult: ...
 
-    def direct_request(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
+    def direct_request(self, model: str, inputs: Inputs, outputs: Optional[Sequence[RequestedOutput]],
                        version: Version, timeout: Optional[float] = None) -> Optional[tuple]:
         """(path, id, frames, encoded inputs, session) of a request that goes
         to the open direct path of its model, encoded as `infer_flow` encodes
@@ -262,7 +276,7 @@ class DirectRequests:
             return None
         return path, header["id"], frames, enc, token
 
-    def inline_inputs(self, inputs: Mapping[str, Any]) -> bool:
+    def inline_inputs(self, inputs: Inputs) -> bool:
         """Do these inputs go inline for sure, as a direct path takes them?
         (small arrays not built by empty(), and small RawTensors: the
         gateways' inputs; False without an arena)"""
@@ -270,12 +284,11 @@ class DirectRequests:
         if arena is None:
             return False
         for value in inputs.values():
-            kind = type(value)
-            if kind is np.ndarray:
+            if type(value) is np.ndarray:
                 if tensors.worth_descriptor(value.nbytes) or \
                         (arena.user_blocks and arena.lookup(value) is not None):
                     return False
-            elif kind is not RawTensor or tensors.worth_descriptor(memoryview(value.data).nbytes):
+            elif type(value) is not RawTensor or tensors.worth_descriptor(memoryview(value.data).nbytes):
                 return False
         return True
 

@@ -21,9 +21,10 @@ import collections
 import contextlib
 import itertools
 import math
+import socket
 import threading
 import time
-from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
+from typing import Awaitable, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -37,7 +38,10 @@ from .direct import DirectPaths, DirectRequests, takes_direct
 from .local import LocalLink
 from .outputs import OutputDecoding, Release, Quarantined, EncodedInputs
 from .regions import RegionFlows
-from .types import Call, Classification, Flow, InferResult, NoAnswer, OutputRef, Reply, SequenceId, Version
+from .types import (
+    Call, Classification, DirectPath, Flow, InferResult, Inputs, Lane, NoAnswer, OutputRef, Reply,
+    RequestedOutput, SequenceId, T, Version,
+)
 
 
 class SessionLost(Exception):
@@ -75,14 +79,14 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         self.arena: Optional[ClientArena] = None
         self.link: Optional[LocalLink] = None    # the side channel of a local session
         # makes a local session's request lane (client/lane.py); None: no lane
-        self.lane_factory: Optional[Callable[[LocalLink], Any]] = None
+        self.lane_factory: Optional[Callable[[LocalLink], Lane]] = None
         # makes a direct path's socket (client/direct.py); None: none are asked for
-        self.direct_factory: Optional[Callable[[Any, str], Any]] = None
+        self.direct_factory: Optional[Callable[[socket.socket, str], DirectPath]] = None
         # a caller with many calls in flight asks for a path to each of a
         # model's instances and holds them as one (aio_lane.AsyncPaths); it
         # asks beside its calls, not in one's flow: the calls sent meanwhile
         # would overtake that one (aio.py)
-        self.direct_group: Optional[Callable[[list], Any]] = None
+        self.direct_group: Optional[Callable[[list], DirectPath]] = None
         self.direct = DirectPaths()
         self.local_socket: Optional[str] = None  # where it is (regions attach without an arena)
         self.outputs = OutputMaps()
@@ -100,7 +104,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         self.hello_lock = threading.Lock()
 
     # -- plumbing
-    def call(self, op: str, timeout: Optional[float], **fields: Any) -> Call:
+    def call(self, op: str, timeout: Optional[float], **fields: object) -> Call:
         rid = next(self.ids)
         header = {"v": messages.PROTOCOL_VERSION, "op": op, "id": rid, **fields}
         return Call(rid, [messages.pack(header)], timeout)
@@ -168,7 +172,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
             self.link = None
 
     # -- hello / goodbye
-    def hello_flow(self, timeout: Optional[float]) -> Flow:
+    def hello_flow(self, timeout: Optional[float]) -> Flow[bool]:
         local = self.want_local
         for _attempt in range(2):
             try:
@@ -230,7 +234,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                 self.regions.pop(name, None)
         return True
 
-    def _quiet(self, call: Call) -> Flow:
+    def _quiet(self, call: Call) -> Flow[None]:
         try:
             yield call
         except InferenceError:
@@ -248,7 +252,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         self._drop_session()
 
     # -- generic requests on the session
-    def exchange(self, op: str, timeout: Optional[float], fields: dict[str, object], lane: bool = False) -> Flow:
+    def exchange(self, op: str, timeout: Optional[float], fields: dict[str, object], lane: bool = False) -> Flow[Reply]:
         """One request with `session` and releases (over the session's lane
         when `lane` and it has one); session errors become SessionLost."""
         extra = self.session_fields()
@@ -263,13 +267,13 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                 raise SessionLost(token, exc) from None
             raise
 
-    def control_flow(self, op: str, timeout: Optional[float], fields: dict[str, object]) -> Flow:
+    def control_flow(self, op: str, timeout: Optional[float], fields: dict[str, object]) -> Flow[object]:
         header, _ = yield from self.exchange(op, timeout, fields)
         return header.get("result")
 
     # -- infer
-    def _encode_after_growing(self, inputs: Mapping[str, Any], arena: ClientArena, need: int,
-                              timeout: Optional[float]) -> Flow:
+    def _encode_after_growing(self, inputs: Inputs, arena: ClientArena, need: int,
+                              timeout: Optional[float]) -> Flow[tuple[EncodedInputs, Optional[ClientArena]]]:
         """The inputs did not fit the arena (`need` bytes more): grow it once
         and encode into it; inline if it cannot grow or they still do not fit."""
         if (yield from self._grow(arena, need, timeout)):
@@ -279,7 +283,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                 pass
         return self.encode_inputs(inputs, None), None      # this request goes inline
 
-    def _grow(self, arena: ClientArena, need: int, timeout: Optional[float]) -> Flow:
+    def _grow(self, arena: ClientArena, need: int, timeout: Optional[float]) -> Flow[bool]:
         """Add an arena segment of at least `need` bytes; False if not now.
         One grow at a time: concurrent requests (asyncio) that find no room
         while one is in flight go inline instead of each adding a segment."""
@@ -302,9 +306,9 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
             arena.growing = False
         return True
 
-    def infer_flow(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]],
+    def infer_flow(self, model: str, inputs: Inputs, outputs: Optional[Sequence[RequestedOutput]],
                    version: Version, timeout: Optional[float], copy: bool, priority: int = 0,
-                   sequence: Optional[dict] = None) -> Flow:
+                   sequence: Optional[dict] = None) -> Flow[InferResult]:
         arena = self.arena if self.local else None
         if arena is None:
             enc = self._encode_inline(inputs)
@@ -346,7 +350,8 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         finally:
             self.finish(enc, arena, answered, rid, token)
 
-    def _infer_header(self, model: str, version: Version, enc: EncodedInputs, outputs: Optional[Sequence[Any]],
+    def _infer_header(self, model: str, version: Version, enc: EncodedInputs,
+                      outputs: Optional[Sequence[RequestedOutput]],
                       timeout: Optional[float], priority: int, sequence: Optional[dict]) -> dict:
         wanted = None
         if outputs is not None:
@@ -377,7 +382,8 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         # before finish(): outputs that point into our input blocks keep them
         return self.decode_outputs(header, payload, copy, token, enc, arena)
 
-    def _send_infer(self, rid: Any, frames: list, timeout: Optional[float], direct: Any, lane: Any) -> Flow:
+    def _send_infer(self, rid: int, frames: list, timeout: Optional[float], direct: Optional[DirectPath],
+                    lane: Optional[Lane]) -> Flow[Reply]:
         if direct is not None:
             try:
                 return (yield Call(rid, frames, timeout, direct, request=True))
@@ -390,13 +396,13 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                 # the path closed before it took the request: the lane takes it
         return (yield Call(rid, frames, timeout, lane, request=True))
 
-    def open_lane(self) -> Any:
+    def open_lane(self) -> Optional[Lane]:
         """The session's request lane, while it is open; else None."""
         lane = self.link.lane if self.link is not None else None
         return lane if lane is not None and not lane.lost else None
 
     # -- empty()
-    def empty_flow(self, shape: Sequence[int], datatype: str, timeout: Optional[float]) -> Flow:
+    def empty_flow(self, shape: Sequence[int], datatype: str, timeout: Optional[float]) -> Flow[np.ndarray]:
         if datatype == "BYTES" or datatype not in datatypes.WIRE_DATATYPES:
             raise InferenceError(errors.INVALID_ARG, f"empty(): datatype must be a fixed-size "
                                                      f"datatype, got {datatype!r}")
@@ -428,7 +434,7 @@ def sequence_field(sequence_id: SequenceId, start: bool, end: bool) -> Optional[
 _NO_LOCK = contextlib.nullcontext()
 
 
-def run_sync(flow: Flow, send: Callable[[Call], Reply], lock: Optional[threading.Lock] = None) -> Any:
+def run_sync(flow: Flow[T], send: Callable[[Call], Reply], lock: Optional[threading.Lock] = None) -> T:
     """Drive a flow with a blocking `send(call) -> (header, frames)`. With
     `lock` (the state's, for a client shared by threads) each step of the
     flow runs under it, and the waits for answers do not."""
@@ -449,7 +455,7 @@ def run_sync(flow: Flow, send: Callable[[Call], Reply], lock: Optional[threading
         return stop.value
 
 
-async def run_async(flow: Flow, send: Callable[[Call], Awaitable[Reply]]) -> Any:
+async def run_async(flow: Flow[T], send: Callable[[Call], Awaitable[Reply]]) -> T:
     """Drive a flow with an awaitable `send(call) -> (header, frames)`."""
     try:
         call = next(flow)

@@ -5,7 +5,7 @@ Mixed into `ClientState` (flows.py), whose `session` and `quarantine` it uses.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from ..protocol.messages import INLINE_BUDGET
 from ..protocol.errors import InferenceError
 from .arena import ClientArena, block_size
 from .outputs import Quarantined, EncodedInputs
-from .types import SharedMemoryRef
+from .types import Inputs, SharedMemoryRef
 from .values import nbytes_of, prepare_input
 
 
@@ -28,7 +28,7 @@ class InputEncoding:
     session: Optional[str]
     quarantine: dict[object, Quarantined]
 
-    def encode_inputs(self, inputs: Mapping[str, Any], arena: Optional[ClientArena]) -> EncodedInputs:
+    def encode_inputs(self, inputs: Inputs, arena: Optional[ClientArena]) -> EncodedInputs:
         """Entries and payload frames; inputs go to the arena when there is one.
         Raises NeedRoom (having freed what it took) when the arena is full."""
         if arena is None:
@@ -79,7 +79,7 @@ class InputEncoding:
             raise NeedRoom(need)
         return enc
 
-    def _encode_inline(self, inputs: Mapping[str, Any]) -> EncodedInputs:
+    def _encode_inline(self, inputs: Inputs) -> EncodedInputs:
         """`encode_inputs` without an arena: every tensor's bytes travel in the
         request (inline or as frames); nothing to give back on failure."""
         enc = EncodedInputs()
@@ -102,7 +102,7 @@ class InputEncoding:
         return enc
 
     def finish(self, enc: EncodedInputs, arena: Optional[ClientArena], answered: bool,
-               rid: Any = None, token: Optional[str] = None) -> None:
+               rid: Optional[int] = None, token: Optional[str] = None) -> None:
         """The request is over (answered) or lost (no answer: keep its blocks
         until a late answer arrives, or the session ends)."""
         if not answered:

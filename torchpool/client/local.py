@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..protocol import errors, lane, messages
 from ..protocol.errors import InferenceError
 from ..shm.fdpass import DONTWAIT, FdReceiver, close_all, recv_with_fds
+
+if TYPE_CHECKING:
+    from .types import Lane
 
 MAX_MESSAGE = lane.MAX_DATAGRAM      # the largest datagram the daemon sends here
 ATTACH_TIMEOUT_S = 10.0
@@ -34,7 +37,7 @@ class LocalLink:
         # reader reads this socket, and it keeps what is pushed for take()
         self.lane_ok = lane
         self.direct_ok = direct                  # ... and hands out direct paths (direct.py)
-        self.lane: Any = None
+        self.lane: Optional[Lane] = None
         self._receiver = FdReceiver(MAX_MESSAGE)
 
     @classmethod

@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeGuard
+from typing import Callable, Optional, Sequence, TypeGuard
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from ..protocol.errors import InferenceError
 from .arena import DEFAULT_ARENA_CAP
 from .common import DEFAULT_TIMEOUT, ClientKey, ServerKey
 from .sync import Client, register_several_daemons
-from .types import InferResult, ModelConfig, NoAnswer, SequenceId, Version
+from .types import InferResult, Inputs, ModelConfig, NoAnswer, RequestedOutput, SequenceId, T, Version
 
 DEFAULT_HEALTH_INTERVAL = 1.0   # seconds between checks of a daemon that is down
 PROBE_TIMEOUT = 2.0             # how long a health check waits for `server_ready`
@@ -170,8 +170,8 @@ class MultiClient:
         if exc.code == errors.DEADLINE_EXCEEDED:
             self._nudge.set()
 
-    def _run(self, attempt: Callable[[_Daemon], Any], pinned: Optional[_Daemon] = None,
-             retries: Optional[int] = None) -> Any:
+    def _run(self, attempt: Callable[[_Daemon], T], pinned: Optional[_Daemon] = None,
+             retries: Optional[int] = None) -> T:
         """Run `attempt` on one daemon, moving to others as allowed."""
         left = self.retries if retries is None else retries
         tried: list[_Daemon] = []
@@ -202,7 +202,7 @@ class MultiClient:
             return result
 
     # -- inference
-    def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
+    def infer(self, model: str, inputs: Inputs, outputs: Optional[Sequence[RequestedOutput]] = None,
               version: Version = None, timeout: Optional[float] = None, copy: bool = False,
               priority: int = 0, sequence_id: SequenceId = 0, sequence_start: bool = False,
               sequence_end: bool = False) -> InferResult:
@@ -214,8 +214,8 @@ class MultiClient:
             return self._run(attempt)
         return self._run_in_sequence(attempt, sequence_id, sequence_start, sequence_end)
 
-    def _run_in_sequence(self, attempt: Callable[[_Daemon], Any], sequence_id: SequenceId, start: bool,
-                         end: bool) -> Any:
+    def _run_in_sequence(self, attempt: Callable[[_Daemon], T], sequence_id: SequenceId, start: bool,
+                         end: bool) -> T:
         """A sequence's first request picks its daemon; the others follow it
         there. (A sequence that never ends is remembered until close().)"""
         key = (type(sequence_id).__name__, sequence_id)
@@ -224,7 +224,7 @@ class MultiClient:
         if pinned is None:
             tried: list[_Daemon] = []
 
-            def first(daemon: _Daemon) -> Any:
+            def first(daemon: _Daemon) -> T:
                 tried.append(daemon)
                 return attempt(daemon)
             try:
@@ -255,7 +255,7 @@ class MultiClient:
         return np.empty(tuple(int(d) for d in shape), datatypes.numpy_dtype(datatype))
 
     # -- control calls
-    def _read(self, call: Callable[[Client], Any]) -> Any:
+    def _read(self, call: Callable[[Client], T]) -> T:
         """A control read: any daemon that is up answers; reads move freely."""
         return self._run(lambda daemon: call(daemon.client), retries=len(self._daemons))
 
@@ -302,7 +302,7 @@ class MultiClient:
         """Unload the model on every daemon."""
         self._every(lambda c: c.unload(name, timeout))
 
-    def _every(self, call: Callable[[Client], Any]) -> None:
+    def _every(self, call: Callable[[Client], object]) -> None:
         failure: Optional[InferenceError] = None
         for d in self._daemons:
             try:

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 
 from ..protocol import datatypes, errors, tensors
 from ..protocol.errors import InferenceError, TorchpoolError
 from .arena import ArenaBlock, ClientArena, OutputMaps
-from .types import InferResult, RegionOutput
+from .types import InferResult, OutputValue, RegionOutput, Tensor
 from .values import as_value
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 
 # an output lent to session `token`, to give back: (token, [segment, offset, generation])
@@ -49,7 +52,7 @@ class OutputDecoding:
     quarantine: dict[object, Quarantined]
     arena: Optional[ClientArena]
 
-    def decode_outputs(self, header: dict, frames: Sequence[Any], copy: bool,
+    def decode_outputs(self, header: dict, frames: Sequence[Buffer], copy: bool,
                        token: Optional[str] = None, enc: Optional[EncodedInputs] = None,
                        arena: Optional[ClientArena] = None) -> InferResult:
         """The outputs of an answer to a request sent in session `token`
@@ -59,6 +62,7 @@ class OutputDecoding:
         entries = header.get("outputs") or []
         error: Optional[BaseException] = None
         kept: dict[ArenaBlock, np.ndarray] = {}
+        value: OutputValue
         for e in entries:
             try:
                 where = tensors.location(e)
@@ -82,7 +86,7 @@ class OutputDecoding:
             raise error
         return result
 
-    def _lent_output(self, e: dict, copy: bool, token: Optional[str]) -> Any:
+    def _lent_output(self, e: dict, copy: bool, token: Optional[str]) -> Tensor:
         """An output lent in the worker's memory: a read-only view of it,
         released to the daemon once the view is garbage (at once with
         `copy`, or for BYTES and BF16, which are converted)."""
@@ -131,7 +135,7 @@ class OutputDecoding:
 
 
 def _reused_output(e: dict, copy: bool, enc: Optional[EncodedInputs], arena: Optional[ClientArena],
-                   kept: dict[ArenaBlock, np.ndarray]) -> Any:
+                   kept: dict[ArenaBlock, np.ndarray]) -> Tensor:
     """An output that is a view of one of this request's input blocks (the
     model returned its input, or a part of it): a read-only array on that
     block, which stays ours until the array goes. `kept` maps the blocks

@@ -8,7 +8,7 @@ afterwards. Regions need a local session (the daemon must know who we are).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from ..protocol import errors
 from ..protocol.errors import InferenceError, TorchpoolError
@@ -16,14 +16,14 @@ from ..protocol.messages import (OP_REGISTER, OP_SHM_STATUS, OP_UNREGISTER, REGI
                                  REGION_TOKEN_MIN_BYTES)
 from ..protocol.names import check_shm_key
 from .local import LocalLink
-from .types import Flow, OutputRef, SharedMemoryRef
+from .types import Flow, Inputs, OutputRef, Reply, RequestedOutput, SharedMemoryRef
 
 
 def _shm_key(key: str) -> str:
     return "/" + key.lstrip("/")
 
 
-def needs_session(inputs: Mapping[str, Any], outputs: Optional[Iterable[Any]]) -> bool:
+def needs_session(inputs: Inputs, outputs: Optional[Iterable[RequestedOutput]]) -> bool:
     """Does this request name registered regions (so it cannot run without a session)?"""
     for value in inputs.values():          # a loop, not any(): no generator per call
         if isinstance(value, SharedMemoryRef):
@@ -54,12 +54,12 @@ class RegionFlows:
 
     if TYPE_CHECKING:
         def exchange(self, op: str, timeout: Optional[float], fields: dict[str, object],
-                     lane: bool = False) -> Flow: ...
+                     lane: bool = False) -> Flow[Reply]: ...
 
-        def control_flow(self, op: str, timeout: Optional[float], fields: dict[str, object]) -> Flow: ...
+        def control_flow(self, op: str, timeout: Optional[float], fields: dict[str, object]) -> Flow[object]: ...
 
     def register_flow(self, name: str, key: str, byte_size: int, offset: int,
-                      timeout: Optional[float]) -> Flow:
+                      timeout: Optional[float]) -> Flow[bool]:
         """Register a region after proving we can write it (the daemon's nonce at `offset`)."""
         import posix_ipc
 
@@ -108,7 +108,7 @@ class RegionFlows:
         self.regions[name] = (key, byte_size, offset)
         return True
 
-    def unregister_flow(self, name: Optional[str], timeout: Optional[float]) -> Flow:
+    def unregister_flow(self, name: Optional[str], timeout: Optional[float]) -> Flow[object]:
         result = yield from self.control_flow(OP_UNREGISTER, timeout, {"name": name})
         if name is None:
             self.regions.clear()
@@ -116,5 +116,5 @@ class RegionFlows:
             self.regions.pop(name, None)
         return result
 
-    def status_flow(self, name: Optional[str], timeout: Optional[float]) -> Flow:
+    def status_flow(self, name: Optional[str], timeout: Optional[float]) -> Flow[object]:
         return (yield from self.control_flow(OP_SHM_STATUS, timeout, {"name": name}))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence, cast
 
 import numpy as np
 import zmq
@@ -18,16 +18,16 @@ from .lane import LaneSocket
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control, error_of
 from .flows import ClientState, SessionLost, is_session_error, run_sync, sequence_field
 from .regions import needs_session
-from .types import Call, Flow, NoAnswer
-from .types import InferResult, ModelConfig, SequenceId, Version
+from .types import Call, Flow, NoAnswer, T
+from .types import InferResult, Inputs, ModelConfig, RequestedOutput, SequenceId, Version
 
 
 # What Client([url, ...]) makes: multi.MultiClient, which registers itself
 # when the package loads (multi.py imports this module, so not the reverse).
-_several_daemons: Optional[Callable[..., Any]] = None
+_several_daemons: Optional[Callable[..., object]] = None
 
 
-def register_several_daemons(factory: Callable[..., Any]) -> None:
+def register_several_daemons(factory: Callable[..., object]) -> None:
     global _several_daemons
     _several_daemons = factory
 
@@ -82,10 +82,11 @@ class Client(ClientBase):
     ipc:// connections are plain whatever the keys.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+    def __new__(cls, *args: object, **kwargs: object) -> Client:
         url = args[0] if args else kwargs.get("url")
         if cls is Client and isinstance(url, (list, tuple)) and _several_daemons is not None:
-            return _several_daemons(*args, **kwargs)
+            # a multi.MultiClient: not a subclass, it answers the same calls
+            return cast(Client, _several_daemons(*args, **kwargs))
         return super().__new__(cls)
 
     def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT, local: Optional[bool] = None,
@@ -111,10 +112,11 @@ class Client(ClientBase):
         if call.channel is None:
             header, payload = self._channel.request(call.frames, call.rid, limit)
         else:
+            channel = cast("LaneSocket", call.channel)    # what this client's factories made
             try:
-                header, payload = call.channel.request(call.frames, call.rid, limit)
+                header, payload = channel.request(call.frames, call.rid, limit)
             except NoAnswer as exc:
-                if exc.sent or not call.channel.lost or not call.channel.zmq_fallback:
+                if exc.sent or not channel.lost or not channel.zmq_fallback:
                     raise
                 # the lane was closed before it was sent: the daemon ended the session
                 # (or stopped), which it says over ZeroMQ; the flow then says hello again
@@ -123,7 +125,7 @@ class Client(ClientBase):
             raise error_of(header)
         return header, payload
 
-    def _perform(self, make_flow: Callable[[], Flow], timeout: Optional[float], session: bool = False) -> Any:
+    def _perform(self, make_flow: Callable[[], Flow[T]], timeout: Optional[float], session: bool = False) -> T:
         """Run a flow; say hello first when due; once more after a lost session."""
         st = self._state
         for attempt in range(2):
@@ -140,8 +142,9 @@ class Client(ClientBase):
                     st.session_lost(lost.token)
                 if attempt:
                     raise lost.error from None
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
-    def _control(self, op: str, timeout: Optional[float] = None, **fields: Any) -> Any:
+    def _control(self, op: str, timeout: Optional[float] = None, **fields: object) -> object:
         if self._state.session is None:     # the plain path: as before sessions existed
             rid = next(self._ids)
             header, _ = self._call(encode_control(rid, op, **fields), rid, timeout)
@@ -159,21 +162,22 @@ class Client(ClientBase):
         return bool(self._control(messages.OP_MODEL_READY, model=name, version=self._version_field(version)))
 
     def model_metadata(self, name: str, version: Version = None) -> dict:
-        return self._control(messages.OP_MODEL_METADATA, model=name, version=self._version_field(version))
+        return cast(dict, self._control(messages.OP_MODEL_METADATA, model=name, version=self._version_field(version)))
 
     def model_config(self, name: str, version: Version = None) -> dict:
-        return self._control(messages.OP_MODEL_CONFIG, model=name, version=self._version_field(version))
+        return cast(dict, self._control(messages.OP_MODEL_CONFIG, model=name, version=self._version_field(version)))
 
     def repository_index(self) -> list[dict]:
-        return self._control(messages.OP_REPOSITORY_INDEX)
+        return cast("list[dict]", self._control(messages.OP_REPOSITORY_INDEX))
 
     def server_metadata(self) -> dict:
-        return self._control(messages.OP_SERVER_METADATA)
+        return cast(dict, self._control(messages.OP_SERVER_METADATA))
 
     def statistics(self, model: Optional[str] = None, version: Version = None) -> dict:
         """Triton's statistics: {"model_stats": [{name, version, inference_count,
         execution_count, inference_stats: {success, fail, queue, compute_*}, batch_stats}]}."""
-        return self._control(messages.OP_STATISTICS, model=model or "", version=self._version_field(version))
+        return cast(dict, self._control(messages.OP_STATISTICS, model=model or "",
+                                        version=self._version_field(version)))
 
     def load(self, name: str, config: ModelConfig = None, timeout: Optional[float] = None) -> None:
         """Load or reload a model (--model-control-mode explicit); returns once
@@ -186,7 +190,7 @@ class Client(ClientBase):
         self._control(messages.OP_UNLOAD, timeout, model=name)
 
     # -- inference
-    def infer(self, model: str, inputs: Mapping[str, Any], outputs: Optional[Sequence[Any]] = None,
+    def infer(self, model: str, inputs: Inputs, outputs: Optional[Sequence[RequestedOutput]] = None,
               version: Version = None, timeout: Optional[float] = None, copy: bool = False,
               priority: int = 0, sequence_id: SequenceId = 0, sequence_start: bool = False,
               sequence_end: bool = False) -> InferResult:
@@ -275,7 +279,7 @@ class Client(ClientBase):
 
     def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[dict]:
         """[{name, key, offset, byte_size, in_use}] of this client's regions."""
-        return self._perform(lambda: self._state.status_flow(name, None), None, True)
+        return cast("list[dict]", self._perform(lambda: self._state.status_flow(name, None), None, True))
 
     # -- lifetime
     def close(self, wait: float = GOODBYE_WAIT) -> None:
@@ -311,5 +315,5 @@ class Client(ClientBase):
     def __enter__(self) -> "Client":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, Optional, Union
+from typing import TYPE_CHECKING, Generator, Mapping, Optional, Protocol, Sequence, TypeVar, Union
 
 import numpy as np
 
 from ..protocol import datatypes, tensors
 from ..protocol.errors import InferenceError
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Buffer
+
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class RawTensor:
 
     datatype: str
     shape: tuple
-    data: Any
+    data: Buffer
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -117,7 +122,7 @@ class RegionOutput:
     datatype: str
     shape: tuple
 
-    def as_array(self, buf: Any) -> np.ndarray:
+    def as_array(self, buf: Buffer) -> np.ndarray:
         data = memoryview(buf).cast("B")[self.offset:self.offset + self.nbytes]
         return tensors.decode_array(self.datatype, self.shape, data)
 
@@ -139,7 +144,7 @@ class InferResult(dict):
     def __enter__(self) -> "InferResult":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.clear()
 
 
@@ -156,7 +161,41 @@ class NoAnswer(InferenceError):
     def __init__(self, code: str, message: str, sent: bool = True) -> None:
         super().__init__(code, message)
         self.sent = sent
-        self.path: Any = None
+        self.path: Optional[DirectPath] = None
+
+
+class Path(Protocol):
+    """The channel a `Call` goes on, other than ZeroMQ: a session's lane or a
+    direct path. The sync client's are lane.LaneSocket and direct.DirectSocket,
+    the asyncio client's aio_lane.AsyncLane, AsyncDirect and AsyncPaths: the
+    driver that made one (through `ClientState.lane_factory` /
+    `direct_factory`) sends on it."""
+
+    @property
+    def lost(self) -> bool: ...
+
+    @property
+    def zmq_fallback(self) -> bool: ...
+
+
+class Lane(Path, Protocol):
+    """A session's request lane (lane.LaneSocket, aio_lane.AsyncLane)."""
+
+    def close(self, wait: float) -> None: ...
+
+
+class DirectPath(Path, Protocol):
+    """A direct path to a model's instance (or several standing as one)."""
+
+    model: str
+    name: str               # the daemon's name of the path (for ended_flow)
+    version: object         # the model version it serves (as the daemon said)
+
+    def spin(self, window_us: int) -> None: ...
+
+    def shut(self) -> None: ...
+
+    def lost_error(self) -> InferenceError: ...
 
 
 class Call:
@@ -165,7 +204,7 @@ class Call:
 
     __slots__ = ("rid", "frames", "timeout", "channel", "request")
 
-    def __init__(self, rid: int, frames: list, timeout: Optional[float], channel: Any = None,
+    def __init__(self, rid: int, frames: list, timeout: Optional[float], channel: Optional[Path] = None,
                  request: bool = False) -> None:
         self.rid, self.frames, self.timeout = rid, frames, timeout
         self.channel = channel       # the session's lane (client/lane.py) when it goes there
@@ -175,8 +214,29 @@ class Call:
 Reply = tuple[dict, list]
 """An answer: its header and its payload frames."""
 
-# a flow yields the calls it wants sent and is sent each one's answer
-Flow = Generator[Call, Reply, Any]
+T = TypeVar("T")
+
+# a flow yields the calls it wants sent and is sent each one's answer; it returns a T
+Flow = Generator[Call, Reply, T]
+
+if TYPE_CHECKING:
+    Tensor = Union[np.ndarray, torch.Tensor]
+else:
+    Tensor = np.ndarray
+"""An output's value: a numpy array, or a torch tensor for BF16 (values.py)."""
+
+OutputValue = Union[Tensor, RegionOutput]
+"""What an `InferResult` holds: a tensor, or where one was written into a region."""
+
+InputValue = Union[Tensor, RawTensor, SharedMemoryRef, Sequence[str], Sequence[bytes]]
+"""What `infer` takes as an input: a numpy array or torch tensor, a list of
+str or bytes (BYTES), a `RawTensor` or a `SharedMemoryRef`."""
+
+Inputs = Mapping[str, InputValue]
+"""The inputs of a request, by name."""
+
+RequestedOutput = Union[str, OutputRef, Classification]
+"""An output asked for: its name, an `OutputRef` or a `Classification`."""
 
 Version = Optional[Union[int, str]]
 """A model version as callers name it: its number (as int or text); None (or

@@ -9,13 +9,21 @@ tensor or a BF16 output arrives: a client-only install has no torch.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence, Union, cast
 
 import numpy as np
 
 from ..protocol import datatypes, errors, tensors
 from ..protocol.errors import InferenceError
-from .types import RawTensor
+from .types import InputValue, RawTensor, Tensor
+
+if TYPE_CHECKING:
+    import torch
+    from typing_extensions import Buffer
+
+# A prepared input's bytes: a numpy array (maybe not contiguous, maybe not
+# native byte order), or bytes / a view to send as they are.
+Source = Union[np.ndarray, bytes, memoryview]
 
 
 # The wire datatype of each numpy dtype met so far that needs no conversion
@@ -23,7 +31,7 @@ from .types import RawTensor
 _PLAIN_DTYPES: dict[np.dtype, str] = {}
 
 
-def prepare_input(name: str, value: Any) -> tuple[str, list[int], Any]:
+def prepare_input(name: str, value: InputValue) -> tuple[str, list[int], Source]:
     """(datatype, shape, source): source is a numpy array (maybe not
     contiguous, maybe not native byte order) or the encoded bytes of a BYTES
     tensor. Torch tensors are viewed through numpy (no copy when on the CPU);
@@ -38,7 +46,7 @@ def prepare_input(name: str, value: Any) -> tuple[str, list[int], Any]:
     if module == "torch" or module.startswith("torch."):
         import torch  # the caller already has torch loaded
 
-        t = value.detach()
+        t = cast("torch.Tensor", value).detach()
         if t.device.type != "cpu":
             t = t.cpu()
         t = t.resolve_conj().resolve_neg()
@@ -64,12 +72,12 @@ def prepare_input(name: str, value: Any) -> tuple[str, list[int], Any]:
     return datatype, list(value.shape), value
 
 
-def nbytes_of(src: Any) -> int:
+def nbytes_of(src: Source) -> int:
     """Bytes of a prepared source."""
     return src.nbytes if isinstance(src, np.ndarray) else len(src)
 
 
-def as_value(datatype: str, shape: Sequence[int], data: Any) -> Any:
+def as_value(datatype: str, shape: Sequence[int], data: Buffer) -> Tensor:
     """Tensor bytes as what `infer` returns (see the module doc)."""
     arr = tensors.decode_array(datatype, shape, data)
     if datatype != "BF16":
@@ -81,7 +89,7 @@ def as_value(datatype: str, shape: Sequence[int], data: Any) -> Any:
     return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
 
 
-def output_array(entry: dict, frames: Sequence[Any]) -> Any:
+def output_array(entry: dict, frames: Sequence[Buffer]) -> Tensor:
     """An output that came as bytes (inline or a payload frame): a read-only
     view that keeps the frame alive (no copy); see `as_value`."""
     return as_value(entry[tensors.DATATYPE], entry[tensors.SHAPE], tensors.tensor_payload(entry, frames))

@@ -1,7 +1,7 @@
 """The JSON form of a configuration: what pbtxt.py and json.load give,
 conform.py checks field by field against the schema, and normalize.py fills.
 
-One recursive alias, not `Any`: a value's shape is the schema's, checked at
+One recursive alias, not an unchecked type: a value's shape is the schema's, checked at
 run time by `conform_message`, so readers narrow (or cast, where the schema
 has already decided the type) before they use one.
 """

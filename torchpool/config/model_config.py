@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, cast
 
 from .conform import conform_message
 from .devices import visible_gpus
 from .errors import ConfigError, FieldError
 from .normalize import BACKEND, PLATFORM, normalize
 from .schema import ROOT_MESSAGE
+from .shapes import BatchInput, BatchOutput, DynamicBatching, RawConfig, SequenceBatching, TensorEntry, VersionPolicy
 from .warmup import WarmupInput, WarmupSample, warmup_samples
 
 __all__ = ["ConfigError", "ModelConfig", "TensorSpec", "InstanceGroup", "SequenceState",
@@ -74,7 +75,7 @@ class SequenceState:
     initial_state: Optional[dict] = None   # zero_data or data_file (the first one given)
 
 
-def _first_initial_state(value: Any) -> Optional[dict]:
+def _first_initial_state(value: object) -> Optional[dict]:
     if isinstance(value, list):
         return value[0] if value else None
     return value if isinstance(value, dict) else None
@@ -90,14 +91,15 @@ class ModelConfig:
     outputs: tuple[TensorSpec, ...]
     instance_groups: tuple[InstanceGroup, ...]
     # {"latest": {"num_versions": 1}} | {"all": {}} | {"specific": {"versions": [..]}}
-    version_policy: dict[str, Any]
+    version_policy: VersionPolicy
     default_model_filename: str         # "model.pt" unless set
     parameters: dict[str, str]          # key -> string_value
-    dynamic_batching: Optional[dict[str, Any]] = None
-    sequence_batching: Optional[dict[str, Any]] = None
-    batch_inputs: tuple[dict[str, Any], ...] = ()
-    batch_outputs: tuple[dict[str, Any], ...] = ()
+    dynamic_batching: Optional[DynamicBatching] = None
+    sequence_batching: Optional[SequenceBatching] = None
+    batch_inputs: tuple[BatchInput, ...] = ()
+    batch_outputs: tuple[BatchOutput, ...] = ()
     warmup: tuple[WarmupSample, ...] = ()   # the samples to run (batch_size > 0), in config order
+    # a RawConfig (shapes.py), kept a plain dict for the readers that take one (broker/registry.py)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     # by name, for the broker's per-request lookups (filled in __post_init__)
     inputs_by_name: dict[str, TensorSpec] = field(init=False, compare=False, repr=False)
@@ -122,7 +124,7 @@ class ModelConfig:
                 for s in batching.get("state", ())]
 
     @classmethod
-    def from_json(cls, d: dict[str, Any], source: str = "<config>",
+    def from_json(cls, d: Mapping[str, object], source: str = "<config>",
                   gpus: Optional[Sequence[int]] = None) -> "ModelConfig":
         """Validate a JSON-form configuration and fill in Triton's defaults.
 
@@ -143,12 +145,12 @@ class ModelConfig:
             raise ConfigError(_error_text(source, name, err)) from None
         return _typed_view(raw)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> RawConfig:
         """The normalised JSON form (a copy of `raw`, so callers may mutate it)."""
-        return copy.deepcopy(self.raw)
+        return cast(RawConfig, copy.deepcopy(self.raw))
 
 
-def _error_text(source: str, model: Any, err: FieldError) -> str:
+def _error_text(source: str, model: object, err: FieldError) -> str:
     parts = [source]
     if isinstance(model, str) and model:
         parts.append(f"model '{model}'")
@@ -158,7 +160,7 @@ def _error_text(source: str, model: Any, err: FieldError) -> str:
     return ": ".join(parts)
 
 
-def _typed_view(raw: dict[str, Any]) -> ModelConfig:
+def _typed_view(raw: RawConfig) -> ModelConfig:
     """The `ModelConfig` of a normalised `raw` (which it keeps)."""
     return ModelConfig(
         name=raw["name"], platform=PLATFORM, backend=BACKEND, max_batch_size=raw["max_batch_size"],
@@ -174,11 +176,11 @@ def _typed_view(raw: dict[str, Any]) -> ModelConfig:
         batch_inputs=tuple(copy.deepcopy(raw["batch_input"])),
         batch_outputs=tuple(copy.deepcopy(raw["batch_output"])),
         warmup=warmup_samples(raw.get("model_warmup", [])),
-        raw=raw,
+        raw=cast("dict[str, Any]", raw),
     )
 
 
-def _tensor_spec(entry: dict[str, Any]) -> TensorSpec:
+def _tensor_spec(entry: TensorEntry) -> TensorSpec:
     reshape = entry.get("reshape")
     return TensorSpec(
         name=entry["name"], data_type=entry["data_type"], dims=tuple(entry["dims"]),

@@ -10,10 +10,15 @@ Problems raise `FieldError(path, message)`.
 """
 from __future__ import annotations
 
-from typing import Any, Collection, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence, cast
 
 from .errors import fail
 from .schema import BATCH_INPUT_KIND_ENUM, BATCH_OUTPUT_KIND_ENUM
+from .jsonvalue import JSONObject
+from .shapes import (
+    BatchInput, BatchOutput, DynamicBatching, InstanceGroupEntry, QueuePolicy, RawConfig, SequenceBatching,
+    TensorEntry, VersionPolicy,
+)
 from .warmup import normalize_warmup
 
 __all__ = ["normalize", "PLATFORM", "BACKEND", "WILDCARD_DIM"]
@@ -35,28 +40,27 @@ _CANONICAL_ORDER = (
 )
 
 
-def normalize(cfg: dict[str, Any], gpus: Sequence[int]) -> dict[str, Any]:
+def normalize(conformed: JSONObject, gpus: Sequence[int]) -> RawConfig:
     """The `raw` form of a conformed configuration; `gpus` are the GPU ids
     visible on this host (KIND_AUTO becomes KIND_GPU on them, else KIND_CPU)."""
+    cfg = cast(RawConfig, conformed)    # conform_message made every field of its schema type
     name = _normalize_name(cfg)
     _check_platform(cfg)
     max_batch_size = cfg.get("max_batch_size", 0)
     if max_batch_size < 0:
         fail("max_batch_size", f"'max_batch_size' must be non-negative value for {name}, got {max_batch_size}")
-    _normalize_tensors(cfg, "input", max_batch_size)
-    _normalize_tensors(cfg, "output", max_batch_size)
+    _normalize_tensors(cfg.get("input", []), "input", max_batch_size)
+    _normalize_tensors(cfg.get("output", []), "output", max_batch_size)
     input_names = [t["name"] for t in cfg["input"]]
     output_names = [t["name"] for t in cfg["output"]]
-    cfg.update(
-        platform=PLATFORM, backend=BACKEND, max_batch_size=max_batch_size,
-        batch_input=_normalize_batch_inputs(cfg, input_names),
-        batch_output=_normalize_batch_outputs(cfg, input_names, output_names),
-        instance_group=_normalize_instance_groups(cfg, name, gpus),
-        version_policy=_normalize_version_policy(cfg.get("version_policy")),
-        default_model_filename=cfg.get("default_model_filename") or DEFAULT_MODEL_FILENAME,
-        parameters={k: {"string_value": v.get("string_value", "")}
-                    for k, v in cfg.get("parameters", {}).items()},
-    )
+    cfg["platform"], cfg["backend"], cfg["max_batch_size"] = PLATFORM, BACKEND, max_batch_size
+    cfg["batch_input"] = _normalize_batch_inputs(cfg, input_names)
+    cfg["batch_output"] = _normalize_batch_outputs(cfg, input_names, output_names)
+    cfg["instance_group"] = _normalize_instance_groups(cfg, name, gpus)
+    cfg["version_policy"] = _normalize_version_policy(cfg.get("version_policy"))
+    cfg["default_model_filename"] = cfg.get("default_model_filename") or DEFAULT_MODEL_FILENAME
+    cfg["parameters"] = {k: {"string_value": v.get("string_value", "")}
+                         for k, v in cfg.get("parameters", {}).items()}
     _normalize_dynamic_batching(cfg, max_batch_size)
     _normalize_sequence_batching(cfg, max_batch_size)
     if "model_warmup" in cfg:
@@ -64,20 +68,20 @@ def normalize(cfg: dict[str, Any], gpus: Sequence[int]) -> dict[str, Any]:
     return _in_canonical_order(cfg)
 
 
-def _in_canonical_order(cfg: dict[str, Any]) -> dict[str, Any]:
+def _in_canonical_order(cfg: Mapping[str, object]) -> RawConfig:
     ordered = {k: cfg[k] for k in _CANONICAL_ORDER if k in cfg}
     ordered.update((k, v) for k, v in cfg.items() if k not in ordered)
-    return ordered
+    return cast(RawConfig, ordered)     # the same fields, reordered
 
 
-def _normalize_name(cfg: dict[str, Any]) -> str:
+def _normalize_name(cfg: RawConfig) -> str:
     name = cfg.get("name", "")
     if not name:
         fail("name", "model configuration must specify 'name'")
     return name
 
 
-def _check_platform(cfg: dict[str, Any]) -> None:
+def _check_platform(cfg: RawConfig) -> None:
     """Only TorchScript models are served; missing both means "pytorch" (Triton
     would guess from the model file, and `model.pt` is PyTorch's)."""
     platform, backend = cfg.get("platform", ""), cfg.get("backend", "")
@@ -90,9 +94,8 @@ def _check_platform(cfg: dict[str, Any]) -> None:
 
 # -- inputs and outputs -------------------------------------------------------
 
-def _normalize_tensors(cfg: dict[str, Any], kind: str, max_batch_size: int) -> None:
-    """Validate `input` or `output` entries, filling Triton's per-tensor defaults."""
-    entries = cfg.get(kind, [])
+def _normalize_tensors(entries: list[TensorEntry], kind: str, max_batch_size: int) -> None:
+    """Validate `input` or `output` entries (of `kind`), filling Triton's per-tensor defaults."""
     if not entries:
         fail("", f"model configuration must contain at least one {kind}, none were specified.")
     seen: set[str] = set()
@@ -102,18 +105,18 @@ def _normalize_tensors(cfg: dict[str, Any], kind: str, max_batch_size: int) -> N
         if entry["name"] in seen:
             fail(f"{path}.name", f"{kind} '{entry['name']}' is specified more than once")
         seen.add(entry["name"])
-        defaults: dict[str, Any] = (
+        defaults: TensorEntry = (
             {"format": "FORMAT_NONE", "is_shape_tensor": False, "allow_ragged_batch": False, "optional": False}
             if kind == "input" else {"label_filename": "", "is_shape_tensor": False})
         entries[index] = _with_defaults(entry, defaults)
 
 
-def _with_defaults(entry: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+def _with_defaults(entry: TensorEntry, defaults: TensorEntry) -> TensorEntry:
     """`entry` with missing fields filled, keeping the fields as written first."""
-    return {**entry, **{k: v for k, v in defaults.items() if k not in entry}}
+    return cast(TensorEntry, {**entry, **{k: v for k, v in defaults.items() if k not in entry}})
 
 
-def _check_tensor(entry: dict[str, Any], kind: str, path: str, max_batch_size: int) -> None:
+def _check_tensor(entry: TensorEntry, kind: str, path: str, max_batch_size: int) -> None:
     what = f"model {kind}"
     name = entry.get("name", "")
     if not name:
@@ -137,7 +140,7 @@ def _check_dims(dims: list[int], path: str, what: str) -> None:
             fail(path, f"{what} must be integer >= 1, or -1 to indicate a variable-size dimension, got {dim}")
 
 
-def _check_reshape(entry: dict[str, Any], dims: list[int], path: str, what: str,
+def _check_reshape(entry: TensorEntry, dims: list[int], path: str, what: str,
                    max_batch_size: int) -> None:
     """Triton's rule: same element count, compared between -1 dimensions."""
     if "reshape" not in entry:
@@ -165,7 +168,7 @@ def _element_counts(dims: list[int]) -> list[int]:
     return counts
 
 
-def _check_format(entry: dict[str, Any], dims: list[int], path: str, what: str) -> None:
+def _check_format(entry: TensorEntry, dims: list[int], path: str, what: str) -> None:
     fmt = entry.get("format", "FORMAT_NONE")
     if fmt != "FORMAT_NONE" and len(dims) != 3:
         fail(f"{path}.format", f"{what} NHWC/NCHW require 3 dims")
@@ -173,12 +176,12 @@ def _check_format(entry: dict[str, Any], dims: list[int], path: str, what: str) 
 
 # -- batch inputs and outputs -------------------------------------------------
 
-def _normalize_batch_inputs(cfg: dict[str, Any], input_names: list[str]) -> list[dict[str, Any]]:
+def _normalize_batch_inputs(cfg: RawConfig, input_names: list[str]) -> list[BatchInput]:
     names = set(input_names)
     out = []
-    for index, entry in enumerate(cfg.get("batch_input", [])):
+    for index, given in enumerate(cfg.get("batch_input", [])):
         path = f"batch_input[{index}]"
-        entry = {"kind": BATCH_INPUT_KIND_ENUM[0], "target_name": [], "source_input": [], **entry}
+        entry: BatchInput = {"kind": BATCH_INPUT_KIND_ENUM[0], "target_name": [], "source_input": [], **given}
         kind = entry["kind"]
         if not entry["target_name"]:
             fail(f"{path}.target_name", "batch input must specify 'target_name'")
@@ -189,12 +192,12 @@ def _normalize_batch_inputs(cfg: dict[str, Any], input_names: list[str]) -> list
     return out
 
 
-def _normalize_batch_outputs(cfg: dict[str, Any], input_names: list[str],
-                             output_names: list[str]) -> list[dict[str, Any]]:
+def _normalize_batch_outputs(cfg: RawConfig, input_names: list[str],
+                             output_names: list[str]) -> list[BatchOutput]:
     out = []
-    for index, entry in enumerate(cfg.get("batch_output", [])):
+    for index, given in enumerate(cfg.get("batch_output", [])):
         path = f"batch_output[{index}]"
-        entry = {"kind": BATCH_OUTPUT_KIND_ENUM[0], "target_name": [], "source_input": [], **entry}
+        entry: BatchOutput = {"kind": BATCH_OUTPUT_KIND_ENUM[0], "target_name": [], "source_input": [], **given}
         kind = entry["kind"]
         _check_sources(entry["source_input"], input_names, path, f"batch output kind '{kind}'")
         targets = entry["target_name"]
@@ -216,20 +219,21 @@ def _check_sources(sources: list[str], names: Collection[str], path: str, what: 
 
 # -- instance groups and versions ---------------------------------------------
 
-def _normalize_instance_groups(cfg: dict[str, Any], model: str, gpus: Sequence[int]) -> list[dict[str, Any]]:
+def _normalize_instance_groups(cfg: RawConfig, model: str, gpus: Sequence[int]) -> list[InstanceGroupEntry]:
     """Triton's naming: the implicit group is named after the model, an unnamed
     explicit group `<model>_<index>`; a count of 0 (proto3 "unset") means 1.
     As in Triton, KIND_AUTO is resolved here (KIND_GPU where a GPU is visible,
     else KIND_CPU) and a KIND_GPU group without `gpus` gets every visible one,
     so `model_config` shows where the instances run; the supervisor places
     them by the same rule (its `instance_devices`)."""
-    groups = cfg.get("instance_group") or [{"name": model}]
+    groups: list[InstanceGroupEntry] = cfg.get("instance_group") or [{"name": model}]
     out = []
-    for index, group in enumerate(groups):
+    for index, given in enumerate(groups):
         path = f"instance_group[{index}]"
-        group = {"name": group.get("name") or f"{model}_{index}", "kind": group.get("kind", "KIND_AUTO"),
-                 "count": group.get("count", 0), "gpus": group.get("gpus", []),
-                 **{k: v for k, v in group.items() if k not in ("name", "kind", "count", "gpus")}}
+        group = cast(InstanceGroupEntry, {
+            "name": given.get("name") or f"{model}_{index}", "kind": given.get("kind", "KIND_AUTO"),
+            "count": given.get("count", 0), "gpus": given.get("gpus", []),
+            **{k: v for k, v in given.items() if k not in ("name", "kind", "count", "gpus")}})
         label = f"instance group {group['name']} of model {model}"
         kind = group["kind"]
         if kind == "KIND_AUTO":
@@ -248,7 +252,7 @@ def _normalize_instance_groups(cfg: dict[str, Any], model: str, gpus: Sequence[i
     return out
 
 
-def _normalize_version_policy(policy: Optional[dict[str, Any]]) -> dict[str, Any]:
+def _normalize_version_policy(policy: Optional[VersionPolicy]) -> VersionPolicy:
     """Exactly one of latest / all / specific; none at all means latest 1."""
     if not policy:
         return {"latest": {"num_versions": 1}}
@@ -273,24 +277,25 @@ def _normalize_version_policy(policy: Optional[dict[str, Any]]) -> dict[str, Any
 
 # -- schedulers ---------------------------------------------------------------
 
-_QUEUE_POLICY_DEFAULTS = {
+_QUEUE_POLICY_DEFAULTS: QueuePolicy = {
     "timeout_action": "REJECT", "default_timeout_microseconds": 0,
     "allow_timeout_override": False, "max_queue_size": 0,
 }
 
 
-def _queue_policy(policy: Optional[dict[str, Any]]) -> dict[str, Any]:
+def _queue_policy(policy: Optional[QueuePolicy]) -> QueuePolicy:
     return {**_QUEUE_POLICY_DEFAULTS, **(policy or {})}
 
 
-def _normalize_dynamic_batching(cfg: dict[str, Any], max_batch_size: int) -> None:
+def _normalize_dynamic_batching(cfg: RawConfig, max_batch_size: int) -> None:
     """Triton's defaults and checks; no preferred size means max_batch_size."""
     if "dynamic_batching" not in cfg:
         return
     name = cfg["name"]
     path = "dynamic_batching"
-    db = {"preferred_batch_size": [], "max_queue_delay_microseconds": 0, "preserve_ordering": False,
-          "priority_levels": 0, "default_priority_level": 0, **cfg["dynamic_batching"]}
+    db: DynamicBatching = {
+        "preferred_batch_size": [], "max_queue_delay_microseconds": 0, "preserve_ordering": False,
+        "priority_levels": 0, "default_priority_level": 0, **cfg["dynamic_batching"]}
     if not db["preferred_batch_size"] and max_batch_size > 0:
         db["preferred_batch_size"] = [max_batch_size]
     for size in db["preferred_batch_size"]:
@@ -306,7 +311,7 @@ def _normalize_dynamic_batching(cfg: dict[str, Any], max_batch_size: int) -> Non
     cfg["dynamic_batching"] = db
 
 
-def _check_priorities(db: dict[str, Any], name: str, path: str) -> None:
+def _check_priorities(db: DynamicBatching, name: str, path: str) -> None:
     levels = db["priority_levels"]
     if levels:
         if not 1 <= db["default_priority_level"] <= levels:
@@ -325,13 +330,13 @@ def _check_priorities(db: dict[str, Any], name: str, path: str) -> None:
                  f"Queue policy can not have DELAY as timeout action when 'preserve_ordering' is true for {name}")
 
 
-def _normalize_sequence_batching(cfg: dict[str, Any], max_batch_size: int) -> None:
+def _normalize_sequence_batching(cfg: RawConfig, max_batch_size: int) -> None:
     """Light checks only (the sequence batcher validates its controls); fills
     Triton's 1 s idle default and the oldest strategy's preferred size."""
     if "sequence_batching" not in cfg:
         return
     path = "sequence_batching"
-    sb = {"control_input": [], "state": [], **cfg["sequence_batching"]}
+    sb: SequenceBatching = {"control_input": [], "state": [], **cfg["sequence_batching"]}
     if "direct" in sb and "oldest" in sb:
         fail(path, "must set at most one of 'direct' or 'oldest'")
     if not sb.get("max_sequence_idle_microseconds"):

@@ -43,9 +43,10 @@ import bisect
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, NoReturn, Optional
+from typing import Mapping, NoReturn, Optional, Union, cast
 
 from .errors import ConfigError, unknown_field
+from .jsonvalue import JSONObject, JSONValue
 from .schema import (
     ROOT_MESSAGE, SCHEMA, FieldSpec, check_integer, enum_from_name, enum_from_number,
     map_entry_fields, map_entry_name, map_key,
@@ -62,7 +63,8 @@ __all__ = ["parse_pbtxt"]
 class Token:
     kind: str           # "ident" | "string" | "int" | "float" | "symbol" | "eof"
     text: str           # the source text (for messages)
-    value: Any          # str for ident / string / symbol, int, float
+    value: Union[str, int, float, None]     # str for ident / string / symbol (an ident's or a
+                                            # symbol's is its text), int, float; None at eof
     line: int
     column: int
 
@@ -116,7 +118,7 @@ class _Lexer:
             if token.kind == "eof":
                 return out
 
-    def _token(self, kind: str, start: int, value: Any) -> Token:
+    def _token(self, kind: str, start: int, value: Union[str, int, float, None]) -> Token:
         line, column = self.where(start)
         return Token(kind, self.text[start:self.pos], value, line, column)
 
@@ -199,7 +201,7 @@ class _Lexer:
         self.error(pos, f"invalid escape sequence '\\{char}'")
 
 
-def _number_value(text: str) -> tuple[str, Any]:
+def _number_value(text: str) -> tuple[str, Union[int, float]]:
     if text[:2] in ("0x", "0X"):
         return "int", int(text, 16)
     if re.fullmatch(r"[0-9]+", text):
@@ -215,6 +217,11 @@ _TRUE = frozenset({"true", "True", "t"})
 _FALSE = frozenset({"false", "False", "f"})
 _FLOAT_WORDS = {"inf": math.inf, "infinity": math.inf, "nan": math.nan}
 _CLOSERS = {"{": "}", "<": ">"}
+_MAP_VALUE_DEFAULTS: dict[str, JSONValue] = {"string": "", "bool": False, "float": 0.0}   # else 0
+
+
+# What the parser makes of a field's value: a JSON value, or a map entry's (key, value).
+_Value = Union[JSONValue, tuple[str, JSONValue]]
 
 
 @dataclass
@@ -222,7 +229,7 @@ class _Scalar:
     """A scalar as written: its token kind decides what a typed field accepts."""
 
     kind: str           # "ident" | "string" | "int" | "float"
-    value: Any
+    value: Union[str, int, float]
     token: Token        # where it starts, for errors
     text: str           # as written, for errors
 
@@ -265,14 +272,14 @@ class _Parser:
 
     # -- messages -------------------------------------------------------------
 
-    def parse(self) -> dict[str, Any]:
+    def parse(self) -> JSONObject:
         return self.message_body(SCHEMA[ROOT_MESSAGE], ROOT_MESSAGE, opener=None)
 
     def message_body(self, fields: Mapping[str, FieldSpec], message: str,
-                     opener: Optional[Token]) -> dict[str, Any]:
+                     opener: Optional[Token]) -> JSONObject:
         """Fields of `message` up to the closer matching `opener` (or end of input at top level)."""
-        closer = _CLOSERS[opener.value] if opener else None
-        result: dict[str, Any] = {}
+        closer = _CLOSERS[opener.text] if opener else None
+        result: JSONObject = {}
         while True:
             token = self.peek()
             if token.kind == "eof":
@@ -290,11 +297,11 @@ class _Parser:
             if not self.accept(","):
                 self.accept(";")
 
-    def field(self, result: dict[str, Any], fields: Mapping[str, FieldSpec], message: str,
+    def field(self, result: JSONObject, fields: Mapping[str, FieldSpec], message: str,
               name: Token) -> None:
-        spec = fields.get(name.value)
+        spec = fields.get(name.text)           # (an ident: its text is its value)
         if spec is None:
-            self.error(name, unknown_field(name.value, message, fields))
+            self.error(name, unknown_field(name.text, message, fields))
         has_colon = self.accept(":")
         if self.at("["):
             values = self.list_value(spec, name, message)
@@ -308,10 +315,10 @@ class _Parser:
             value = self.scalar_value(spec, name, message)
         self.store(result, spec, name, [value], is_list=False)
 
-    def list_value(self, spec: FieldSpec, name: Token, message: str) -> list[Any]:
+    def list_value(self, spec: FieldSpec, name: Token, message: str) -> list[_Value]:
         """`[a, b, c]` of scalars or of messages; no trailing comma, as protobuf."""
         self.advance()                  # "["
-        values: list[Any] = []
+        values: list[_Value] = []
         if self.accept("]"):
             return values
         while True:
@@ -325,76 +332,83 @@ class _Parser:
                 self.error(self.peek(), f"expected ',' or ']' in the list of '{name.value}', "
                                         f"found {self.peek().describe()}")
 
-    def message_value(self, spec: FieldSpec, name: Token, message: str) -> Any:
+    def message_value(self, spec: FieldSpec, name: Token, message: str) -> _Value:
         opener = self.advance()
         if spec.scalar:
             self.error(opener, f"field '{name.value}' expects {_kind_words(spec)}, not a message")
         if spec.kind == "map":
-            entry = self.message_body(map_entry_fields(spec), map_entry_name(message, name.value), opener)
+            entry = self.message_body(map_entry_fields(spec), map_entry_name(message, name.text), opener)
             return self.map_entry(spec, entry, opener)
         assert spec.message is not None     # the schema names the type of every message field
         return self.message_body(SCHEMA[spec.message], spec.message, opener)
 
-    def map_entry(self, spec: FieldSpec, entry: dict[str, Any], opener: Token) -> tuple[str, Any]:
+    def map_entry(self, spec: FieldSpec, entry: JSONObject, opener: Token) -> tuple[str, JSONValue]:
         key = entry.get("key", "" if spec.key == "string" else 0)
+        default: JSONValue
         if spec.value == "message":
-            default: Any = {}
+            default = {}
         else:
-            default = {"string": "", "bool": False, "float": 0.0}.get(spec.value, 0)
+            default = _MAP_VALUE_DEFAULTS.get(spec.value, 0)
         try:
+            if not isinstance(key, (str, int, float)):      # (a scalar: the entry's schema says so)
+                raise ValueError(f"map key {key!r} is not a scalar")
             return map_key(spec.key, key), entry.get("value", default)
         except ValueError as err:
             self.error(opener, str(err))
 
     # -- scalars --------------------------------------------------------------
 
-    def scalar_value(self, spec: FieldSpec, name: Token, message: str) -> Any:
+    def scalar_value(self, spec: FieldSpec, name: Token, message: str) -> JSONValue:
         scalar = self.scalar()
         if not spec.scalar:
             what = "a map entry" if spec.kind == "map" else "a message"
             self.error(scalar.token, f"field '{name.value}' expects {what} ('{{ ... }}'), "
                                      f"found {scalar.describe()}")
         try:
-            return _typed(spec, scalar, name.value, message)
+            return _typed(spec, scalar, name.text, message)
         except ValueError as err:
             self.error(scalar.token, str(err))
 
     def scalar(self) -> _Scalar:
         token = self.advance()
-        if token.kind == "string":
+        if isinstance(token.value, str) and token.kind == "string":
             parts = [token.value]
             while self.peek().kind == "string":     # "abc" "def" is "abcdef"
-                parts.append(self.advance().value)
+                parts.append(str(self.advance().value))
             return _Scalar("string", "".join(parts), token, token.text)
         if token.kind == "symbol" and token.value == "-":
             return self.negative(token)
-        if token.kind in ("int", "float", "ident"):
+        if token.kind in ("int", "float", "ident") and token.value is not None:
             return _Scalar(token.kind, token.value, token, token.text)
         self.error(token, f"expected a value, found {token.describe()}")
 
     def negative(self, minus: Token) -> _Scalar:
         token = self.advance()
-        if token.kind in ("int", "float"):
+        if isinstance(token.value, (int, float)):      # an "int" or a "float" token
             return _Scalar(token.kind, -token.value, minus, "-" + token.text)
-        if token.kind == "ident" and token.value.lower() in _FLOAT_WORDS:
-            return _Scalar("float", -_FLOAT_WORDS[token.value.lower()], minus, "-" + token.text)
+        if token.kind == "ident" and token.text.lower() in _FLOAT_WORDS:
+            return _Scalar("float", -_FLOAT_WORDS[token.text.lower()], minus, "-" + token.text)
         self.error(token, f"expected a number after '-', found {token.describe()}")
 
     # -- storing --------------------------------------------------------------
 
-    def store(self, result: dict[str, Any], spec: FieldSpec, name: Token,
-              values: list[Any], is_list: bool) -> None:
-        key = name.value
+    def store(self, result: JSONObject, spec: FieldSpec, name: Token,
+              values: list[_Value], is_list: bool) -> None:
+        key = name.text
         if spec.kind == "map":
-            result.setdefault(key, {}).update(values)     # later entries win, as protobuf
+            entries = result.setdefault(key, {})
+            assert isinstance(entries, dict)                # (set here, for this field)
+            entries.update(cast("list[tuple[str, JSONValue]]", values))   # later entries win, as protobuf
         elif spec.repeated:
-            result.setdefault(key, []).extend(values)
+            items = result.setdefault(key, [])
+            assert isinstance(items, list)                  # (set here, for this field)
+            items.extend(cast("list[JSONValue]", values))
         elif is_list:
             self.error(name, f"field '{key}' is not repeated; a list is not allowed")
         elif key in result:
             self.error(name, f"field '{key}' is specified more than once")
         else:
-            result[key] = values[0]
+            result[key] = cast(JSONValue, values[0])     # (a map field's entries went above)
 
 
 def _kind_words(spec: FieldSpec) -> str:
@@ -403,7 +417,7 @@ def _kind_words(spec: FieldSpec) -> str:
             "enum": "an enum name"}[spec.kind]
 
 
-def _typed(spec: FieldSpec, scalar: _Scalar, field: str, message: str) -> Any:
+def _typed(spec: FieldSpec, scalar: _Scalar, field: str, message: str) -> JSONValue:
     """The text format's rules for a typed scalar (raises ValueError with the
     whole message: a wrong type names the field, an unknown enum value the
     valid ones)."""
@@ -412,10 +426,10 @@ def _typed(spec: FieldSpec, scalar: _Scalar, field: str, message: str) -> Any:
         return value
     if spec.kind == "enum":
         if kind == "ident":
-            return enum_from_name(spec, value, field, message)
-        if kind == "int":
+            return enum_from_name(spec, scalar.token.text, field, message)
+        if isinstance(value, int) and kind == "int":
             return enum_from_number(spec, value, field, message)
-    if spec.kind in ("int", "uint") and kind == "int":
+    if spec.kind in ("int", "uint") and isinstance(value, int) and kind == "int":
         try:
             return check_integer(spec.kind, value)
         except ValueError as err:
@@ -423,17 +437,17 @@ def _typed(spec: FieldSpec, scalar: _Scalar, field: str, message: str) -> Any:
     if spec.kind == "float":
         if kind in ("int", "float"):
             return float(value)
-        if kind == "ident" and value.lower() in _FLOAT_WORDS:
-            return _FLOAT_WORDS[value.lower()]
+        if kind == "ident" and scalar.text.lower() in _FLOAT_WORDS:
+            return _FLOAT_WORDS[scalar.text.lower()]
     if spec.kind == "bool":
-        if kind == "ident" and value in _TRUE | _FALSE:
-            return value in _TRUE
+        if kind == "ident" and scalar.text in _TRUE | _FALSE:
+            return scalar.text in _TRUE
         if kind == "int" and value in (0, 1):
             return bool(value)
     raise ValueError(f"field '{field}': expected {_kind_words(spec)}, found {scalar.describe()}")
 
 
-def parse_pbtxt(text: str, filename: str = "<string>") -> dict[str, Any]:
+def parse_pbtxt(text: str, filename: str = "<string>") -> JSONObject:
     """Parse a `config.pbtxt` into the JSON form of Triton's ModelConfig.
 
     Raises `ConfigError("<filename>:<line>:<column>: <message>")`.

@@ -25,10 +25,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Mapping, Optional, Union
 
 from ..protocol.names import model_name_error, model_name_problem
 from .errors import ConfigError
+from .jsonvalue import JSONObject
 from .unacted import unacted_warning
 from .model_config import ModelConfig
 from .paths import check_config_file, check_named_files, check_version_paths
@@ -116,7 +117,7 @@ def load_model_entry(root: Path | str, name: str, override: Optional[Override] =
 # Config files
 # --------------------------------------------------------------------------
 
-def read_config_file(path: Path) -> dict[str, Any]:
+def read_config_file(path: Path) -> JSONObject:
     """The JSON form of a `config.pbtxt` or `config.json` file (not validated)."""
     try:
         text = path.read_text(encoding="utf-8-sig")     # tolerate an editor's BOM

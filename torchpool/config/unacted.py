@@ -8,7 +8,7 @@ Triton, so nobody believes a response cache or a rate limiter is there.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Mapping, Optional
 
 # top-level field -> what it does in Triton, that torchpool does not
 _TOP = {
@@ -42,16 +42,18 @@ def _set(value: object) -> bool:
     return value not in (None, False, 0, "", "0", "PRIORITY_DEFAULT")
 
 
-def unacted_fields(raw: dict[str, Any]) -> list[str]:
+def unacted_fields(raw: Mapping[str, object]) -> list[str]:
     """'field (what it does in Triton)' for each such field `raw` sets."""
     found = [f"{key} ({what})" for key, what in _TOP.items() if _set(raw.get(key))]
-    for i, group in enumerate(raw.get("instance_group") or []):
-        found += [f"instance_group[{i}].{key} ({what})" for key, what in _GROUP.items()
-                  if _set(group.get(key))]
+    groups = raw.get("instance_group")
+    for i, group in enumerate(groups if isinstance(groups, list) else []):
+        if isinstance(group, dict):
+            found += [f"instance_group[{i}].{key} ({what})" for key, what in _GROUP.items()
+                      if _set(group.get(key))]
     return found
 
 
-def unacted_warning(name: str, raw: dict[str, Any]) -> Optional[str]:
+def unacted_warning(name: str, raw: Mapping[str, object]) -> Optional[str]:
     """The one warning for a model that sets such fields, or None."""
     fields = unacted_fields(raw)
     if not fields:

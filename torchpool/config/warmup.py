@@ -25,10 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..protocol.datatypes import config_to_wire, element_size
 from .errors import ConfigError, did_you_mean, fail
+
+if TYPE_CHECKING:
+    from .shapes import RawConfig, WarmupEntry, WarmupInputEntry
 
 __all__ = ["WarmupInput", "WarmupSample", "normalize_warmup", "warmup_samples", "check_warmup_files"]
 
@@ -56,14 +59,14 @@ class WarmupSample:
     count: int = 1                  # executions of the sample (the config's 0 means 1)
 
 
-def normalize_warmup(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+def normalize_warmup(cfg: RawConfig) -> list[WarmupEntry]:
     """The `model_warmup` entries with Triton's defaults filled, each checked
     against the normalised inputs of `cfg` (raises FieldError)."""
     return [_normalize_sample(sample, cfg, f"model_warmup[{index}]")
             for index, sample in enumerate(cfg["model_warmup"])]
 
 
-def warmup_samples(raw: list[dict[str, Any]]) -> tuple[WarmupSample, ...]:
+def warmup_samples(raw: list[WarmupEntry]) -> tuple[WarmupSample, ...]:
     """The typed samples that run, from the normalised `model_warmup`."""
     return tuple(
         WarmupSample(
@@ -91,13 +94,13 @@ def check_warmup_files(model_dir: Path, samples: tuple[WarmupSample, ...], sourc
                                   f"from {path} only has {size} bytes")
 
 
-def _normalize_sample(sample: dict[str, Any], cfg: dict[str, Any], path: str) -> dict[str, Any]:
+def _normalize_sample(sample: WarmupEntry, cfg: RawConfig, path: str) -> WarmupEntry:
     name = sample.get("name", "")
     if not name:
         fail(f"{path}.name", "a warmup sample must specify 'name'")
-    out = {"name": name, "batch_size": sample.get("batch_size", 0),
-           "inputs": {k: dict(v) for k, v in sample.get("inputs", {}).items()},
-           "count": sample.get("count", 0)}
+    out: WarmupEntry = {"name": name, "batch_size": sample.get("batch_size", 0),
+                        "inputs": {k: v.copy() for k, v in sample.get("inputs", {}).items()},
+                        "count": sample.get("count", 0)}
     for key, value in out["inputs"].items():
         _check_source(value, f"{path}.inputs[{key!r}]", f"warmup sample '{name}' input '{key}'")
     if out["batch_size"] > 0:          # a batch-0 sample is skipped: nothing else to check
@@ -106,7 +109,7 @@ def _normalize_sample(sample: dict[str, Any], cfg: dict[str, Any], path: str) ->
     return out
 
 
-def _check_source(value: dict[str, Any], path: str, what: str) -> None:
+def _check_source(value: WarmupInputEntry, path: str, what: str) -> None:
     """Exactly one data source (a protobuf oneof), and a file stays in warmup/."""
     given = [key for key in SOURCES if key in value]
     if not given:
@@ -123,7 +126,7 @@ def _check_source(value: dict[str, Any], path: str, what: str) -> None:
     value.setdefault("dims", [])
 
 
-def _check_batch_size(batch_size: int, cfg: dict[str, Any], path: str, name: str) -> None:
+def _check_batch_size(batch_size: int, cfg: RawConfig, path: str, name: str) -> None:
     """The sample's items run as one batch: it must fit what the model takes."""
     max_batch_size = cfg["max_batch_size"]
     if batch_size > max(1, max_batch_size):
@@ -132,7 +135,7 @@ def _check_batch_size(batch_size: int, cfg: dict[str, Any], path: str, name: str
                    + (" (a model that does not batch takes 1)" if max_batch_size == 0 else ""))
 
 
-def _check_inputs(inputs: dict[str, Any], cfg: dict[str, Any], path: str, name: str) -> None:
+def _check_inputs(inputs: dict[str, WarmupInputEntry], cfg: RawConfig, path: str, name: str) -> None:
     model = cfg["name"]
     config_inputs = {t["name"]: t for t in cfg["input"]}
     controls = {c["name"] for c in cfg.get("sequence_batching", {}).get("control_input", ())}
@@ -174,7 +177,7 @@ def _fits(dims: list[int], model_dims: list[int]) -> bool:
     return len(dims) == len(model_dims) and all(m in (-1, d) for d, m in zip(dims, model_dims))
 
 
-def _typed_input(value: dict[str, Any]) -> WarmupInput:
+def _typed_input(value: WarmupInputEntry) -> WarmupInput:
     key = next(k for k in SOURCES if k in value)
     return WarmupInput(data_type=value["data_type"], dims=tuple(value["dims"]), source=SOURCES[key],
                        file=value.get("input_data_file"))
