@@ -24,6 +24,8 @@ from .inputs import input_value, output_row, parse_specs
 from .preflight import reason
 from .urls import check_url, tcp_host_port
 
+from ..client.types import RegionOutput
+
 if TYPE_CHECKING:
     from ..client import Client
 
@@ -90,7 +92,8 @@ def run_infer(args: argparse.Namespace) -> int:
         inputs = {spec.name: input_value(spec, declared) for spec in specs}
         result = client.infer(args.model, inputs, outputs=args.output or None, version=args.version,
                               copy=True)
-        rows = [output_row(name, value) for name, value in result.items()]
+        # (the CLI asks for no output into a region, so every value is a tensor)
+        rows = [output_row(name, value) for name, value in result.items() if not isinstance(value, RegionOutput)]
     if args.json:       # KServe v2's inference response (model_version only when asked for one)
         response = {"model_name": args.model, **({"model_version": args.version} if args.version else {}),
                     "outputs": rows}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Awaitable, Callable, Hashable, Optional, Sequence, Union, cast
+from typing import TYPE_CHECKING, Awaitable, Callable, Hashable, Optional, Protocol, Sequence, Union, cast
 
 import numpy as np
 import zmq
@@ -15,14 +15,26 @@ from .arena import DEFAULT_ARENA_CAP
 from .common import (DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control,
                      error_of, send_goodbye_and_close)
 from .aio_lane import AsyncDirect, AsyncLane, AsyncPaths
+from .direct import DirectRequest
 from .flows import SessionLost, is_session_error, run_async, sequence_field
 from .regions import needs_session
-from .types import Call, Flow, NoAnswer, Reply, T
-from .types import InferResult, Inputs, ModelConfig, RequestedOutput, SequenceId, Version
+from .types import Call, Flow, Frames, NoAnswer, Reply, T
+from .types import InferResult, Inputs, JSONDocument, ModelConfig, RequestedOutput, SequenceId, Version
 from .watch import Mark
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
-def _expire(fut: asyncio.Future) -> None:
+
+class _AsyncSocket(Protocol):
+    """The calls AsyncClient awaits on its zmq.asyncio socket."""
+
+    def recv_multipart(self, copy: bool) -> Awaitable[list[zmq.Frame]]: ...
+
+    def send_multipart(self, msg_parts: Sequence[Buffer], copy: bool) -> Awaitable[None]: ...
+
+
+def _expire(fut: asyncio.Future[Reply]) -> None:
     if not fut.done():
         fut.set_exception(asyncio.TimeoutError())
 
@@ -44,21 +56,24 @@ class AsyncClient(ClientBase):
                  arena_cap: int = DEFAULT_ARENA_CAP, server_key: Optional[ServerKey] = None,
                  client_key: Optional[ClientKey] = None) -> None:
         self._open(url, timeout, local, arena_cap, zmq.asyncio.Context.instance(), server_key, client_key)
-        self._pending: dict[object, asyncio.Future] = {}    # by request id (as the answer says it)
+        # the socket _open made from the asyncio context (pyzmq's types do not say its calls are awaitable)
+        self._async_sock = cast(_AsyncSocket, self._sock)
+        self._pending: dict[object, asyncio.Future[Reply]] = {}    # by request id (as the answer says it)
         self._marks: dict[int, Mark] = {}        # the connection's story when each was sent
-        self._reader: Optional[asyncio.Task] = None
-        self._watcher: Optional[asyncio.Task] = None
-        self._watched: Optional[tuple] = None       # (loop, fd) the watcher waits on
+        self._reader: Optional[asyncio.Task[None]] = None
+        self._watcher: Optional[asyncio.Task[None]] = None
+        self._watched: Optional[tuple[asyncio.AbstractEventLoop, int]] = None       # (loop, fd) the watcher waits on
         self._hello_lock: Optional[asyncio.Lock] = None
-        self._asking: dict[tuple[str, str], asyncio.Future] = {}    # direct paths asked for
+        self._asking: dict[tuple[str, str], asyncio.Future[None]] = {}    # direct paths asked for
         state = self._state
         state.lane_factory = lambda link: AsyncLane(link, url, state.late_reply)
         state.direct_factory = lambda sock, model: AsyncDirect(sock, model, url, state.late_reply)
-        state.direct_group = AsyncPaths          # many calls in flight: a path to each instance
+        # many calls in flight: a path to each instance (the paths are this client's AsyncDirects)
+        state.direct_group = lambda members: AsyncPaths(cast("list[AsyncDirect]", members))
 
     async def _read_replies(self) -> None:
         while True:
-            reply = await self._sock.recv_multipart(copy=False)
+            reply = await self._async_sock.recv_multipart(copy=False)
             header = messages.unpack(reply[0].buffer)
             fut = self._pending.pop(header.get("id"), None) if isinstance(header, dict) else None
             if fut is not None and not fut.done():
@@ -88,8 +103,8 @@ class AsyncClient(ClientBase):
                 if error is not None and fut is not None and not fut.done():
                     fut.set_exception(error)
 
-    async def _call(self, frames: list, request_id: int, timeout: Optional[float],
-                    sent: Optional[Callable[[], None]] = None) -> tuple[dict, list]:
+    async def _call(self, frames: Frames, request_id: int, timeout: Optional[float],
+                    sent: Optional[Callable[[], None]] = None) -> Reply:
         self._check_open()
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read_replies())
@@ -109,7 +124,7 @@ class AsyncClient(ClientBase):
         # and callbacks to every call (measurable at ~500 us per request)
         timer = loop.call_later(limit, _expire, fut)
         try:
-            await self._sock.send_multipart(frames, copy=len(frames) == 1)
+            await self._async_sock.send_multipart(frames, copy=len(frames) == 1)
             if sent is not None:
                 sent()
             header, payload = await fut
@@ -123,7 +138,7 @@ class AsyncClient(ClientBase):
             raise error_of(header)
         return header, payload
 
-    async def _send(self, call: Call, sent: Optional[Callable[[], None]] = None) -> tuple[dict, list]:
+    async def _send(self, call: Call, sent: Optional[Callable[[], None]] = None) -> Reply:
         """One call of a flow: on its channel (the lane, a direct path) if it
         has one, else over ZeroMQ (as sync.py's Client._send)."""
         if self._state.direct.wanted:
@@ -187,22 +202,22 @@ class AsyncClient(ClientBase):
         return bool(await self._control(messages.OP_MODEL_READY, model=name,
                                         version=self._version_field(version)))
 
-    async def model_metadata(self, name: str, version: Version = None) -> dict:
-        return cast(dict, await self._control(messages.OP_MODEL_METADATA, model=name,
+    async def model_metadata(self, name: str, version: Version = None) -> JSONDocument:
+        return cast(JSONDocument, await self._control(messages.OP_MODEL_METADATA, model=name,
                                    version=self._version_field(version)))
 
-    async def model_config(self, name: str, version: Version = None) -> dict:
-        return cast(dict, await self._control(messages.OP_MODEL_CONFIG, model=name,
+    async def model_config(self, name: str, version: Version = None) -> JSONDocument:
+        return cast(JSONDocument, await self._control(messages.OP_MODEL_CONFIG, model=name,
                                    version=self._version_field(version)))
 
-    async def repository_index(self) -> list[dict]:
-        return cast("list[dict]", await self._control(messages.OP_REPOSITORY_INDEX))
+    async def repository_index(self) -> list[JSONDocument]:
+        return cast("list[JSONDocument]", await self._control(messages.OP_REPOSITORY_INDEX))
 
-    async def server_metadata(self) -> dict:
-        return cast(dict, await self._control(messages.OP_SERVER_METADATA))
+    async def server_metadata(self) -> JSONDocument:
+        return cast(JSONDocument, await self._control(messages.OP_SERVER_METADATA))
 
-    async def statistics(self, model: Optional[str] = None, version: Version = None) -> dict:
-        return cast(dict, await self._control(messages.OP_STATISTICS, model=model or "",
+    async def statistics(self, model: Optional[str] = None, version: Version = None) -> JSONDocument:
+        return cast(JSONDocument, await self._control(messages.OP_STATISTICS, model=model or "",
                                    version=self._version_field(version)))
 
     async def load(self, name: str, config: ModelConfig = None, timeout: Optional[float] = None) -> None:
@@ -246,7 +261,7 @@ class AsyncClient(ClientBase):
             if key in self._asking or not st.direct_allowed() or not st.direct.due(model, version):
                 continue
 
-            async def ask(model: str = model, version: str = version, key: tuple = key) -> None:
+            async def ask(model: str = model, version: str = version, key: tuple[str, str] = key) -> None:
                 try:
                     await run_async(st.direct.path_flow(st, model, version, None), self._send)
                 except InferenceError:
@@ -256,7 +271,7 @@ class AsyncClient(ClientBase):
 
             self._asking[key] = asyncio.ensure_future(ask())
 
-    async def _direct_infer(self, short: tuple, copy: bool, timeout: Optional[float],
+    async def _direct_infer(self, short: DirectRequest, copy: bool, timeout: Optional[float],
                             sent: Optional[Callable[[], None]], caller: Hashable) -> Optional[InferResult]:
         """A plain request on its model's open direct path, without the flow
         (sync.py's Client._direct_infer, awaited). None when the session was
@@ -266,8 +281,9 @@ class AsyncClient(ClientBase):
         answered = False
         try:
             try:
-                header, payload = await path.request(frames, rid, self.timeout if timeout is None else timeout,
-                                                     sent, caller)
+                # (this client's direct_factory and direct_group make them)
+                header, payload = await cast("Union[AsyncDirect, AsyncPaths]", path).request(
+                    frames, rid, self.timeout if timeout is None else timeout, sent, caller)
             except NoAnswer as exc:
                 lost = exc.path or path    # (one of the model's paths)
                 if exc.sent and not lost.lost:
@@ -310,8 +326,8 @@ class AsyncClient(ClientBase):
     async def unregister_system_shared_memory(self, name: Optional[str] = None) -> None:
         await self._perform(lambda: self._state.unregister_flow(name, None), None, True)
 
-    async def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[dict]:
-        return cast("list[dict]", await self._perform(lambda: self._state.status_flow(name, None), None, True))
+    async def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[JSONDocument]:
+        return cast("list[JSONDocument]", await self._perform(lambda: self._state.status_flow(name, None), None, True))
 
     def _stop(self) -> None:
         for task in (self._reader, self._watcher, *self._asking.values()):

@@ -31,12 +31,12 @@ from ..rules.ahead import may_send_ahead
 from ..shm.fdpass import DONTWAIT
 from .direct import DirectLink, path_closed
 from .lane import LaneLink, assemble
-from .types import NoAnswer, Reply
+from .types import Frames, NoAnswer, Reply
 
 _READS_PER_WAKE = 64        # answers read per wake-up before the loop runs others
 
 
-def _expire(fut: asyncio.Future) -> None:
+def _expire(fut: asyncio.Future[Reply]) -> None:
     if not fut.done():
         fut.set_exception(asyncio.TimeoutError())
 
@@ -54,8 +54,8 @@ class AsyncLane:
         self.lost = False                  # closed by the far end: nothing more comes
         self._closed = False               # closed by us
         self._pieces: list[Union[bytes, memoryview]] = []     # of an answer that came in several datagrams
-        self._pending: dict[object, asyncio.Future] = {}     # by request id (as an answer says it)
-        self._writable: list[asyncio.Future] = []      # sends waiting for room
+        self._pending: dict[object, asyncio.Future[Reply]] = {}     # by request id (as an answer says it)
+        self._writable: list[asyncio.Future[None]] = []      # sends waiting for room
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         try:
             self._attach(asyncio.get_running_loop())   # read from now on: fds come ahead of answers
@@ -125,7 +125,7 @@ class AsyncLane:
             if not w.done():
                 w.set_result(None)
 
-    async def _room(self, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
+    async def _room(self, loop: asyncio.AbstractEventLoop, answer: asyncio.Future[Reply]) -> None:
         """Wait until the socket may take a datagram, or `answer` is done
         (its deadline passed, the socket was lost or closed)."""
         w = loop.create_future()
@@ -135,7 +135,7 @@ class AsyncLane:
         await asyncio.wait((w, answer), return_when=asyncio.FIRST_COMPLETED)
 
     # -- a call
-    async def request(self, frames: list, rid: int, timeout: float,
+    async def request(self, frames: Frames, rid: int, timeout: float,
                       sent: Optional[Callable[[], None]] = None, caller: Hashable = None) -> Reply:
         """Send `frames` (one datagram: the caller checked lane.fits) and
         return the answer to `rid`; NoAnswer when none comes within
@@ -148,7 +148,7 @@ class AsyncLane:
             self._attach(loop)
         if self.lost:
             raise self._lost_error(sent=False)
-        fut = loop.create_future()
+        fut: asyncio.Future[Reply] = loop.create_future()
         self._pending[rid] = fut
         timer = loop.call_later(timeout, _expire, fut)
         try:
@@ -238,10 +238,10 @@ class Turns:
     A call cancelled or timed out is dropped when its turn comes."""
 
     def __init__(self) -> None:
-        self._queues: dict[Hashable, collections.deque[asyncio.Future]] = {}
+        self._queues: dict[Hashable, collections.deque[asyncio.Future[None]]] = {}
         self._turns: collections.deque[Hashable] = collections.deque()     # callers waiting, next first
 
-    def add(self, caller: Hashable, turn: asyncio.Future, first: bool = False) -> None:
+    def add(self, caller: Hashable, turn: asyncio.Future[None], first: bool = False) -> None:
         """`turn` waits behind `caller`'s others; `first`: before them, and
         `caller` next (a call woken for a place another call took)."""
         queue = self._queues.get(caller)
@@ -259,7 +259,7 @@ class Turns:
             queue.append(turn)
             self._turns.append(caller)
 
-    def _next_queue(self) -> Optional[collections.deque[asyncio.Future]]:
+    def _next_queue(self) -> Optional[collections.deque[asyncio.Future[None]]]:
         """The next caller's waiting calls (the callers before it, with none
         left that wait, are dropped); None when no call waits."""
         turns = self._turns
@@ -280,7 +280,7 @@ class Turns:
         counts = {caller: sum(not turn.done() for turn in queue) for caller, queue in self._queues.items()}
         return {caller: n for caller, n in counts.items() if n}
 
-    def pop(self) -> Optional[asyncio.Future]:
+    def pop(self) -> Optional[asyncio.Future[None]]:
         """The next caller's first waiting call (None when none waits)."""
         queue = self._next_queue()
         if queue is None:
@@ -371,7 +371,7 @@ class AsyncPaths:
             if not wake_all:
                 return
 
-    async def request(self, frames: list, rid: int, timeout: float,
+    async def request(self, frames: Frames, rid: int, timeout: float,
                       sent: Optional[Callable[[], None]] = None, caller: Hashable = None) -> Reply:
         """As AsyncLane.request, on the member `_place` chooses. Calls that
         wait for a place take turns by `caller` (Turns)."""

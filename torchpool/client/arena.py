@@ -108,7 +108,8 @@ class ClientArena:
         self._free: dict[str, FreeList] = {}
         self._base: dict[str, int] = {}            # segment -> address of its first byte
         self._generations = itertools.count(1)
-        self._dead: collections.deque = collections.deque()   # blocks whose arrays are gone (empty(), kept outputs)
+        # blocks whose arrays are gone (empty(), kept outputs)
+        self._dead: collections.deque[ArenaBlock] = collections.deque()
         self.user_blocks: dict[int, ArenaBlock] = {}          # data address -> live empty() block
         self.grow_refused = False
         self.growing = False            # an arena_grow is in flight (asyncio: one at a time)

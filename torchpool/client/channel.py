@@ -32,7 +32,7 @@ import zmq
 from ..protocol import errors, messages
 from ..protocol.errors import InferenceError
 from ..rules.spin import SpinWait
-from .types import NoAnswer, Reply
+from .types import Frames, NoAnswer, Reply
 from .watch import ConnectionWatch, Mark
 
 if TYPE_CHECKING:
@@ -76,9 +76,9 @@ class CallWaiter:
 
     __slots__ = ("rid", "frames", "deadline", "mark", "reply", "error", "promoted", "event")
 
-    def __init__(self, rid: int, frames: list, deadline: float = 0.0) -> None:
+    def __init__(self, rid: int, frames: Frames, deadline: float = 0.0) -> None:
         self.rid = rid
-        self.frames: Optional[list] = frames    # None once sent
+        self.frames: Optional[Frames] = frames    # None once sent
         self.deadline = deadline                 # time.monotonic() when the caller gives up
         self.mark: Optional[Mark] = None        # the connection's story when it was sent
         self.reply: Optional[Reply] = None
@@ -121,7 +121,7 @@ class SharedSocket:
         self._spin_poll = functools.partial(_zmq_poll, self._poll_items)   # the spin's: built once, not per wait
 
     # -- a call
-    def request(self, frames: list, rid: int, timeout: float) -> Reply:
+    def request(self, frames: Frames, rid: int, timeout: float) -> Reply:
         """Send `frames` and return the reply to `rid`; NoAnswer when none
         comes within `timeout` s (or the connection says none will)."""
         now = time.monotonic()
@@ -189,7 +189,8 @@ class SharedSocket:
         """Own the socket until `me` is answered or its deadline passes,
         sending (`me` first, at `sent_at`, if given) and routing for
         everyone meanwhile; then hand it over."""
-        sock, wake, items, spin = self._sock, self._wake, self._poll_items, self._spin
+        wake, items, spin = self._wake, self._poll_items, self._spin
+        polled = items[0][0]            # the socket (or fd) as the poll names it
         try:
             if sent_at is not None:
                 self._transmit(me, sent_at)
@@ -213,7 +214,7 @@ class SharedSocket:
                     # `==`, not `is`: a lane's and a direct path's socket, and the
                     # wake-up, are int fds, and only ints up to 256 are one object
                     # (past fd 256 every answer went unread: issue 26's hang)
-                    if item == sock:
+                    if item == polled:
                         self._read_one(me)
                     elif item == wake:
                         try:
@@ -300,7 +301,7 @@ class SharedSocket:
             payload.append(frame.buffer)
         self._deliver(me, messages.unpack(first), payload)
 
-    def _deliver(self, me: Optional[CallWaiter], header: object, payload: list) -> None:
+    def _deliver(self, me: Optional[CallWaiter], header: object, payload: Sequence[Buffer]) -> None:
         """Hand a reply to the call it answers (the reader's thread only;
         `me`: the reader's own call, if it has one in flight)."""
         if not isinstance(header, dict):

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union, cast
 
 import zmq
 from zmq.utils import z85
 
 from ..protocol import errors, messages, tensors
 from ..protocol.errors import InferenceError
-from .flows import Call, ClientState
-from .types import Flow, Inputs, Tensor, Version
+from ..protocol.messages import Header
+from .flows import ClientState
+from .types import Call, Flow, Frames, Inputs, Tensor, Version
 from .values import output_array, prepare_input
 from .watch import ConnectionWatch, timeout_error
 
@@ -38,10 +39,10 @@ CONNECT_TIMEOUT_MS = 2000
 # --- inline requests, with no session (kept for callers that build frames) ---------
 
 def encode_infer(request_id: int, model: str, inputs: Inputs,
-                 outputs: Optional[Sequence[str]], version: Version, timeout: Optional[float]) -> list:
+                 outputs: Optional[Sequence[str]], version: Version, timeout: Optional[float]) -> Frames:
     """The frames of an inline infer request: header first, then large tensors."""
-    entries: list[dict] = []
-    frames: list = []
+    entries: list[tensors.Entry] = []
+    frames: Frames = []
     for name, value in inputs.items():
         datatype, shape, src = prepare_input(name, value)
         entry = tensors.tensor_entry(name, datatype, shape)
@@ -54,13 +55,15 @@ def encode_infer(request_id: int, model: str, inputs: Inputs,
     return [messages.pack(header), *frames]
 
 
-def encode_control(request_id: int, op: str, **fields: object) -> list:
+def encode_control(request_id: int, op: str, **fields: object) -> Frames:
     return [messages.pack({"v": messages.PROTOCOL_VERSION, "op": op, "id": request_id, **fields})]
 
 
-def decode_infer(header: dict, frames: Sequence[Buffer]) -> dict[str, Tensor]:
+def decode_infer(header: Header, frames: Sequence[Buffer]) -> dict[str, Tensor]:
     """Outputs that came as bytes (inline or payload frames)."""
-    return {e[tensors.NAME]: output_array(e, frames) for e in header.get("outputs", [])}
+    # the daemon's own answer: a list of output entries, each named
+    entries = cast("list[tensors.Entry]", header.get("outputs", []))
+    return {cast(str, e[tensors.NAME]): output_array(e, frames) for e in entries}
 
 
 # --- CURVE keys (tcp://) ---------------------------------------------------------------
@@ -68,7 +71,7 @@ def decode_infer(header: dict, frames: Sequence[Buffer]) -> dict[str, Tensor]:
 # server_key: the daemon's public key, z85 (str or bytes) or a path to its .key file;
 # client_key: a path to this client's .key_secret file, or a (public, secret) z85 pair
 ServerKey = Union[str, bytes, "os.PathLike[str]"]
-ClientKey = Union[str, "os.PathLike[str]", tuple, list]
+ClientKey = Union[str, "os.PathLike[str]", tuple[Union[str, bytes], Union[str, bytes]], list[Union[str, bytes]]]
 
 def _z85_key(value: object) -> Optional[bytes]:
     """`value` as a z85 CURVE key (40 characters, 32 bytes), or None."""
@@ -93,7 +96,8 @@ def _certificate(path: Union[str, os.PathLike[str]], what: str) -> tuple[bytes, 
     return public, secret
 
 
-def curve_keys(server_key: Optional[ServerKey], client_key: Optional[ClientKey]) -> Optional[tuple]:
+def curve_keys(server_key: Optional[ServerKey],
+               client_key: Optional[ClientKey]) -> Optional[tuple[bytes, bytes, bytes]]:
     """(server public, client public, client secret) z85 keys, or None without
     keys; ValueError naming the argument when a key is unusable."""
     if server_key is None and client_key is None:
@@ -125,12 +129,14 @@ def curve_keys(server_key: Optional[ServerKey], client_key: Optional[ClientKey])
 
 # --- answers ---------------------------------------------------------------------------
 
-def error_of(header: dict) -> InferenceError:
-    err = header.get("error") or {}
-    return InferenceError(err.get("code", errors.UNKNOWN), err.get("message", "unknown error"))
+def error_of(header: Header) -> InferenceError:
+    err = header.get("error")
+    if not isinstance(err, dict):
+        err = {}
+    return InferenceError(str(err.get("code", errors.UNKNOWN)), str(err.get("message", "unknown error")))
 
 
-def send_goodbye_and_close(sock: zmq.Socket, state: ClientState, watch: ConnectionWatch) -> None:
+def send_goodbye_and_close(sock: zmq.Socket[bytes], state: ClientState, watch: ConnectionWatch) -> None:
     """Close a client's session and socket without waiting: the goodbye (if
     there is a session) is handed to ZeroMQ, which gets GOODBYE_WAIT to
     deliver it. What `AsyncClient.close()` and a forgotten client's finalizer
@@ -160,7 +166,7 @@ class ClientBase:
     _state: ClientState
 
     def _open(self, url: str, timeout: float, local: Optional[bool], arena_cap: int,
-              ctx: zmq.Context, server_key: Optional[ServerKey] = None,
+              ctx: Union[zmq.Context[zmq.Socket[bytes]], zmq.asyncio.Context], server_key: Optional[ServerKey] = None,
               client_key: Optional[ClientKey] = None) -> None:
         """The DEALER socket, connected, and its monitor (watch.py: why a call
         got no answer). Over tcp:// with `server_key` and `client_key` it is
@@ -175,7 +181,8 @@ class ClientBase:
         keys = curve_keys(server_key, client_key)     # a bad key fails here, before any socket
         self._state = ClientState(url, local, arena_cap)
         self._ids = self._state.ids
-        self._sock = ctx.socket(zmq.DEALER)
+        # (an asyncio context's socket for AsyncClient, which awaits its calls: aio.py)
+        self._sock = cast("zmq.Socket[bytes]", ctx.socket(zmq.DEALER))
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
             # retry a missing daemon at 0.1, 0.2, 0.4, 0.8 s, then every second:
@@ -204,7 +211,7 @@ class ClientBase:
     def _version_field(version: Version) -> str:
         return "" if version is None else str(version)
 
-    def transfer_stats(self) -> dict:
+    def transfer_stats(self) -> dict[str, int]:
         """{"bytes_copied", "bytes_zero_copy", "bytes_inline"} since the client was made:
         input bytes copied into shared memory, sent as descriptors with no copy
         (`empty()` buffers, registered regions), and sent over the socket."""

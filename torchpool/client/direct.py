@@ -21,18 +21,21 @@ from __future__ import annotations
 import collections
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Protocol, Sequence, Union, cast
 
 import numpy as np
 
 from ..protocol import errors, lane, messages, tensors
 from ..protocol.errors import InferenceError
+from ..protocol.messages import Header
 from ..shm.fdpass import DONTWAIT, FdReceiver, close_all
 from ..rules.direct import plain_refusal
 from .lane import LaneSocket
-from .types import DirectPath, Flow, Inputs, Lane, NoAnswer, RawTensor, Reply, RequestedOutput
+from .types import DirectPath, Flow, Frames, Inputs, Lane, NoAnswer, RawTensor, Reply, RequestedOutput
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
     from .arena import ClientArena
     from .local import LocalLink
     from .outputs import Release, EncodedInputs
@@ -85,17 +88,27 @@ class DirectSocket(LaneSocket):
         self._link.sock.close()
 
 
-def takes_direct(header: dict) -> bool:
+def takes_direct(header: Header) -> bool:
     """Is this infer request one a direct path takes? The rule the worker
     checks (rules/direct.py), and its inputs' bytes in the header itself: a
     payload frame means a tensor too large for a path. (A per-call timeout
     travels with it.)"""
-    if plain_refusal(header, header["model"]) is not None:
+    if plain_refusal(header, cast(str, header["model"])) is not None:    # (the client's own header)
         return False
-    for e in header["inputs"]:
+    for e in cast("list[tensors.Entry]", header["inputs"]):
         if e[tensors.DATA].__class__ is not bytes:
             return False
     return True
+
+
+class DirectRequest(NamedTuple):
+    """A plain request encoded for its model's open direct path."""
+
+    path: DirectPath
+    rid: int
+    frames: Frames
+    enc: EncodedInputs
+    token: Optional[str]          # the session it was sent in
 
 
 class PathAsker(Protocol):
@@ -103,7 +116,7 @@ class PathAsker(Protocol):
 
     link: Optional[LocalLink]
     direct_factory: Optional[Callable[[socket.socket, str], DirectPath]]
-    direct_group: Optional[Callable[[list], DirectPath]]
+    direct_group: Optional[Callable[[list[DirectPath]], DirectPath]]
 
     def exchange(self, op: str, timeout: Optional[float], fields: dict[str, object],
                  lane: bool = False) -> Flow[Reply]: ...
@@ -114,14 +127,14 @@ class DirectPaths:
 
     def __init__(self) -> None:
         # (model, version) -> its DirectSocket, or when to ask again after a refusal
-        self._paths: dict[tuple[str, str], Any] = {}   # (a DirectPath or a float: told apart by __class__)
+        self._paths: dict[tuple[str, str], Union[DirectPath, float]] = {}
         self._asking: set[tuple[str, str]] = set()      # keys whose path is being asked for
         self.wanted: set[tuple[str, str]] = set()       # keys to ask for, not asked in a flow
 
     def open_path(self, model: str, version: str) -> Optional[DirectPath]:
         """The path to `model` if one is open and not lost (asks nothing)."""
         path = self._paths.get((model, version))
-        return path if path.__class__ is not float and path is not None and not path.lost else None
+        return None if path is None or isinstance(path, float) or path.lost else path
 
     def due(self, model: str, version: str) -> bool:
         """Would `path_flow` ask the daemon now? (no path open, none being
@@ -129,7 +142,7 @@ class DirectPaths:
         path = self._paths.get((model, version))
         if path is None:
             return True
-        if path.__class__ is float:
+        if isinstance(path, float):
             return time.monotonic() >= path
         return bool(path.lost)
 
@@ -143,14 +156,14 @@ class DirectPaths:
             if path is None and self.due(model, version):
                 self.wanted.add(key)     # the caller asks beside its calls (aio.py)
             return path
-        path = self._paths.get(key)
-        if path.__class__ is float:
-            if time.monotonic() < path:
+        known = self._paths.get(key)
+        if isinstance(known, float):
+            if time.monotonic() < known:
                 return None
-        elif path is not None:
-            if not path.lost:
-                return path
-            path.shut()                  # its instance stopped: ask for another
+        elif known is not None:
+            if not known.lost:
+                return known
+            known.shut()                 # its instance stopped: ask for another
         # The daemon keeps one path per session and model version: asking
         # again replaces (closes) the one open, failing the calls on it. An
         # unversioned key may name the same version as a numbered one, so
@@ -161,7 +174,7 @@ class DirectPaths:
                 continue
             if (m, v) in self._asking:
                 return None
-            if other.__class__ is not float and not other.lost:
+            if not isinstance(other, float) and not other.lost:
                 if version and str(other.version) == version:
                     self._paths[key] = other
                     return other
@@ -179,7 +192,9 @@ class DirectPaths:
         try:
             header, _ = yield from state.exchange(messages.OP_DIRECT, timeout, fields, lane=True)
             result = header["result"]
-            names = result.get("paths") or [result["direct"]]
+            if not isinstance(result, dict):
+                raise TypeError("no paths in the answer")
+            names: list[str] = result.get("paths") or [result["direct"]]
             for name in names:
                 fds.append(link.take(name))
         except (InferenceError, KeyError, TypeError, AttributeError):
@@ -216,7 +231,7 @@ class DirectPaths:
 
     def close(self) -> None:
         for path in self._paths.values():
-            if path.__class__ is not float:
+            if not isinstance(path, float):
                 path.shut()              # (a path two keys share: twice, harmlessly)
         self._paths.clear()
         self._asking.clear()
@@ -245,18 +260,17 @@ class DirectRequests:
 
         def _infer_header(self, model: str, version: Version, enc: EncodedInputs,
                           outputs: Optional[Sequence[RequestedOutput]],
-                          timeout: Optional[float], priority: int, sequence: Optional[dict]) -> dict: ...
+                          timeout: Optional[float], priority: int, sequence: Optional[Header]) -> Header: ...
 
         def open_lane(self) -> Optional[Lane]: ...
 
-        def _answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: EncodedInputs,
-                      arena: Optional[ClientArena]) -> InferResult: ...
+        def _answered(self, header: Header, payload: Sequence[Buffer], copy: bool, token: Optional[str],
+                      enc: EncodedInputs, arena: Optional[ClientArena]) -> InferResult: ...
 
     def direct_request(self, model: str, inputs: Inputs, outputs: Optional[Sequence[RequestedOutput]],
-                       version: Version, timeout: Optional[float] = None) -> Optional[tuple]:
-        """(path, id, frames, encoded inputs, session) of a request that goes
-        to the open direct path of its model, encoded as `infer_flow` encodes
-        it; None when it needs the flow (no path open yet, inputs that go by
+                       version: Version, timeout: Optional[float] = None) -> Optional[DirectRequest]:
+        """The request, encoded for the open direct path of its model
+        as `infer_flow` encodes it; None when it needs the flow (no path open yet, inputs that go by
         shared memory, lent outputs to give back, ...). Under `lock`."""
         if not self.local or not self.direct_allowed() or not self.inline_inputs(inputs):
             return None
@@ -270,11 +284,11 @@ class DirectRequests:
             self.finish(enc, arena, answered=True)
             return None
         token = header["session"] = self.session
-        frames = [messages.pack(header)]
+        frames: Frames = [messages.pack(header)]
         if not lane.fits(frames):           # (many inputs) over ZeroMQ: the flow's
             self.finish(enc, arena, answered=True)
             return None
-        return path, header["id"], frames, enc, token
+        return DirectRequest(path, cast(int, header["id"]), frames, enc, token)
 
     def inline_inputs(self, inputs: Inputs) -> bool:
         """Do these inputs go inline for sure, as a direct path takes them?
@@ -300,7 +314,7 @@ class DirectRequests:
         return self.direct_factory is not None and self.open_lane() is not None and \
             link is not None and link.direct_ok and not self.releases
 
-    def direct_answered(self, header: dict, payload: list, copy: bool, token: Optional[str],
+    def direct_answered(self, header: Header, payload: Sequence[Buffer], copy: bool, token: Optional[str],
                         enc: EncodedInputs) -> InferResult:
         """The outputs of a `direct_request`'s answer. Under `lock`."""
         return self._answered(header, payload, copy, token, enc, None)

@@ -24,14 +24,14 @@ import math
 import socket
 import threading
 import time
-from typing import Awaitable, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Sequence, Union, cast
 
 import numpy as np
 
 from ..protocol import datatypes, errors, messages, tensors
 from ..protocol import lane as lane_protocol
 from ..protocol.errors import InferenceError
-from ..protocol.messages import OP_ARENA_GROW, OP_GOODBYE, OP_HELLO
+from ..protocol.messages import OP_ARENA_GROW, OP_GOODBYE, OP_HELLO, Header
 from .arena import DEFAULT_ARENA_CAP, ClientArena, OutputMaps, block_size, local_wanted
 from .inputs import InputEncoding, NeedRoom
 from .direct import DirectPaths, DirectRequests, takes_direct
@@ -39,10 +39,18 @@ from .local import LocalLink
 from .outputs import OutputDecoding, Release, Quarantined, EncodedInputs
 from .regions import RegionFlows
 from .types import (
-    Call, Classification, DirectPath, Flow, InferResult, Inputs, Lane, NoAnswer, OutputRef, Reply,
+    Call, Classification, DirectPath, Flow, Frames, InferResult, Inputs, Lane, NoAnswer, OutputRef, Reply,
     RequestedOutput, SequenceId, T, Version,
 )
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+
+def result_of(header: Header) -> Header:
+    """An answer's "result" object ({} when it has none)."""
+    result = header.get("result")
+    return result if isinstance(result, dict) else {}
 
 class SessionLost(Exception):
     """The daemon no longer knows our session (lease expired, daemon restarted)."""
@@ -86,7 +94,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         # model's instances and holds them as one (aio_lane.AsyncPaths); it
         # asks beside its calls, not in one's flow: the calls sent meanwhile
         # would overtake that one (aio.py)
-        self.direct_group: Optional[Callable[[list], DirectPath]] = None
+        self.direct_group: Optional[Callable[[list[DirectPath]], DirectPath]] = None
         self.direct = DirectPaths()
         self.local_socket: Optional[str] = None  # where it is (regions attach without an arena)
         self.outputs = OutputMaps()
@@ -109,13 +117,13 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         header = {"v": messages.PROTOCOL_VERSION, "op": op, "id": rid, **fields}
         return Call(rid, [messages.pack(header)], timeout)
 
-    def session_fields(self) -> dict:
+    def session_fields(self) -> Header:
         """`session` and queued releases for the next request header."""
-        fields: dict = {}
+        fields: Header = {}
         self.add_session(fields)
         return fields
 
-    def add_session(self, header: dict) -> Optional[str]:
+    def add_session(self, header: Header) -> Optional[str]:
         """Put `session` and queued releases into `header`; the session token."""
         token = self.session
         if token is None:
@@ -129,8 +137,9 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                 header["release"] = rel
         return token
 
-    def _take_releases(self) -> list:
-        out, q, token = [], self.releases, self.session
+    def _take_releases(self) -> list[list[Union[str, int]]]:
+        out: list[list[Union[str, int]]] = []
+        q, token = self.releases, self.session
         while q:
             owner, item = q.popleft()
             if owner == token:
@@ -187,13 +196,14 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                 if exc.code in (errors.UNSUPPORTED, errors.INVALID_ARG, errors.NOT_FOUND):
                     self.unsupported = True
                 return False
-            res = header.get("result") or {}
+            res = result_of(header)
             token = res.get("session")
             if not isinstance(token, str):
                 self.unsupported = True
                 return False
             self.session, self.used_session, self.hello_error = token, True, None
-            self.lease_s = res.get("lease_s")
+            lease = res.get("lease_s")
+            self.lease_s = float(lease) if isinstance(lease, (int, float)) else None
             self.outputs.clear()
             path = res.get("local_socket")
             self.local_socket = path if isinstance(path, str) else None
@@ -256,7 +266,8 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         """One request with `session` and releases (over the session's lane
         when `lane` and it has one); session errors become SessionLost."""
         extra = self.session_fields()
-        token = extra.get("session")
+        session = extra.get("session")
+        token = session if isinstance(session, str) else None
         call = self.call(op, timeout, **fields, **extra)
         if lane:
             call.channel = self.open_lane()
@@ -293,7 +304,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         try:
             # on the lane when there is one: its answer names a segment handed over there
             header, _ = yield from self.exchange(OP_ARENA_GROW, timeout, {"size": need}, lane=True)
-            name = (header.get("result") or {})["segment"]
+            name = cast(str, result_of(header)["segment"])
             link = self.link
             assert link is not None         # an arena comes with its session's side channel
             arena.map_segment(name, link.take(name))
@@ -308,7 +319,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
 
     def infer_flow(self, model: str, inputs: Inputs, outputs: Optional[Sequence[RequestedOutput]],
                    version: Version, timeout: Optional[float], copy: bool, priority: int = 0,
-                   sequence: Optional[dict] = None) -> Flow[InferResult]:
+                   sequence: Optional[Header] = None) -> Flow[InferResult]:
         arena = self.arena if self.local else None
         if arena is None:
             enc = self._encode_inline(inputs)
@@ -320,7 +331,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         header = self._infer_header(model, version, enc, outputs, timeout, priority, sequence)
         direct = None
         if self.direct_allowed() and takes_direct(header):
-            direct = yield from self.direct.path_flow(self, model, header["version"], timeout,
+            direct = yield from self.direct.path_flow(self, model, "" if version is None else str(version), timeout,
                                                       ask=self.direct_group is None)
         if direct is not None:
             token = header["session"] = self.session    # releases wait for a request to the daemon
@@ -334,7 +345,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
             lane = direct = None
             del header["output_shm"]
             frames[0] = messages.pack(header)
-        rid, answered = header["id"], False
+        rid, answered = cast(int, header["id"]), False     # (_infer_header's id)
         try:
             try:
                 reply_header, payload = yield from self._send_infer(rid, frames, timeout, direct, lane)
@@ -352,7 +363,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
 
     def _infer_header(self, model: str, version: Version, enc: EncodedInputs,
                       outputs: Optional[Sequence[RequestedOutput]],
-                      timeout: Optional[float], priority: int, sequence: Optional[dict]) -> dict:
+                      timeout: Optional[float], priority: int, sequence: Optional[Header]) -> Header:
         wanted = None
         if outputs is not None:
             wanted = [o.wire() if isinstance(o, (OutputRef, Classification)) else o for o in outputs]
@@ -373,7 +384,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
             header["output_shm"] = True
         return header
 
-    def _answered(self, header: dict, payload: list, copy: bool, token: Optional[str], enc: EncodedInputs,
+    def _answered(self, header: Header, payload: Sequence[Buffer], copy: bool, token: Optional[str], enc: EncodedInputs,
                   arena: Optional[ClientArena]) -> InferResult:
         s = self.stats
         s["bytes_copied"] += enc.stats[0]
@@ -382,7 +393,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         # before finish(): outputs that point into our input blocks keep them
         return self.decode_outputs(header, payload, copy, token, enc, arena)
 
-    def _send_infer(self, rid: int, frames: list, timeout: Optional[float], direct: Optional[DirectPath],
+    def _send_infer(self, rid: int, frames: Frames, timeout: Optional[float], direct: Optional[DirectPath],
                     lane: Optional[Lane]) -> Flow[Reply]:
         if direct is not None:
             try:
@@ -420,11 +431,11 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                 arr = arena.empty(shape, dtype)
         return np.empty(shape, dtype) if arr is None else arr
 
-    def transfer_stats(self) -> dict:
+    def transfer_stats(self) -> dict[str, int]:
         return dict(self.stats)
 
 
-def sequence_field(sequence_id: SequenceId, start: bool, end: bool) -> Optional[dict]:
+def sequence_field(sequence_id: SequenceId, start: bool, end: bool) -> Optional[Header]:
     """The `sequence` header field of a request (None when it names no sequence)."""
     if not sequence_id and not start and not end:
         return None
@@ -452,7 +463,7 @@ def run_sync(flow: Flow[T], send: Callable[[Call], Reply], lock: Optional[thread
                 with guard:
                     call = flow.send(reply)
     except StopIteration as stop:
-        return stop.value
+        return cast(T, stop.value)      # a Flow[T] returns a T (StopIteration's value is untyped)
 
 
 async def run_async(flow: Flow[T], send: Callable[[Call], Awaitable[Reply]]) -> T:
@@ -467,4 +478,4 @@ async def run_async(flow: Flow[T], send: Callable[[Call], Awaitable[Reply]]) -> 
             else:
                 call = flow.send(reply)
     except StopIteration as stop:
-        return stop.value
+        return cast(T, stop.value)      # (as run_sync)

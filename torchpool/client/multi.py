@@ -47,7 +47,7 @@ from ..protocol.errors import InferenceError
 from .arena import DEFAULT_ARENA_CAP
 from .common import DEFAULT_TIMEOUT, ClientKey, ServerKey
 from .sync import Client, register_several_daemons
-from .types import InferResult, Inputs, ModelConfig, NoAnswer, RequestedOutput, SequenceId, T, Version
+from .types import InferResult, Inputs, JSONDocument, ModelConfig, NoAnswer, RequestedOutput, SequenceId, T, Version
 
 DEFAULT_HEALTH_INTERVAL = 1.0   # seconds between checks of a daemon that is down
 PROBE_TIMEOUT = 2.0             # how long a health check waits for `server_ready`
@@ -67,7 +67,7 @@ class _Daemon:
         self.served = 0                 # calls it answered (errors included)
         self.failed = 0                 # calls that found it gone
 
-    def describe(self) -> dict:
+    def describe(self) -> JSONDocument:
         return {"url": self.url, "up": self.up, "in_flight": self.in_flight, "served": self.served,
                 "failed": self.failed, "why": self.why}
 
@@ -125,7 +125,7 @@ class MultiClient:
         """Each daemon's own client, by url (for per-daemon calls)."""
         return {d.url: d.client for d in self._daemons}
 
-    def daemons(self) -> list[dict]:
+    def daemons(self) -> list[JSONDocument]:
         """[{url, up, in_flight, served, failed, why}] for each daemon."""
         with self._lock:
             return [d.describe() for d in self._daemons]
@@ -282,16 +282,16 @@ class MultiClient:
                 continue
         return False
 
-    def model_metadata(self, name: str, version: Version = None) -> dict:
+    def model_metadata(self, name: str, version: Version = None) -> JSONDocument:
         return self._read(lambda c: c.model_metadata(name, version))
 
-    def model_config(self, name: str, version: Version = None) -> dict:
+    def model_config(self, name: str, version: Version = None) -> JSONDocument:
         return self._read(lambda c: c.model_config(name, version))
 
-    def repository_index(self) -> list[dict]:
+    def repository_index(self) -> list[JSONDocument]:
         return self._read(lambda c: c.repository_index())
 
-    def server_metadata(self) -> dict:
+    def server_metadata(self) -> JSONDocument:
         return self._read(lambda c: c.server_metadata())
 
     def load(self, name: str, config: ModelConfig = None, timeout: Optional[float] = None) -> None:

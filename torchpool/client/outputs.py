@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union, cast
 
 import numpy as np
 
 from ..protocol import datatypes, errors, tensors
 from ..protocol.errors import InferenceError, TorchpoolError
+from ..protocol.messages import Header
 from .arena import ArenaBlock, ClientArena, OutputMaps
-from .types import InferResult, OutputValue, RegionOutput, Tensor
+from .types import Frames, InferResult, OutputValue, RegionOutput, Tensor
 from .values import as_value
 
 if TYPE_CHECKING:
@@ -34,8 +35,8 @@ class EncodedInputs:
     __slots__ = ("entries", "frames", "blocks", "lent", "stats")
 
     def __init__(self) -> None:
-        self.entries: list[dict] = []
-        self.frames: list = []
+        self.entries: list[tensors.Entry] = []
+        self.frames: Frames = []
         self.blocks: list[ArenaBlock] = []      # copy blocks: freed when answered
         self.lent: list[ArenaBlock] = []        # empty() blocks in flight
         self.stats = [0, 0, 0]                  # copied, zero-copy, inline
@@ -52,14 +53,15 @@ class OutputDecoding:
     quarantine: dict[object, Quarantined]
     arena: Optional[ClientArena]
 
-    def decode_outputs(self, header: dict, frames: Sequence[Buffer], copy: bool,
+    def decode_outputs(self, header: Header, frames: Sequence[Buffer], copy: bool,
                        token: Optional[str] = None, enc: Optional[EncodedInputs] = None,
                        arena: Optional[ClientArena] = None) -> InferResult:
         """The outputs of an answer to a request sent in session `token`
         (with the input blocks `enc` holds in `arena`)."""
         token = self.session if token is None else token
         result = InferResult()
-        entries = header.get("outputs") or []
+        # the daemon's own answer: a list of output entries
+        entries = cast("list[tensors.Entry]", header.get("outputs") or [])
         error: Optional[BaseException] = None
         kept: dict[ArenaBlock, np.ndarray] = {}
         value: OutputValue
@@ -67,8 +69,8 @@ class OutputDecoding:
             try:
                 where = tensors.location(e)
                 if where == tensors.DATA:          # bytes in the answer: the common case first
-                    value = as_value(e[tensors.DATATYPE], e[tensors.SHAPE],
-                                     tensors.tensor_payload(e, frames))
+                    datatype, shape = _datatype_shape(e)
+                    value = as_value(datatype, shape, tensors.tensor_payload(e, frames))
                     if copy and isinstance(value, np.ndarray):
                         value = np.array(value)
                 elif where == tensors.SHM:
@@ -77,32 +79,33 @@ class OutputDecoding:
                     value = _reused_output(e, copy, enc, arena, kept)
                 else:
                     region, nbytes, offset = tensors.region_ref(e)
-                    value = RegionOutput(e[tensors.NAME], region, offset, nbytes,
-                                         e[tensors.DATATYPE], tuple(e[tensors.SHAPE]))
-                result[e[tensors.NAME]] = value
+                    datatype, shape = _datatype_shape(e)
+                    value = RegionOutput(cast(str, e[tensors.NAME]), region, offset, nbytes, datatype, tuple(shape))
+                result[cast(str, e[tensors.NAME])] = value
             except BaseException as exc:   # keep going: every lent block must be released
                 error = error or exc
         if error is not None:
             raise error
         return result
 
-    def _lent_output(self, e: dict, copy: bool, token: Optional[str]) -> Tensor:
+    def _lent_output(self, e: tensors.Entry, copy: bool, token: Optional[str]) -> Tensor:
         """An output lent in the worker's memory: a read-only view of it,
         released to the daemon once the view is garbage (at once with
         `copy`, or for BYTES and BF16, which are converted)."""
         segment, offset, nbytes, generation = tensors.shm_ref(e)
         rel: Release = (token, [segment, offset, generation])
-        datatype, shape = e[tensors.DATATYPE], e[tensors.SHAPE]
+        datatype, shape = _datatype_shape(e)
         keep = False
         try:
             mm = self.outputs.get(segment, offset + nbytes)
             data = memoryview(mm)[offset:offset + nbytes]
             if datatype == "BYTES" or datatype == "BF16":
                 return as_value(datatype, shape, data)
-            base = np.frombuffer(data, dtype=datatypes.numpy_dtype(datatype))
+            base: np.ndarray = np.frombuffer(data, dtype=datatypes.numpy_dtype(datatype))
+            arr: np.ndarray = base.reshape(shape)
             if copy:
-                return base.reshape(shape).copy()
-            arr = base.reshape(shape)
+                copied: np.ndarray = arr.copy()
+                return copied
             fin = weakref.finalize(base, self.releases.append, rel)
             fin.atexit = False
             keep = True
@@ -134,7 +137,13 @@ class OutputDecoding:
                 self.releases.append((token, [seg, off, gen]))
 
 
-def _reused_output(e: dict, copy: bool, enc: Optional[EncodedInputs], arena: Optional[ClientArena],
+def _datatype_shape(e: tensors.Entry) -> tuple[str, list[int]]:
+    """An output entry's datatype and shape: the daemon's own answer (its
+    worker wrote a datatype string and a list of ints)."""
+    return cast(str, e[tensors.DATATYPE]), cast("list[int]", e[tensors.SHAPE])
+
+
+def _reused_output(e: tensors.Entry, copy: bool, enc: Optional[EncodedInputs], arena: Optional[ClientArena],
                    kept: dict[ArenaBlock, np.ndarray]) -> Tensor:
     """An output that is a view of one of this request's input blocks (the
     model returned its input, or a part of it): a read-only array on that
@@ -157,7 +166,7 @@ def _reused_output(e: dict, copy: bool, enc: Optional[EncodedInputs], arena: Opt
         enc.blocks.remove(block)          # no longer freed with the request
     start = offset - block.data_offset
     data = base[start:start + nbytes]
-    datatype, shape = e[tensors.DATATYPE], e[tensors.SHAPE]
+    datatype, shape = _datatype_shape(e)
     if datatype == "BYTES" or datatype == "BF16":
         return as_value(datatype, shape, data.tobytes())
     arr = data.view(datatypes.numpy_dtype(datatype)).reshape(shape)

@@ -13,13 +13,13 @@ from ..protocol import messages
 from ..protocol.errors import InferenceError
 from .arena import DEFAULT_ARENA_CAP
 from .channel import SharedSocket
-from .direct import DirectSocket
+from .direct import DirectRequest, DirectSocket
 from .lane import LaneSocket
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control, error_of
 from .flows import ClientState, SessionLost, is_session_error, run_sync, sequence_field
 from .regions import needs_session
-from .types import Call, Flow, NoAnswer, T
-from .types import InferResult, Inputs, ModelConfig, RequestedOutput, SequenceId, Version
+from .types import Call, Flow, Frames, NoAnswer, Reply, T
+from .types import InferResult, Inputs, JSONDocument, ModelConfig, RequestedOutput, SequenceId, Version
 
 
 # What Client([url, ...]) makes: multi.MultiClient, which registers itself
@@ -99,14 +99,14 @@ class Client(ClientBase):
             sock, model, url, _late_answers(state))
 
     # -- transport
-    def _call(self, frames: list, request_id: int, timeout: Optional[float]) -> tuple[dict, list]:
+    def _call(self, frames: Frames, request_id: int, timeout: Optional[float]) -> Reply:
         limit = self.timeout if timeout is None else timeout
         header, payload = self._channel.request(frames, request_id, limit)
         if not header.get("ok"):
             raise error_of(header)
         return header, payload
 
-    def _send(self, call: Call) -> tuple[dict, list]:
+    def _send(self, call: Call) -> Reply:
         # _call, written out: every request passes here
         limit = self.timeout if call.timeout is None else call.timeout
         if call.channel is None:
@@ -161,22 +161,24 @@ class Client(ClientBase):
     def model_ready(self, name: str, version: Version = None) -> bool:
         return bool(self._control(messages.OP_MODEL_READY, model=name, version=self._version_field(version)))
 
-    def model_metadata(self, name: str, version: Version = None) -> dict:
-        return cast(dict, self._control(messages.OP_MODEL_METADATA, model=name, version=self._version_field(version)))
+    def model_metadata(self, name: str, version: Version = None) -> JSONDocument:
+        return cast(JSONDocument, self._control(messages.OP_MODEL_METADATA, model=name,
+                                                version=self._version_field(version)))
 
-    def model_config(self, name: str, version: Version = None) -> dict:
-        return cast(dict, self._control(messages.OP_MODEL_CONFIG, model=name, version=self._version_field(version)))
+    def model_config(self, name: str, version: Version = None) -> JSONDocument:
+        return cast(JSONDocument, self._control(messages.OP_MODEL_CONFIG, model=name,
+                                                version=self._version_field(version)))
 
-    def repository_index(self) -> list[dict]:
-        return cast("list[dict]", self._control(messages.OP_REPOSITORY_INDEX))
+    def repository_index(self) -> list[JSONDocument]:
+        return cast("list[JSONDocument]", self._control(messages.OP_REPOSITORY_INDEX))
 
-    def server_metadata(self) -> dict:
-        return cast(dict, self._control(messages.OP_SERVER_METADATA))
+    def server_metadata(self) -> JSONDocument:
+        return cast(JSONDocument, self._control(messages.OP_SERVER_METADATA))
 
-    def statistics(self, model: Optional[str] = None, version: Version = None) -> dict:
+    def statistics(self, model: Optional[str] = None, version: Version = None) -> JSONDocument:
         """Triton's statistics: {"model_stats": [{name, version, inference_count,
         execution_count, inference_stats: {success, fail, queue, compute_*}, batch_stats}]}."""
-        return cast(dict, self._control(messages.OP_STATISTICS, model=model or "",
+        return cast(JSONDocument, self._control(messages.OP_STATISTICS, model=model or "",
                                         version=self._version_field(version)))
 
     def load(self, name: str, config: ModelConfig = None, timeout: Optional[float] = None) -> None:
@@ -224,7 +226,7 @@ class Client(ClientBase):
             lambda: self._state.infer_flow(model, inputs, outputs, version, timeout, copy, priority, seq),
             timeout, needs_session(inputs, outputs))
 
-    def _direct_infer(self, short: tuple, copy: bool, timeout: Optional[float]) -> Optional[InferResult]:
+    def _direct_infer(self, short: DirectRequest, copy: bool, timeout: Optional[float]) -> Optional[InferResult]:
         """A plain request on its model's open direct path, the short way:
         `infer_flow`'s direct case without the flow (~15 us less per call on
         the development VM). None when the session was lost: then the flow
@@ -234,7 +236,8 @@ class Client(ClientBase):
         answered = False
         try:
             try:
-                header, payload = path.request(frames, rid, self.timeout if timeout is None else timeout)
+                header, payload = cast(DirectSocket, path).request(   # (this client's direct_factory makes them)
+                    frames, rid, self.timeout if timeout is None else timeout)
             except NoAnswer as exc:
                 if exc.sent and not path.lost:
                     raise                  # maybe still running: finish() keeps its id
@@ -277,9 +280,9 @@ class Client(ClientBase):
         """Unregister `name` (None: every region of this client)."""
         self._perform(lambda: self._state.unregister_flow(name, None), None, True)
 
-    def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[dict]:
+    def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[JSONDocument]:
         """[{name, key, offset, byte_size, in_use}] of this client's regions."""
-        return cast("list[dict]", self._perform(lambda: self._state.status_flow(name, None), None, True))
+        return cast("list[JSONDocument]", self._perform(lambda: self._state.status_flow(name, None), None, True))
 
     # -- lifetime
     def close(self, wait: float = GOODBYE_WAIT) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generator, Mapping, Optional, Protocol, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Generator, cast, Mapping, Optional, Protocol, Sequence, TypeVar, Union
 
 import numpy as np
 
 from ..protocol import datatypes, tensors
 from ..protocol.errors import InferenceError
+from ..protocol.messages import Header
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +31,7 @@ class SharedMemoryRef:
     byte_size: int
     offset: int = 0
     datatype: str = ""
-    shape: tuple = ()
+    shape: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -41,11 +42,11 @@ class SharedMemoryRef:
             raise ValueError(f"SharedMemoryRef for region '{self.region}': byte_size and offset "
                              f"must be non-negative")
 
-    def wire(self) -> list:
+    def wire(self) -> list[object]:
         """The `region` reference as it travels: [region, byte_size, offset]."""
-        return self.entry("")[tensors.REGION]
+        return cast("list[object]", self.entry("")[tensors.REGION])
 
-    def entry(self, name: str) -> dict:
+    def entry(self, name: str) -> tensors.Entry:
         """The tensor entry of input `name` read from this region."""
         entry = tensors.tensor_entry(name, self.datatype, self.shape)
         tensors.put_region(entry, self.region, self.byte_size, self.offset)
@@ -60,7 +61,7 @@ class RawTensor:
     BF16 bits) and must not convert them; the daemon checks the size."""
 
     datatype: str
-    shape: tuple
+    shape: tuple[int, ...]
     data: Buffer
 
     def __post_init__(self) -> None:
@@ -81,7 +82,7 @@ class OutputRef:
     byte_size: int
     offset: int = 0
 
-    def wire(self) -> dict:
+    def wire(self) -> tensors.Entry:
         return tensors.output_request(self.name, self.region, self.byte_size, self.offset)
 
 
@@ -102,7 +103,7 @@ class Classification:
             raise ValueError(f"Classification of output '{self.name}': count must be a positive "
                              f"integer, got {self.count!r}")
 
-    def wire(self) -> dict:
+    def wire(self) -> tensors.Entry:
         return tensors.classification_request(self.name, self.count)
 
 
@@ -120,14 +121,14 @@ class RegionOutput:
     offset: int
     nbytes: int
     datatype: str
-    shape: tuple
+    shape: tuple[int, ...]
 
     def as_array(self, buf: Buffer) -> np.ndarray:
         data = memoryview(buf).cast("B")[self.offset:self.offset + self.nbytes]
         return tensors.decode_array(self.datatype, self.shape, data)
 
 
-class InferResult(dict):
+class InferResult(dict[str, "OutputValue"]):
     """{output name: array} — also a context manager:
 
         with client.infer(model, inputs) as out:
@@ -198,20 +199,25 @@ class DirectPath(Path, Protocol):
     def lost_error(self) -> InferenceError: ...
 
 
+Frames = list["Buffer"]
+"""A message's frames as sent: the packed header, then its payload."""
+
+
 class Call:
     """One request a flow wants sent: the driver sends `frames` and answers
     with the reply to `rid` (or throws the error / NoAnswer in)."""
 
     __slots__ = ("rid", "frames", "timeout", "channel", "request")
 
-    def __init__(self, rid: int, frames: list, timeout: Optional[float], channel: Optional[Path] = None,
+    def __init__(self, rid: int, frames: Frames, timeout: Optional[float], channel: Optional[Path] = None,
                  request: bool = False) -> None:
         self.rid, self.frames, self.timeout = rid, frames, timeout
         self.channel = channel       # the session's lane (client/lane.py) when it goes there
         self.request = request       # the inference request itself (not a hello, a grow, ...)
 
 
-Reply = tuple[dict, list]
+
+Reply = tuple[Header, Sequence["Buffer"]]
 """An answer: its header and its payload frames."""
 
 T = TypeVar("T")
@@ -224,6 +230,11 @@ if TYPE_CHECKING:
 else:
     Tensor = np.ndarray
 """An output's value: a numpy array, or a torch tensor for BF16 (values.py)."""
+
+JSONDocument = dict[str, Any]
+"""A JSON document the daemon answers with (model metadata and configuration,
+statistics, the repository index): Triton's shapes, as tritonclient returns
+them (docs/client.md), not re-checked here."""
 
 OutputValue = Union[Tensor, RegionOutput]
 """What an `InferResult` holds: a tensor, or where one was written into a region."""

@@ -89,7 +89,9 @@ def as_value(datatype: str, shape: Sequence[int], data: Buffer) -> Tensor:
     return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
 
 
-def output_array(entry: dict, frames: Sequence[Buffer]) -> Tensor:
+def output_array(entry: tensors.Entry, frames: Sequence[Buffer]) -> Tensor:
     """An output that came as bytes (inline or a payload frame): a read-only
     view that keeps the frame alive (no copy); see `as_value`."""
-    return as_value(entry[tensors.DATATYPE], entry[tensors.SHAPE], tensors.tensor_payload(entry, frames))
+    # the daemon's own answer: it wrote a datatype string and a list of ints
+    return as_value(cast(str, entry[tensors.DATATYPE]), cast("list[int]", entry[tensors.SHAPE]),
+                    tensors.tensor_payload(entry, frames))

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Optional, TypedDict
+from typing import TYPE_CHECKING, Optional, TypedDict, Union, cast
 
 import zmq
+
+if TYPE_CHECKING:
+    import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ..protocol import errors
@@ -87,7 +90,7 @@ def timeout_error(url: str, timeout: float, why: Optional[str] = None) -> NoAnsw
 Mark = tuple[int, int]      # (connections lost, connect attempts retried) when a request was sent
 
 
-def stop_monitor(sock: zmq.Socket) -> None:
+def stop_monitor(sock: zmq.Socket[bytes]) -> None:
     """Stop `sock`'s monitor before the socket or the monitor's reader closes.
 
     libzmq's I/O thread sends monitor events with a blocking send: a socket
@@ -108,7 +111,8 @@ class ConnectionWatch:
 
     Create it before the socket connects, so that no event is missed."""
 
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, url: str, has_keys: bool) -> None:
+    def __init__(self, ctx: Union[zmq.Context[zmq.Socket[bytes]], zmq.asyncio.Context], sock: zmq.Socket[bytes],
+                 url: str, has_keys: bool) -> None:
         self.url = url
         path = url[len("ipc://"):] if url.startswith("ipc://") else None
         # an abstract socket (ipc://@name) has no file to look for
@@ -120,7 +124,9 @@ class ConnectionWatch:
         self._has_keys = has_keys
         endpoint = f"inproc://torchpool.client.monitor.{next(_monitor_ids)}"
         sock.monitor(endpoint, _EVENTS)
-        self.socket = ctx.socket(zmq.PAIR, socket_class=zmq.Socket)
+        # a plain socket also from an asyncio context (socket_class): drain() never awaits
+        plain = cast("zmq.Context[zmq.Socket[bytes]]", ctx)
+        self.socket = plain.socket(zmq.PAIR, socket_class=zmq.Socket)
         # libzmq sends monitor events from the context's I/O thread and blocks
         # there when they are not read: an idle client that keeps failing to
         # connect would freeze every socket of the context after ~2,000
@@ -131,13 +137,13 @@ class ConnectionWatch:
         # Readable when the monitor may have news (ZMQ_FD: it stays readable
         # until drain() has looked): a poller that waits on this plain fd
         # spares libzmq two checks of the monitor socket per wait.
-        self.fd: int = self.socket.get(zmq.FD)
+        self.fd = cast(int, self.socket.get(zmq.FD))       # (an int option: get() is typed int | bytes)
 
     def drain(self) -> None:
         """Take every event the monitor queued (never waits)."""
         sock = self.socket
         # EVENTS first: a recv that finds nothing raises, which costs more than the call path can spare
-        while not sock.closed and sock.get(zmq.EVENTS) & zmq.POLLIN:
+        while not sock.closed and cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
             self._feed(parse_monitor_message(sock.recv_multipart(zmq.NOBLOCK)))
 
     def _feed(self, event: MonitorEvent) -> None:
@@ -198,7 +204,7 @@ class ConnectionWatch:
                                                       f"still run)")
         return timeout_error(self.url, timeout, self.handshake)
 
-    def close(self, sock: zmq.Socket) -> None:
+    def close(self, sock: zmq.Socket[bytes]) -> None:
         """Stop watching `sock`, then close our end (in that order: see
         stop_monitor). Before `sock` itself closes."""
         stop_monitor(sock)

@@ -188,8 +188,8 @@ def contiguous_bytes(src: Source) -> memoryview:
     return memoryview(src).cast("B")  # type: ignore[arg-type]
 
 
-def put_data(entry: Entry, src: Source, frames: list[object],
-             make_frame: Optional[Callable[[memoryview], object]] = None, inline: bool = True) -> object:
+def put_data(entry: Entry, src: Source, frames: list[Buffer],
+             make_frame: Optional[Callable[[memoryview], Buffer]] = None, inline: bool = True) -> Optional[Buffer]:
     """Put the bytes of `src` into `entry`: inline when at most INLINE_LIMIT
     (and `inline`), else appended to `frames` (as `make_frame(data)` when
     given) and named by its 1-based index. Returns the appended frame, or
