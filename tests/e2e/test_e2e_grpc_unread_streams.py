@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -78,7 +79,16 @@ class Offender:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.grpc_unread_streams", str(d.grpc), str(connections),
              str(streams), str(requests), str(elements)],
-            cwd=ROOT, stdin=subprocess.PIPE)
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.refused = 0            # streams the gateway refused, as the offender saw them
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.strip() == "refused":
+                self.refused += 1
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -86,6 +96,7 @@ class Offender:
     def close(self) -> None:
         self.proc.stdin.close()                     # it cancels its streams and exits
         assert self.proc.wait(30) == 0
+        self._reader.join(30)
 
 
 def test_a_new_caller_is_answered_beside_streams_never_read(daemon: Daemon) -> None:
@@ -162,3 +173,53 @@ def test_one_connection_opens_at_most_its_streams(daemon: Daemon) -> None:
         assert _count(daemon) - base == opened * 10 + 1
     finally:
         offender.close()
+
+
+@pytest.fixture
+def capped(small_repository: Path, tmp_path: Path) -> Iterator[Daemon]:
+    http, grpc_port = free_tcp_port(), free_tcp_port()
+    d = Daemon(small_repository, tmp_path, "--http-port", str(http), "--grpc-port", str(grpc_port),
+               "--gateway-max-in-flight-per-caller", str(PER_CALLER),
+               "--grpc-max-streams-per-peer", str(PER_PEER)).start()
+    d.http, d.grpc = http, grpc_port
+    wait_for(lambda: _answered(d, 5.0) is not None, 30, "the gRPC endpoint")
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+# --grpc-max-streams-per-peer in `capped`: fewer than one connection may open
+# (16), so no connection fills with streams kept open, and each of the
+# offender's other streams gets its answer (a refusal) instead of waiting in
+# its client for a place on its connection
+PER_PEER = 12
+
+
+def test_a_peers_streams_on_all_its_connections_are_capped(capped: Daemon) -> None:
+    """4 connections × 50 streams × 10 requests from one user (a uid on this
+    host): each connection may open 16 streams, but the user holds at most
+    12 open on all four; the others are refused RESOURCE_EXHAUSTED as they
+    open (not queued), so only the 12 streams' requests run. A unary call of the
+    same user is still answered, and a stream opened once the offender
+    ends is served."""
+    base = _count(capped)
+    offender = Offender(capped, 4, 50, 10)
+    try:
+        wait_for(lambda: _count(capped) - base >= PER_PEER * 10, 60, "the open streams' requests")
+        # the streams past the cap are refused (how many the offender's client
+        # has opened by now is its own affair: grpc queues them per connection)
+        wait_for(lambda: offender.refused >= 1, 60, "a refusal of a stream past the cap")
+        assert _answered(capped, 10.0) is not None
+        assert offender.alive()
+        assert _count(capped) - base == PER_PEER * 10 + 1
+        assert offender.refused <= 4 * 50 - PER_PEER
+    finally:
+        offender.close()
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{capped.grpc}") as c:
+        answers: list[object] = []
+        c.start_stream(callback=lambda result, error: answers.append(error or result))
+        t = grpcclient.InferInput("INPUT__0", [16], "FP32")
+        t.set_data_from_numpy(X)
+        c.async_stream_infer("identity", [t])
+        wait_for(lambda: answers, 30, "the stream's answer")
+        c.stop_stream()
+    assert answers[0].as_numpy("OUTPUT__0").tolist() == X.tolist()

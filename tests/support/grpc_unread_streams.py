@@ -11,7 +11,8 @@ FP32 values to `identity` on each stream, written without waiting for
 anything the server sends, and the streams left open until its stdin
 closes. A stream the server has not opened (past what it lets one
 connection open) waits in this client; so does a write the server does
-not read.
+not read. It prints a line `refused` for each stream the server refused
+(RESOURCE_EXHAUSTED: past what one peer may hold open) as it sees it.
 """
 from __future__ import annotations
 
@@ -42,10 +43,20 @@ async def offend(port: int, connections: int, streams: int, requests: int, eleme
              for channel in channels for _ in range(streams)]
 
     async def write(call: grpc.aio.StreamStreamCall) -> None:
-        for _ in range(requests):
-            await call.write(data)
+        try:
+            for _ in range(requests):
+                await call.write(data)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass                    # the server ended the stream (refused it)
+
+    async def watch(call: grpc.aio.StreamStreamCall, writer: asyncio.Future[None]) -> None:
+        # its status only: no answer is read
+        if await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            writer.cancel()         # a write pending on a refused stream keeps its place on the connection
+            print("refused", flush=True)
 
     writers = [asyncio.ensure_future(write(call)) for call in calls]
+    writers += [asyncio.ensure_future(watch(call, writer)) for call, writer in zip(calls, list(writers))]
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     for w in writers:
         w.cancel()

@@ -67,7 +67,8 @@ class GatewayProcess:
                 f"--allow-client-shm={str(o.allow_client_shm).lower()}",
                 "--gateway-max-in-flight-per-caller", str(o.gateway_max_in_flight_per_caller),
                 "--http-max-connections", str(o.http_max_connections),
-                "--grpc-max-connections", str(o.grpc_max_connections)]
+                "--grpc-max-connections", str(o.grpc_max_connections),
+                "--grpc-max-streams-per-peer", str(o.grpc_max_streams_per_peer)]
         for prefix in o.allow_client_shm_prefixes:
             cmd += ["--allow-client-shm-prefix", prefix]
         return cmd

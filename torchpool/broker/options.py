@@ -67,6 +67,7 @@ class ServerOptions:
     gateway_max_in_flight_per_caller: int = gateway_defaults.MAX_IN_FLIGHT_PER_CALLER
     http_max_connections: int = 0       # 0: a share of the gateway's open-files limit
     grpc_max_connections: int = 0
+    grpc_max_streams_per_peer: int = gateway_defaults.MAX_STREAMS_PER_PEER   # 0: no cap
     log_format: str = "text"
     model_control_mode: str = "none"    # none | poll | explicit (Triton's)
     load_models: list[str] = field(default_factory=list)   # explicit mode: load these at start ("*" = all)

@@ -284,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-max-connections", type=int, default=_default("grpc_max_connections"),
                        help="gRPC connections at once, more are refused; 0: a share of the "
                             "gateway's open-files limit")
+    serve.add_argument("--grpc-max-streams-per-peer", type=int, default=_default("grpc_max_streams_per_peer"),
+                       help="ModelStreamInfer streams one gRPC peer (a uid on this host, an address "
+                            "elsewhere) holds open on all its connections; one more is refused "
+                            "RESOURCE_EXHAUSTED; 0: no cap "
+                            f"(default {_shown(_default('grpc_max_streams_per_peer'))})")
     serve.add_argument("--model-control-mode", default=_default("model_control_mode"),
                        choices=["none", "poll", "explicit"],
                        help="Triton's: none = load all at start; poll = rescan the repository "

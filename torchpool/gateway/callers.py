@@ -24,6 +24,11 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     from .owners import RegionOwner
 
+# Who a caller is beyond its connection: ("uid", 1000) for a loopback peer
+# whose socket the kernel names, ("address", "10.1.2.3") for another host,
+# ("caller", id) when neither is known (then it is its connection alone).
+PeerKey = tuple[str, object]
+
 
 class Caller:
     """One remote caller: its requests at the daemon and waiting, where it
@@ -31,7 +36,7 @@ class Caller:
     Backend finds it at the caller's first use of regions)."""
 
     __slots__ = ("name", "peer", "calls", "in_flight", "waiting", "address", "local_port", "owner",
-                 "gone", "read_ahead")
+                 "gone", "read_ahead", "peer_key")
 
     def __init__(self, name: str, address: Optional[tuple] = None, local_port: int = 0) -> None:
         self.name = name                    # for logs: "HTTP 127.0.0.1:40312", "gRPC ipv4:..."
@@ -46,6 +51,8 @@ class Caller:
         # gRPC: its streamed requests read ahead of their answers, all its
         # streams together (grpc_server.py makes it on its first stream)
         self.read_ahead: Optional[ReadAhead] = None
+        # gRPC: who it is beyond its connection, once a stream asked (grpc_peers.py)
+        self.peer_key: Optional[PeerKey] = None
 
     def __repr__(self) -> str:
         return f"Caller({self.name})"

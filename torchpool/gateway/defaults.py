@@ -13,6 +13,13 @@ MAX_INPUT_BYTES = 64 << 20
 # another caller's request waits behind at most this many of one caller's.
 MAX_IN_FLIGHT_PER_CALLER = 64
 
+# ModelStreamInfer streams one gRPC peer (a user on this host, by uid; an
+# address elsewhere) holds open at once, all its connections together: twice
+# what one connection may open at the default share (grpc's
+# max_concurrent_streams is 2 x --gateway-max-in-flight-per-caller). One more
+# is refused RESOURCE_EXHAUSTED at once (--grpc-max-streams-per-peer; 0: no cap).
+MAX_STREAMS_PER_PEER = 4 * MAX_IN_FLIGHT_PER_CALLER
+
 # Whether remote callers may register system shared memory (Triton's
 # --allow-client-shm, off by default since 26.04): the daemon opens the
 # segment with the gateway's rights, not the caller's.

@@ -11,6 +11,13 @@ its address and port is open, or one with another inode is (the port was
 reused), it is forgotten (Backend.forget: its own regions go, its user's
 stay). That is checked every `SWEEP_S` seconds, and only while some caller
 holds regions.
+
+Streams are also counted by peer beyond the connection (callers.PeerKey: a
+loopback peer's uid, another host's address): grpc bounds the streams of
+one connection, and a client that opens connection after connection would
+otherwise hold that many again on each (issue 39, item 1: 4 connections x
+100 streams never read). The key is looked up once per connection, at its
+first stream.
 """
 from __future__ import annotations
 
@@ -18,8 +25,10 @@ import asyncio
 import logging
 from typing import Awaitable, Callable, Optional
 
-from .callers import Caller
-from .tcp_table import open_connections, peer_address
+from ..protocol import errors
+from ..protocol.errors import TorchpoolError
+from .callers import Caller, PeerKey
+from .tcp_table import loopback_peer_uid, open_connections, peer_address
 
 log = logging.getLogger("torchpool.gateway.grpc")
 
@@ -30,9 +39,12 @@ class GrpcCallers:
     Backend.forget. A caller with nothing in progress and no regions is
     not kept."""
 
-    def __init__(self, port: int, forget: Callable[[Caller], Awaitable[None]]) -> None:
+    def __init__(self, port: int, forget: Callable[[Caller], Awaitable[None]],
+                 max_streams_per_peer: int = 0) -> None:
         self.port = port
         self.forget = forget
+        self.max_streams_per_peer = max_streams_per_peer     # 0: no cap
+        self._streams: dict[PeerKey, int] = {}          # open ModelStreamInfer streams by peer
         self.by_peer: dict[str, Caller] = {}
         self._connection: dict[Caller, int] = {}    # caller with regions -> its socket's inode
         self._sweeper: Optional[asyncio.Task] = None
@@ -56,6 +68,45 @@ class GrpcCallers:
         elif caller.calls == 0 and caller.owner is None and self.by_peer.get(caller.peer) is caller:
             del self.by_peer[caller.peer]
             self._connection.pop(caller, None)
+
+    async def open_stream(self, caller: Caller) -> None:
+        """Count a new stream of `caller`'s peer; RESOURCE_EXHAUSTED when
+        the peer holds `max_streams_per_peer` open already (then nothing is
+        counted). `close_stream` when it ends. Without a cap nothing is
+        counted (nor looked up)."""
+        if not self.max_streams_per_peer:
+            return
+        key = caller.peer_key
+        if key is None:
+            key = caller.peer_key = await self._peer_key(caller)
+        open_now = self._streams.get(key, 0)
+        if self.max_streams_per_peer and open_now >= self.max_streams_per_peer:
+            raise TorchpoolError(errors.RESOURCE_EXHAUSTED,
+                                 f"{_describe(key, caller)} has {open_now} ModelStreamInfer streams open, the most "
+                                 f"one peer may (--grpc-max-streams-per-peer); end one before opening another")
+        self._streams[key] = open_now + 1
+
+    def close_stream(self, caller: Caller) -> None:
+        key = caller.peer_key
+        if key is None:
+            return
+        left = self._streams.get(key, 0) - 1
+        if left > 0:
+            self._streams[key] = left
+        else:
+            self._streams.pop(key, None)
+
+    def open_streams(self) -> dict[PeerKey, int]:
+        return dict(self._streams)
+
+    async def _peer_key(self, caller: Caller) -> PeerKey:
+        address = caller.address
+        if address is None:
+            return ("caller", id(caller))
+        if not address[0].is_loopback:
+            return ("address", str(address[0]))
+        uid = await asyncio.get_running_loop().run_in_executor(None, loopback_peer_uid, address, self.port)
+        return ("uid", uid) if uid is not None else ("caller", id(caller))
 
     async def uses_regions(self, caller: Caller) -> None:
         """`caller` shares an owner's regions now: it counts while its
@@ -98,3 +149,12 @@ class GrpcCallers:
         for caller in list(self._connection):
             await self.forget(caller)
         self._connection.clear()
+
+
+def _describe(key: PeerKey, caller: Caller) -> str:
+    kind, value = key
+    if kind == "uid":
+        return f"gRPC user uid {value}"
+    if kind == "address":
+        return f"gRPC peer {value}"
+    return caller.name

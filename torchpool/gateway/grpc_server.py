@@ -30,7 +30,7 @@ from ..protocol.errors import TorchpoolError
 from .backend import Backend, InferResponse, bad, grpc_status_name
 from .callers import Caller, ReadAhead, StreamAhead
 from .chunks import Chunk, tensor_bytes
-from .defaults import MAX_INPUT_BYTES
+from .defaults import MAX_INPUT_BYTES, MAX_STREAMS_PER_PEER
 from .grpc_peers import GrpcCallers
 from .grpc_requests import InferCall, attach_raw, infer_call, infer_call_of_bytes
 from .offload import OFFLOAD_BYTES, Offload
@@ -204,8 +204,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         it may have at the daemon at once: more would only wait here), plus
         one of each stream, so that a stream never waits for another's
         reader: a client that sends without reading stops being read, and
-        many streams on one connection hold about what one does."""
+        many streams on one connection hold about what one does. A peer's
+        streams on all its connections are capped (grpc_peers.py)."""
         caller = self.callers.enter(context.peer())
+        try:
+            await self.callers.open_stream(caller)
+        except TorchpoolError as exc:
+            self.callers.leave(caller)
+            await context.abort(getattr(grpc.StatusCode, grpc_status_name(exc.code)), exc.message)
+        except BaseException:               # cancelled while its peer was looked up
+            self.callers.leave(caller)
+            raise
         if caller.read_ahead is None:
             caller.read_ahead = ReadAhead(self.stream_depth)
         room = caller.read_ahead
@@ -227,6 +236,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if answer is not None:
                     answer.cancel()
             room.give(stream, stream.own)   # the caller's other streams read on
+            self.callers.close_stream(caller)
             self.callers.leave(caller)
 
     async def _read_stream(self, requests: AsyncIterator[ParsedInfer], caller: Caller, ahead: asyncio.Queue,
@@ -446,11 +456,13 @@ def _bind_error(host: str, port: int) -> OSError:
 
 
 async def start_grpc(backend: Backend, host: str, port: int, max_input: int = MAX_INPUT_BYTES,
-                     offload: Optional[Offload] = None, max_connections: int = 0) -> GrpcServer:
+                     offload: Optional[Offload] = None, max_connections: int = 0,
+                     max_streams_per_peer: int = MAX_STREAMS_PER_PEER) -> GrpcServer:
     """Serve GRPCInferenceService for `backend` on host:port (0: any free
-    port, see .port), taking requests of at most `max_input` bytes and at
-    most `max_connections` connections at once (0: no cap). Raises OSError
-    if the address cannot be bound."""
+    port, see .port), taking requests of at most `max_input` bytes, at
+    most `max_connections` connections at once (0: no cap) and at most
+    `max_streams_per_peer` open streams of one peer (0: no cap). Raises
+    OSError if the address cannot be bound."""
     cap = [("grpc.max_allowed_incoming_connections", max_connections)] if max_connections else []
     server = grpc.aio.server(options=cap + [
         ("grpc.max_receive_message_length", max_input),
@@ -477,7 +489,7 @@ async def start_grpc(backend: Backend, host: str, port: int, max_input: int = MA
     if not bound:
         await server.stop(None)
         raise _bind_error(host, port)
-    callers = GrpcCallers(bound, backend.forget)
+    callers = GrpcCallers(bound, backend.forget, max_streams_per_peer)
     servicer = InferenceServicer(backend, callers, offload or Offload())
     own_offload = servicer.offload if offload is None else None
     # ModelInfer and ModelStreamInfer with the tensor bytes outside protobuf;

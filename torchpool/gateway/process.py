@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     # 0: a share of the open-files limit (defaults.max_connections)
     p.add_argument("--http-max-connections", type=int, default=0, help="HTTP connections at once")
     p.add_argument("--grpc-max-connections", type=int, default=0, help="gRPC connections at once")
+    p.add_argument("--grpc-max-streams-per-peer", type=int, default=defaults.MAX_STREAMS_PER_PEER,
+                   help="ModelStreamInfer streams one gRPC peer (a uid on this host, an address "
+                        "elsewhere) holds open on all its connections; 0: no cap")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default="text", choices=FORMATS)
     p.add_argument("--status-fd", type=int, help="write 'ready {...}' or 'error <why>' here, once")
@@ -102,7 +105,8 @@ async def _start(backend: Backend, kind: str, host: str, port: int, args: argpar
         limits = Limits(max_body=args.http_max_input_size, max_connections=max_connections)
         return await start_http(backend, host, port, limits, offload)
     from .grpc_server import start_grpc
-    return await start_grpc(backend, host, port, args.grpc_max_input_size, offload, max_connections)
+    return await start_grpc(backend, host, port, args.grpc_max_input_size, offload, max_connections,
+                            args.grpc_max_streams_per_peer)
 
 
 async def serve(args: argparse.Namespace, status: _Status, open_files: int) -> int:
