@@ -87,6 +87,14 @@ def test_control_documents_read_a_value_nested_too_deeply_as_a_wrong_value(walke
         load_json(b'{"ready": ' + nested(250_000) + b"}")   # not a control request: refused
 
 
+def test_a_large_control_document_nested_too_deeply_is_refused(walker: str) -> None:
+    # the cut is a Python walk in the gateway's loop: only for documents up to 1 MiB
+    assert http_binary.DEEP_VALUES_BYTES == 1 << 20
+    doc = b'{"pad": "' + b"x" * (1 << 20) + b'", "ready": ' + nested(101) + b"}"
+    with pytest.raises(TorchpoolError, match=r"JSON nesting depth exceeds maximum allowed limit \(100\)"):
+        load_json(doc, deep_values=True)
+
+
 def test_too_many_arrays_and_objects_deep_in_a_control_document_are_refused(
         walker: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(http_binary, "MAX_JSON_CONTAINERS", 200)
