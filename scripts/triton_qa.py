@@ -569,11 +569,132 @@ def script(work: Path, program: list[str], model: Path) -> None:
         raise QaError(f"scripting {model.parent.parent.name} failed:\n{_tail(log, 30)}")
 
 
+# Triton's qa_identity_model_repository models that http_test.py uses are ONNX
+# identities (gen_qa_identity_models.py --onnx: max_batch_size 8, INPUTn -> OUTPUTn);
+# here each is its generator's config (create_onnx_modelconfig, the platform made
+# pytorch_libtorch) served with a TorchScript identity: name -> (dtype, dims, count)
+HTTP_IDENTITY_MODELS = {
+    "onnx_zero_1_float32": ("np.float32", "[-1]", 1),
+    "onnx_zero_1_object": ("np_dtype_string", "[-1]", 1),
+    "onnx_zero_1_float16": ("np.float16", "[-1, -1]", 1),
+    "onnx_zero_3_float32": ("np.float32", "[-1]", 3),
+}
+# run in qa/common with the models folder as argv[1]: the generator's own configs
+HTTP_IDENTITY_CONFIGS = """import sys
+import numpy as np
+import gen_qa_identity_models as g
+import test_util
+g.tu = test_util       # the generator imports it in its __main__
+np_dtype_string = g.np_dtype_string
+""" + "".join(f"g.create_onnx_modelconfig(sys.argv[1], {count}, 8, {dtype}, {dims})\n"
+              for dtype, dims, count in HTTP_IDENTITY_MODELS.values())
+# argv[1]: how many tensors ("1", "3") or "string"; argv[2]: the model file
+IDENTITY_MODULE = '''import sys
+from typing import List, Tuple
+import torch
+
+
+class Identity(torch.nn.Module):
+    def forward(self, input0: torch.Tensor) -> torch.Tensor:
+        return input0
+
+
+class Identity3(torch.nn.Module):
+    def forward(self, input0: torch.Tensor, input1: torch.Tensor,
+                input2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return input0, input1, input2
+
+
+class StringIdentity(torch.nn.Module):
+    def forward(self, input0: List[str]) -> List[str]:
+        return input0
+
+
+module = {"1": Identity, "3": Identity3, "string": StringIdentity}[sys.argv[1]]()
+torch.jit.save(torch.jit.script(module), sys.argv[2])
+'''
+# docs/examples/model_repository/simple_identity: a Python-backend STRING identity
+SIMPLE_IDENTITY_CONFIG = "docs/examples/model_repository/simple_identity/config.pbtxt"
+
+# http_test.py's HttpTest, but test_loading_large_invalid_model: it builds a 2^31-byte
+# payload, base64-encodes it and sends ~2.9 GB as one JSON body (some 13 GB of client
+# memory); torchpool answers 413 from Content-Length before reading it (docs/triton-qa.md)
+HTTP_TESTS = (
+    "test_raw_binary", "test_raw_binary_longer", "test_byte", "test_byte_too_many_elements",
+    "test_multi_variable_dimensions", "test_multi_inputs", "test_content_encoding_chunked_manually",
+    "test_content_encoding_unsupported_client", "test_descriptive_status_code", "test_buffer_size_overflow",
+    "test_negative_dimensions", "test_load_oversized_file_parameter", "test_json_recursion_depth_limit",
+    "test_duplicate_output_names", "test_repository_index_deeply_nested_json",
+    "test_inference_header_content_length_out_of_range")
+
+
+def one_string_per_item(config: Path) -> None:
+    """A batching model's STRING tensors of dims [ -1 ] or [ 1 ]: a TorchScript
+    List[str] has one dimension, the batch, so each becomes dims [ 1 ] with
+    reshape { shape: [ ] } (one string per batch item), as torchpool's load
+    error advises; requests of shape [n, 1] are served as before."""
+    config.write_text(re.sub(r"(data_type: TYPE_STRING\s*dims: \[) -?1 \]",
+                             r"\1 1 ]\n    reshape: { shape: [ ] }", config.read_text()))
+
+
 def build_http_repositories(qa: Path, work: Path) -> dict[str, list[str]]:
-    """L0_http/test.sh's MODELDIR for python_http_aio_test.py: the models of
-    Triton's CI image, of which the test uses `simple` only."""
+    """L0_http/test.sh's MODELDIR for python_http_aio_test.py (the models of Triton's
+    CI image, of which the test uses `simple` only) and its python_unit_test_models
+    for http_test.py: the identity models of qa_identity_model_repository it copies,
+    the copies and edits it makes of them, and simple_identity(_int64)."""
     build_simple(work, "models")
-    return _names(work / "models")
+    models = work / "python_unit_test_models"
+    models.mkdir()
+    log = work / "python_unit_test_models.gen.log"
+    with open(log, "wb") as out:
+        r = subprocess.run([sys.executable, "-c", HTTP_IDENTITY_CONFIGS, str(models)], cwd=qa / "common",
+                           stdout=out, stderr=subprocess.STDOUT, check=False)
+    if r.returncode != 0:
+        raise QaError(f"gen_qa_identity_models.py's create_onnx_modelconfig failed:\n{_tail(log, 30)}")
+    program = work / "identity.py"
+    program.write_text(IDENTITY_MODULE)
+    for name, (dtype, _dims, count) in HTTP_IDENTITY_MODELS.items():
+        config = models / name / "config.pbtxt"
+        if not config.is_file():
+            raise QaError(f"create_onnx_modelconfig made no {name}")
+        sed(config, 'platform: "onnxruntime_onnx"', 'platform: "pytorch_libtorch"')
+        (config.parent / "1").mkdir()
+        script(work, [str(program), "string" if dtype == "np_dtype_string" else str(count)],
+               config.parent / "1" / "model.pt")
+    # cp -r onnx_zero_1_object onnx_zero_1_object_1_element; sed its name, and its
+    # first -1 (INPUT0's dims) to 1
+    config = copy_model(models / "onnx_zero_1_object", models, "onnx_zero_1_object_1_element")
+    sed(config, "onnx_zero_1_object", "onnx_zero_1_object_1_element")
+    text = config.read_text()
+    config.write_text(text.replace("-1", "1", 1))
+    one_string_per_item(config)
+    # a TorchScript List[str] has one dimension: onnx_zero_1_object ([batch, -1])
+    # becomes non-batching; its INPUT0 keeps dims [ -1 ], which is what its test
+    # (a raw BYTES request refused) is about
+    sed(models / "onnx_zero_1_object" / "config.pbtxt", r"^max_batch_size: 8", "max_batch_size: 0")
+    # the error code test's model: a queue of one request
+    config = copy_model(models / "onnx_zero_1_float32", models, "onnx_zero_1_float32_queue")
+    sed(config, "onnx_zero_1_float32", "onnx_zero_1_float32_queue")
+    append(config, "dynamic_batching { \n    max_queue_delay_microseconds: 1000000\n"
+                   "    preferred_batch_size: [ 8 ]\n    default_queue_policy {\n"
+                   "        max_queue_size: 1\n    }\n}")
+    # cp -r ./models/simple_identity (Python backend; here the TorchScript string identity),
+    # and simple_identity_int64: TYPE_STRING -> TYPE_INT64
+    source = work / SIMPLE_IDENTITY_CONFIG
+    if not source.is_file():
+        raise QaError(f"{SIMPLE_IDENTITY_CONFIG} is missing from Triton's tree")
+    for name, kind, dtype in (("simple_identity", "string", "TYPE_STRING"),
+                              ("simple_identity_int64", "1", "TYPE_INT64")):
+        model = models / name
+        (model / "1").mkdir(parents=True)
+        text = source.read_text()
+        if 'backend: "python"' not in text:
+            raise QaError(f"{SIMPLE_IDENTITY_CONFIG} no longer names the Python backend; check what it serves")
+        (model / "config.pbtxt").write_text(text.replace('backend: "python"', 'backend: "pytorch"')
+                                            .replace("TYPE_STRING", dtype).replace("simple_identity", name))
+        one_string_per_item(model / "config.pbtxt")
+        script(work, [str(program), kind], model / "1" / "model.pt")
+    return _names(work / "models", models)
 
 
 def build_grpc_repositories(qa: Path, work: Path) -> dict[str, list[str]]:
@@ -597,8 +718,12 @@ def build_grpc_repositories(qa: Path, work: Path) -> dict[str, list[str]]:
 
 
 def http_cases(configs: list[str]) -> list[Case]:
-    # test.sh: the server with --allow-client-shm=true, `python python_http_aio_test.py`
-    return [Case("python_http_aio_test", "models", [], {}, 18, ["--allow-client-shm=true"])]
+    # test.sh: the server with --allow-client-shm=true, `python python_http_aio_test.py`;
+    # then `python http_test.py` against python_unit_test_models, in explicit mode with
+    # --load-model=* (EXPECTED_NUM_TESTS=17: every HttpTest but the one left out)
+    return [Case("python_http_aio_test", "models", [], {}, 18, ["--allow-client-shm=true"]),
+            Case("http_test", "python_unit_test_models", [f"HttpTest.{t}" for t in HTTP_TESTS], {},
+                 len(HTTP_TESTS), ["--model-control-mode=explicit", "--load-model=*"], "L0_http/http_test.py")]
 
 
 def grpc_cases(configs: list[str]) -> list[Case]:
@@ -777,9 +902,9 @@ SUITES = {
         "system shared memory, TARGET=cpu", extra_dirs=("docs/examples/model_repository/simple",)),
     "L0_http": Suite(
         "L0_http", "L0_http/python_http_aio_test.py", "TestHttpAioClient",
-        {"L0_http/python_http_aio_test.py": (8000,)},
+        {"L0_http/python_http_aio_test.py": (8000,), "L0_http/http_test.py": (8000,)},
         build_http_repositories, http_cases, {}, ("no-shm",), "TARGET=cpu",
-        extra_dirs=("docs/examples/model_repository/simple",)),
+        extra_dirs=("docs/examples/model_repository/simple", "docs/examples/model_repository/simple_identity")),
     "L0_grpc": Suite(
         "L0_grpc", "L0_grpc/python_unit_test.py", "GrpcTest",
         {"L0_grpc/python_unit_test.py": (8001,), "L0_grpc/python_grpc_aio_test.py": (8001,)},

@@ -256,9 +256,17 @@ def test_bad_requests_name_what_is_wrong(http_port: int) -> None:
         return status, error_of(body)
 
     good = {"name": "INPUT__0", "shape": [1, 16], "datatype": "FP32", "data": A.ravel().tolist()}
+    # Triton's answer to a negative dimension: TritonJson's INTERNAL error, 500
     assert post({"inputs": [dict(good, shape=[1, -16])]}) == \
-        (400, "Unable to parse 'shape' of 'INPUT__0': expected an unsigned integer, got -16")
+        (500, "Unable to parse 'shape': attempt to access JSON non-unsigned-integer as unsigned-integer")
     assert post({"inputs": "x"})[1] == "Unable to parse 'inputs': expected an array, got \"x\""
+    # Triton's size checks before "data", in its words (http_test.py test_buffer_size_overflow)
+    assert post({"inputs": [dict(good, shape=[16, 2**60 + 2], data=[1.0])]}) == (400, (
+        "invalid shape for input 'INPUT__0': shape [16,1152921504606846978] causes total element count to "
+        "exceed maximum size of 9223372036854775807"))
+    assert post({"inputs": [dict(good, shape=[4, 2**60 + 2], data=[1.0])]}) == (400, (
+        "byte size overflow for input 'INPUT__0': element count (4611686018427387912) * data type size (4) "
+        "exceeds maximum allowed size (9223372036854775807)"))
     assert post({"inputs": [dict(good, data=[1.0, 2.0])]})[1].startswith(
         f"unable to parse 'data' of input 'INPUT__0' for model '{F32}': shape [1, 16] has 16 elements, got 2")
     both = dict(good, parameters={"binary_data_size": 64})
@@ -491,6 +499,15 @@ def test_repository_index_load_unload(small_repository: Path, tmp_path: Path) ->
         assert status == 200 and [m["name"] for m in json.loads(body)] == ["addsub"]
         status, _, body = request(port, "POST", "/v2/repository/index", json.dumps({"ready": "yes"}).encode())
         assert (status, error_of(body)) == (400, "Invalid value for 'ready': expected a boolean")
+        # nested 250,000 deep (Triton's http_test.py): the same answer, not the nesting limit's
+        deep = b"[" * 250_000 + b"true" + b"]" * 250_000
+        status, _, body = request(port, "POST", "/v2/repository/index", b'{"ready":' + deep + b"}")
+        assert (status, error_of(body)) == (400, "Invalid value for 'ready': expected a boolean")
+        status, _, body = request(port, "POST", "/v2/repository/models/identity/load",
+                                  b'{"parameters": {"config": ' + deep + b"}}")
+        assert (status, error_of(body)) == (400, "Unable to parse load parameter 'config' for model "
+                                                 "'identity': expected a string")
+        assert client.is_server_live() is True
 
         client.load_model("identity")
         assert client.is_model_ready("identity") is True

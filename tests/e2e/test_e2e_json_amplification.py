@@ -120,8 +120,8 @@ def test_nesting_deeper_than_100_is_refused(served: Daemon, padding: int) -> Non
     assert json.loads(answer)["outputs"][0]["data"] == [1.0]
     status, _, answer = request(served.http, "POST", IDENTITY, infer_body(b"[" + deep + b"]" + pad))
     assert (status, error_of(answer)) == (400, (
-        f"failed to parse the request JSON buffer: it is nested deeper than {MAX_DEPTH} levels "
-        f"(at byte {len(infer_body(b'')) - 3 + MAX_DEPTH - 3})"))
+        f"JSON nesting depth exceeds maximum allowed limit ({MAX_DEPTH}): the request JSON nests deeper "
+        f"at byte {len(infer_body(b'')) - 3 + MAX_DEPTH - 3}"))
     assert_tritonclient_serves(served)
 
 

@@ -7,6 +7,7 @@ answers."""
 from __future__ import annotations
 
 import json
+import math
 import time
 import tracemalloc
 
@@ -62,11 +63,43 @@ def nested(depth: int) -> bytes:
 def test_nesting_to_100_is_taken_and_deeper_refused(walker: str) -> None:
     assert MAX_JSON_DEPTH == 100
     assert load_json(nested(100)) == json.loads(nested(100))
-    with pytest.raises(TorchpoolError, match=r"failed to parse the request JSON buffer: it is nested "
-                                             r"deeper than 100 levels \(at byte 100\)$"):
+    # Triton's words (http_server.cc, HTTP_MAX_JSON_NESTING_DEPTH), then where
+    with pytest.raises(TorchpoolError, match=r"JSON nesting depth exceeds maximum allowed limit \(100\): "
+                                             r"the request JSON nests deeper at byte 100$"):
         load_json(nested(101))
-    with pytest.raises(TorchpoolError, match=r"nested deeper than 100 levels \(at byte 100\)$"):
+    with pytest.raises(TorchpoolError, match=r"nests deeper at byte 100$"):
         load_json(nested(100_000))                      # was a RecursionError, caught
+
+
+def test_control_documents_read_a_value_nested_too_deeply_as_a_wrong_value(walker: str) -> None:
+    """Triton parses a repository or load request whole and then refuses the
+    field's type; here the value is cut out before json.loads, whole."""
+    doc = b'{"ready": ' + nested(250_000) + b', "s": "[[[", "n": ' + nested(2) + b"}"
+    parsed = load_json(doc, deep_values=True)
+    assert isinstance(parsed, dict) and parsed["s"] == "[[[" and parsed["n"] == [[0]]
+    value = parsed["ready"]
+    for _ in range(99):                                 # 99 levels under the object's: kept
+        assert isinstance(value, list) and len(value) == 1
+        value = value[0]
+    assert isinstance(value, float) and math.isnan(value)   # the 101st level and under: one NaN
+    assert load_json(nested(5), deep_values=True) == json.loads(nested(5))
+    with pytest.raises(TorchpoolError, match=r"nests deeper at byte 109$"):
+        load_json(b'{"ready": ' + nested(250_000) + b"}")   # not a control request: refused
+
+
+def test_a_large_control_document_nested_too_deeply_is_refused(walker: str) -> None:
+    # the cut is a Python walk in the gateway's loop: only for documents up to 1 MiB
+    assert http_binary.DEEP_VALUES_BYTES == 1 << 20
+    doc = b'{"pad": "' + b"x" * (1 << 20) + b'", "ready": ' + nested(101) + b"}"
+    with pytest.raises(TorchpoolError, match=r"JSON nesting depth exceeds maximum allowed limit \(100\)"):
+        load_json(doc, deep_values=True)
+
+
+def test_too_many_arrays_and_objects_deep_in_a_control_document_are_refused(
+        walker: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_binary, "MAX_JSON_CONTAINERS", 200)
+    with pytest.raises(TorchpoolError, match="more than 200 arrays and objects"):
+        load_json(b'{"ready": ' + nested(300) + b"}", deep_values=True)
 
 
 def test_too_many_arrays_and_objects_are_refused(walker: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,3 +144,48 @@ def test_a_large_document_of_numbers_passes_the_walk() -> None:
     assert json_scan(doc, MAX_JSON_DEPTH, MAX_JSON_CONTAINERS) == (1, 1, len(doc))
     took = time.perf_counter() - started
     print(f"walk of {len(doc) >> 20} MiB of floats: {took * 1e3:.0f} ms")
+
+
+# --- shapes: Triton's parse and its size checks before "data" (http_test.py) ---------
+
+def infer_doc(shape: list, datatype: str = "FP32", data: object = (1.0,)) -> bytes:
+    return json.dumps({"inputs": [{"name": "INPUT0", "datatype": datatype, "shape": shape,
+                                   "data": list(data)}]}).encode()
+
+
+@pytest.mark.parametrize("dim", [-5, 1.5, "2", None, 1 << 64, 1 << 200])
+def test_a_dimension_that_is_no_uint64_is_triton_s_internal_error(dim: object) -> None:
+    with pytest.raises(TorchpoolError) as info:
+        http_binary.parse_infer(infer_doc([2, dim]), {}, "m")
+    assert (info.value.code, info.value.message) == (
+        "INTERNAL", "Unable to parse 'shape': attempt to access JSON non-unsigned-integer as unsigned-integer")
+
+
+def test_a_dimension_past_int64_is_an_invalid_dimension() -> None:
+    with pytest.raises(TorchpoolError) as info:
+        http_binary.parse_infer(infer_doc([1, 1 << 63]), {}, "m")
+    assert (info.value.code, info.value.message) == (
+        "INVALID_ARG", "invalid shape for input 'INPUT0': shape [1,-9223372036854775808] contains one or "
+                       "more invalid dimensions")
+
+
+@pytest.mark.parametrize("shape, datatype, message", [
+    ([16, (1 << 60) + 2], "FP32", "invalid shape for input 'INPUT0': shape [16,1152921504606846978] causes "
+                                  "total element count to exceed maximum size of 9223372036854775807"),
+    ([4, (1 << 60) + 2], "FP32", "byte size overflow for input 'INPUT0': element count (4611686018427387912) "
+                                 "* data type size (4) exceeds maximum allowed size (9223372036854775807)"),
+])
+def test_element_count_and_byte_size_overflow_are_triton_s_texts(shape: list, datatype: str,
+                                                                  message: str) -> None:
+    with pytest.raises(TorchpoolError) as info:
+        http_binary.parse_infer(infer_doc(shape, datatype), {}, "m")
+    assert (info.value.code, info.value.message) == ("INVALID_ARG", message)
+
+
+def test_a_zero_dimension_or_a_byte_sized_type_stops_no_request() -> None:
+    # no overflow where Triton finds none: a 0 dimension ends the count; a 1-byte
+    # type (and BYTES) has no byte-size product; the data check comes after
+    for shape, datatype in (([0, 1 << 62, 1 << 62], "FP32"), ([4, (1 << 60) + 2], "UINT8"),
+                            ([4, (1 << 60) + 2], "BYTES")):
+        call = http_binary.parse_infer(infer_doc(shape, datatype), {}, "m")
+        assert call.inputs[0].shape == shape

@@ -374,14 +374,33 @@ def test_a_run_s_server_arguments_follow_the_repository_and_ports(tmp_path: Path
 
 def test_gateway_suites_run_whole_files_with_test_sh_s_counts() -> None:
     http = triton_qa.SUITES["L0_http"].cases(["no-shm"])
-    assert [(c.name, c.repository, c.tests, c.expected, c.serve_args) for c in http] == \
-        [("python_http_aio_test", "models", [], 18, ["--allow-client-shm=true"])]
+    assert [(c.name, c.repository, c.expected, c.serve_args, c.test_file) for c in http] == \
+        [("python_http_aio_test", "models", 18, ["--allow-client-shm=true"], None),
+         ("http_test", "python_unit_test_models", 16, ["--model-control-mode=explicit", "--load-model=*"],
+          "L0_http/http_test.py")]
+    # http_test.py's 17 tests but the one that sends a ~2.9 GB body, named so
+    assert http[0].tests == [] and len(http[1].tests) == 16 == len(set(http[1].tests))
+    assert all(t.startswith("HttpTest.test_") for t in http[1].tests)
+    assert "HttpTest.test_loading_large_invalid_model" not in http[1].tests
+    assert "HttpTest.test_negative_dimensions" in http[1].tests
     grpc = triton_qa.SUITES["L0_grpc"].cases(["no-shm"])
     assert [(c.name, c.repository, c.tests, c.expected, c.test_file) for c in grpc] == \
         [("GrpcTest", "grpc_test_models", ["GrpcTest"], 2, None),
          ("python_grpc_aio_test", "models", [], 18, "L0_grpc/python_grpc_aio_test.py")]
     assert [c.name for c in triton_qa.select_cases(triton_qa.SUITES["L0_grpc"], ["no-shm"],
                                                    ["python_grpc_aio_test"])] == ["python_grpc_aio_test"]
+
+
+def test_string_stand_ins_take_one_string_per_batch_item(tmp_path: Path) -> None:
+    config = tmp_path / "config.pbtxt"
+    config.write_text('max_batch_size: 8\ninput [\n  {\n    name: "INPUT0"\n    data_type: TYPE_STRING\n'
+                      '    dims: [ -1 ]\n  }\n]\noutput [\n  {\n    name: "OUTPUT0"\n'
+                      '    data_type: TYPE_STRING\n    dims: [ 1 ]\n  }\n]\nother [ {\n'
+                      '    data_type: TYPE_FP32\n    dims: [ -1 ]\n } ]\n')
+    triton_qa.one_string_per_item(config)
+    text = config.read_text()
+    assert text.count("dims: [ 1 ]\n    reshape: { shape: [ ] }") == 2
+    assert "data_type: TYPE_FP32\n    dims: [ -1 ]\n" in text
 
 
 def test_localhost_ports_are_moved_too(tmp_path: Path) -> None:

@@ -29,7 +29,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from ..protocol import datatypes
+from ..protocol import datatypes, errors
+from ..protocol.errors import TorchpoolError
 from .backend import InferResponse, InputTensor, OutputRequest, bad, check_counts, check_dims, input_value
 from .chunks import CHUNK_ELEMENTS, Chunk, json_values, tensor_bytes
 from .defaults import MAX_INPUT_BYTES
@@ -47,8 +48,9 @@ INFER_HEADER = "inference-header-content-length"
 # body's limit: parsed into Python objects it takes several times its size,
 # so it is checked first
 MAX_JSON_BYTES = MAX_INPUT_BYTES
-# Triton's limit on how deep a JSON document nests
+# Triton's limit on how deep a JSON document nests, and its words for it
 MAX_JSON_DEPTH = 100
+DEPTH_MESSAGE = f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DEPTH})"
 # Arrays and objects in one document. json.loads makes a Python object of
 # each (72-80 bytes, tracked by the garbage collector): 60 MiB of "[]," took
 # the helper process from 40 to 1,603 MiB and 16-44 s before this limit.
@@ -164,21 +166,61 @@ def json_scan(data: Buffer, max_depth: int, max_containers: int) -> tuple[int, i
 
 
 def _refuse_json_shape(containers: int, deepest: int, stop: int, what: str) -> None:
-    if deepest > MAX_JSON_DEPTH:
-        raise bad(f"failed to parse the {what} JSON buffer: it is nested deeper than "
-                  f"{MAX_JSON_DEPTH} levels (at byte {stop})")
+    # (the walk stops at the first limit passed; a control document walked whole
+    # for its deep values may pass both: the count is said)
+    if deepest > MAX_JSON_DEPTH and containers <= MAX_JSON_CONTAINERS:
+        raise bad(f"{DEPTH_MESSAGE}: the {what} JSON nests deeper at byte {stop}")
     raise bad(f"the {what} JSON has more than {MAX_JSON_CONTAINERS} arrays and objects (the "
               f"limit: each takes about 80 bytes as a Python object): send tensor data as "
               f"flat arrays, or as binary data")
 
 
-def load_json(data: Body, what: str = "request") -> object:
+# what a value nested too deeply becomes in a control request's document (no
+# field of one is a container, so it is a wrong value whatever its field);
+# only in documents up to DEEP_VALUES_BYTES (the walk that cuts them out is
+# Python's, in the gateway's loop: 0.1 s for a 1 MiB one), larger ones are refused
+DEEP_VALUE = b"NaN"
+DEEP_VALUES_BYTES = 1 << 20
+
+
+def _prune_deep(data: Buffer) -> bytes:
+    """The document with each array or object that opens deeper than
+    MAX_JSON_DEPTH replaced, whole, by DEEP_VALUE (strings passed over)."""
+    out, depth, cut = bytearray(), 0, None
+    kept = 0
+    for m in _JSON_TOKEN.finditer(data):
+        c = data[m.start()]
+        if c in b"[{":
+            depth += 1
+            if depth == MAX_JSON_DEPTH + 1:
+                cut = m.start()
+        elif c in b"]}":
+            depth = max(depth - 1, 0)
+            if depth == MAX_JSON_DEPTH and cut is not None:
+                out += data[kept:cut]
+                out += DEEP_VALUE
+                kept, cut = m.end(), None
+    out += data[kept:cut if cut is not None else len(data)]
+    return bytes(out)
+
+
+def load_json(data: Body, what: str = "request", deep_values: bool = False) -> object:
     """A JSON document from bytes; a clear 400 for anything else (including
     nesting deeper than MAX_JSON_DEPTH, more arrays and objects than
-    MAX_JSON_CONTAINERS, and integers longer than Python converts)."""
+    MAX_JSON_CONTAINERS, and integers longer than Python converts). With
+    `deep_values` (control requests, whose fields hold no arrays or objects),
+    a value nested too deeply is not refused here but read as DEEP_VALUE, so
+    that its field's check answers, as Triton's does after parsing it all."""
     check_json_size(len(data), what)
     # before json.loads makes a Python object of each array and object
     containers, deepest, stop = (_json_scan_c or _json_scan_re)(data, MAX_JSON_DEPTH, MAX_JSON_CONTAINERS)
+    if deep_values and deepest > MAX_JSON_DEPTH and len(data) <= DEEP_VALUES_BYTES:
+        # every array and object counted first: the walk that cuts them out is Python's
+        containers, deepest, stop = (_json_scan_c or _json_scan_re)(data, len(data) + 1, MAX_JSON_CONTAINERS)
+        if containers <= MAX_JSON_CONTAINERS:
+            data = _prune_deep(data)
+            containers, deepest, stop = (_json_scan_c or _json_scan_re)(data, MAX_JSON_DEPTH,
+                                                                         MAX_JSON_CONTAINERS)
     if deepest > MAX_JSON_DEPTH or containers > MAX_JSON_CONTAINERS:
         _refuse_json_shape(containers, deepest, stop, what)
     try:
@@ -360,17 +402,61 @@ def _content_kind(item: dict, params: dict) -> str:
     return kinds[0]
 
 
+INT64_MAX = (1 << 63) - 1
+# TritonJson's IndexAsUInt on anything but an unsigned integer: an INTERNAL
+# error (HTTP 500) under "Unable to parse 'shape'", as Triton answers
+_NOT_UINT = "attempt to access JSON non-unsigned-integer as unsigned-integer"
+
+
+def _shape(dims: list, name: str) -> list[int]:
+    """Triton's shape parse: each dimension an unsigned integer (else 500 and
+    TritonJson's text); one of 2^63 or more, which Triton keeps as a negative
+    int64, is an invalid dimension (400)."""
+    shape = []
+    for d in dims:
+        if type(d) is not int or d < 0 or d >= 1 << 64:
+            raise TorchpoolError(errors.INTERNAL, f"Unable to parse 'shape': {_NOT_UINT}")
+        shape.append(d)
+    if any(d > INT64_MAX for d in shape):
+        raise bad(f"invalid shape for input '{name}': shape {_shape_text(shape)} contains one or more "
+                  f"invalid dimensions")
+    return shape
+
+
+def _shape_text(shape: list[int]) -> str:
+    """Triton's ShapeToString: [a,b,c], each dimension as an int64."""
+    return "[" + ",".join(str(d - (1 << 64) if d > INT64_MAX else d) for d in shape) + "]"
+
+
+def _check_data_size(shape: list[int], datatype: str, name: str) -> None:
+    """Triton's checks before it reads "data": the element count, then the
+    byte size, within int64."""
+    count = 1
+    for d in shape:
+        if d == 0:
+            return
+        count *= d
+        if count > INT64_MAX:
+            raise bad(f"invalid shape for input '{name}': shape {_shape_text(shape)} causes total element "
+                      f"count to exceed maximum size of {INT64_MAX}")
+    item = datatypes.element_size(datatype) if datatype in datatypes.WIRE_DATATYPES else 0
+    if item > 1 and count > INT64_MAX // item:
+        raise bad(f"byte size overflow for input '{name}': element count ({count}) * data type size "
+                  f"({item}) exceeds maximum allowed size ({INT64_MAX})")
+
+
 def _parse_input(item: dict, size: int, offset: int, json_end: Optional[int],
                  model: str) -> tuple[InputTensor, int]:
     name = _str(item.get("name"), "name")
     datatype = _str(item.get("datatype"), f"datatype' of '{name}")
     dims = _list(item.get("shape"), f"shape' of '{name}")
     check_dims(model, name, len(dims))
-    shape = [_uint(d, f"shape' of '{name}") for d in dims]
+    shape = _shape(dims, name)
     params = _obj(item.get("parameters", {}), f"parameters' of '{name}")
     tensor = InputTensor(name, datatype, shape)
     kind = _content_kind(item, params)
     if kind == "data":
+        _check_data_size(shape, datatype, name)
         tensor.values = _list(item["data"], f"data' of '{name}")
     elif kind == "shared_memory_region":
         tensor.region = _str(params["shared_memory_region"], "shared_memory_region")

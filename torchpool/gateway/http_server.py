@@ -80,7 +80,7 @@ def _body_json(request: Request) -> Optional[dict]:
     """The body of a control call: None when empty (Triton allows that)."""
     if not len(request.body):
         return None
-    doc = load_json(request.body)
+    doc = load_json(request.body, deep_values=True)
     if not isinstance(doc, dict):
         raise bad("failed to parse the request JSON buffer: expected an object")
     return doc
