@@ -34,7 +34,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Hashable, Optional, Sequence, Union
+from typing import Hashable, Literal, Optional, Sequence, Union, overload
 from urllib.parse import urlsplit
 
 import zmq
@@ -71,6 +71,10 @@ def _z85_key(text: Optional[bytes], path: Path, what: str) -> bytes:
     return text
 
 
+@overload
+def read_certificate(path: Union[str, Path], secret: Literal[True]) -> tuple[bytes, bytes]: ...
+@overload
+def read_certificate(path: Union[str, Path], secret: Literal[False]) -> tuple[bytes, None]: ...
 def read_certificate(path: Union[str, Path], secret: bool) -> tuple[bytes, Optional[bytes]]:
     """(public, secret) z85 keys of a certificate file; SecurityError naming
     the file when it is missing, unreadable or not a CURVE certificate
@@ -152,7 +156,9 @@ def is_loopback(url: str) -> bool:
         infos = socket.getaddrinfo(host, None)
     except (OSError, UnicodeError):
         return False           # an interface name (eth0) or an unknown host
-    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+    # (an IP family's address is a str: only AF_UNIX's could be other, never resolved here)
+    return bool(infos) and all(isinstance(a, str) and ipaddress.ip_address(a.split("%")[0]).is_loopback
+                               for a in (i[4][0] for i in infos))
 
 
 def check_listen(urls: Sequence[str], curve: bool, insecure_tcp: bool) -> None:
@@ -175,7 +181,7 @@ def check_options(urls: Sequence[str], curve_secret_key: Optional[str],
         raise SecurityError("--curve-secret-key and --curve-authorized-keys go together: the daemon's "
                             "secret key, and the directory of the client keys it allows")
     check_listen(urls, bool(curve_secret_key), insecure_tcp)
-    if not curve_secret_key:
+    if not curve_secret_key or not curve_authorized_keys:    # (both or neither: checked above)
         return None
     public, secret = read_certificate(curve_secret_key, secret=True)
     refuse_if_others_can_read(Path(curve_secret_key))
@@ -234,17 +240,18 @@ class CurveAuth:
 
     def start(self, ctx: zmq.Context) -> None:
         """Bind the ZAP handler (before any CURVE socket binds) and run it."""
-        self._zap = ctx.socket(zmq.REP)
-        self._zap.linger = 0
-        self._zap.bind(ZAP_ENDPOINT)
+        self._zap = zap = ctx.socket(zmq.REP)
+        zap.linger = 0
+        zap.bind(ZAP_ENDPOINT)
         pipe = f"inproc://torchpool.auth.{next(_inproc_ids)}"
         self._wake = ctx.socket(zmq.PAIR)
         self._wake.linger = 0
         self._wake.bind(pipe)
-        self._wake_peer = ctx.socket(zmq.PAIR)
-        self._wake_peer.linger = 0
-        self._wake_peer.connect(pipe)
-        self._thread = threading.Thread(target=self._run, name="torchpool-zap", daemon=True)
+        self._wake_peer = wake_peer = ctx.socket(zmq.PAIR)
+        wake_peer.linger = 0
+        wake_peer.connect(pipe)
+        self._thread = threading.Thread(target=self._run, args=(zap, wake_peer), name="torchpool-zap",
+                                        daemon=True)
         self._thread.start()
         log.info("CURVE on tcp://: server key %s, %d client keys allowed from %s",
                  self.key_file, len(self.allowed), self.directory)
@@ -259,6 +266,7 @@ class CurveAuth:
         if it ended by accident, the socket stays bound and unanswered, and
         handshakes wait instead of passing."""
         if self._thread is not None:
+            assert self._wake is not None    # start() made it before the thread
             try:
                 self._wake.send(b"stop")
             except zmq.ZMQError:
@@ -272,32 +280,32 @@ class CurveAuth:
 
     # -- the thread
 
-    def _run(self) -> None:
+    def _run(self, zap: zmq.Socket, wake_peer: zmq.Socket) -> None:
         poller = zmq.Poller()
-        poller.register(self._wake_peer, zmq.POLLIN)
-        poller.register(self._zap, zmq.POLLIN)
+        poller.register(wake_peer, zmq.POLLIN)
+        poller.register(zap, zmq.POLLIN)
         while True:
             try:
                 ready = dict(poller.poll())
-                if self._wake_peer in ready:
+                if wake_peer in ready:
                     return
-                if self._zap in ready:
-                    self._answer_zap()
+                if zap in ready:
+                    self._answer_zap(zap)
             except zmq.ContextTerminated:
                 return
             except Exception:
                 log.exception("CURVE: the ZAP handler failed; tcp:// handshakes wait until restart")
                 return
 
-    def _answer_zap(self) -> None:
-        request = self._zap.recv_multipart()
+    def _answer_zap(self, zap: zmq.Socket) -> None:
+        request = zap.recv_multipart()
         try:
             status, text, user = self._decide(request)
         except Exception:   # never end the thread: libzmq would let clients in without ZAP
             log.exception("CURVE: the ZAP request could not be handled; refusing the client")
             status, text, user = b"500", b"Internal error", b""
         request_id = request[1] if len(request) > 1 else b""
-        self._zap.send_multipart([b"1.0", request_id, status, text, user, b""])
+        zap.send_multipart([b"1.0", request_id, status, text, user, b""])
 
     def _decide(self, request: list[bytes]) -> tuple[bytes, bytes, bytes]:
         if len(request) < 6 or request[0] != b"1.0":

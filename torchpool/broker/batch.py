@@ -11,7 +11,7 @@ import itertools
 import math
 from array import array
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 from ..config import ModelConfig
 from ..protocol import errors
@@ -33,6 +33,17 @@ class CopiedOutput:
 # where a batch output's bytes are (ReadOutput's first argument): a worker segment's
 # name, or bytes copied out of a worker that died (answers/)
 SegmentRef = Union[str, CopiedOutput]
+
+
+class CopiedDescriptor(NamedTuple):
+    """An output descriptor (internal.OutputDescriptor's fields) of bytes copied
+    out of a worker that died (answers/: Answers._rescue_held)."""
+    name: str
+    datatype: str
+    shape: Sequence[int]
+    segment: CopiedOutput
+    offset: int
+    nbytes: int
 
 
 @dataclass(eq=False)
@@ -77,7 +88,7 @@ class Batch:
                     or req.hidden_outputs:
                 return 0
             session, wanted = req.session, wanted or req.output_shm
-        return session.lend_id if wanted and session.local else 0
+        return session.lend_id if wanted and session is not None and session.local else 0
 
     @classmethod
     def single(cls, req: InferRequest) -> "Batch":
@@ -133,12 +144,14 @@ def batch_input_values(cfg: ModelConfig, requests: list[InferRequest]) -> list[t
     return out
 
 
-def write_tensors(tensors: list[tuple[str, str, list, bytes]], arena: Arena) -> tuple[list[list], list[Block]]:
+def write_tensors(tensors: list[tuple[str, str, list, bytes]], arena: Arena
+                  ) -> tuple[list[InputDescriptor], list[Block]]:
     """Tensors the broker makes itself ([(name, datatype, shape, bytes)]:
     batch inputs, sequence controls and state) written into the arena:
     worker descriptors and the blocks used. Raises ArenaFull (having freed
     what it took)."""
-    descriptors, blocks = [], []
+    descriptors: list[InputDescriptor] = []
+    blocks: list[Block] = []
     try:
         for name, datatype, shape, data in tensors:
             block = arena.alloc(len(data))
@@ -154,6 +167,6 @@ def write_tensors(tensors: list[tuple[str, str, list, bytes]], arena: Arena) -> 
 
 
 def stage_batch_inputs(cfg: ModelConfig, requests: list[InferRequest], arena: Arena,
-                       ) -> tuple[list[list], list[Block]]:
+                       ) -> tuple[list[InputDescriptor], list[Block]]:
     """Compute a batch's `batch_input` tensors and write them into the arena."""
     return write_tensors(batch_input_values(cfg, requests), arena)

@@ -108,14 +108,15 @@ class InFlight:
         self._by_client: dict[ClientKey, set[InferRequest]] = {}
 
     @staticmethod
-    def client_of(sock: zmq.Socket, identity: bytes, frame: zmq.Frame, local: bool) -> ClientKey:
+    def client_of(sock: ReplySocket, identity: bytes, frame: zmq.Frame, local: bool) -> ClientKey:
         """Who a request counts against: ("pid", n) for a process on this host
         (`local`: it came over ipc://, where libzmq's Peer-Address of the
         message is "host:uid:gid:pid", from SO_PEERCRED), else the connection
         (socket, routing id)."""
         if local:
             try:
-                pid = frame.get("Peer-Address").rpartition(":")[2]
+                address = frame.get("Peer-Address")    # (a str property: pyzmq types every one int | str)
+                pid = address.rpartition(":")[2] if isinstance(address, str) else ""
             except zmq.ZMQError:
                 pid = ""
             if pid.isdigit() and pid != "0":     # 0: a peer in a pid namespace we cannot see
@@ -134,17 +135,22 @@ class InFlight:
                                  f"(--max-in-flight-per-client)")
 
     def add(self, req: InferRequest) -> None:
-        held = self._by_client.get(req.client)
+        client = req.client
+        assert client is not None       # an accepted request counts against one (Intake._accept_infer)
+        held = self._by_client.get(client)
         if held is None:
-            held = self._by_client[req.client] = set()
+            held = self._by_client[client] = set()
         held.add(req)
 
     def done(self, req: InferRequest) -> None:
-        held = self._by_client.get(req.client)
+        client = req.client
+        if client is None:              # never added
+            return
+        held = self._by_client.get(client)
         if held is not None:
             held.discard(req)
             if not held:
-                del self._by_client[req.client]
+                del self._by_client[client]
 
     def __len__(self) -> int:
         """Requests in flight of every client."""
@@ -188,13 +194,14 @@ class Frontend:
             if self._auth is not None and not self._remote:
                 log.warning("--curve-secret-key given but no tcp:// address to secure with it")
                 self._auth = None
-            if self._auth is not None:
-                self._auth.start(ctx)           # ZAP answers before any CURVE socket listens
+            auth = self._auth
+            if auth is not None:
+                auth.start(ctx)                 # ZAP answers before any CURVE socket listens
             for sock, url in made:
-                secured = self._auth is not None and sock in self._remote
+                on_failed = auth.handshake_failed if auth is not None and sock in self._remote else None
                 self._watches.append(ZmqConnectionWatch(
-                    sock, url, self.connections, HANDSHAKE_EVENTS if secured else 0,
-                    self._auth.handshake_failed if secured else None))
+                    sock, url, self.connections, HANDSHAKE_EVENTS if on_failed is not None else 0,
+                    on_failed))
                 self._bind(sock, url)
                 self._say_how_secure(url, insecure_tcp)
         except BaseException:
@@ -272,11 +279,11 @@ class Frontend:
 
     # -- connections
 
-    def is_remote(self, sock: zmq.Socket) -> bool:
+    def is_remote(self, sock: ReplySocket) -> bool:
         """True for a tcp:// socket (not a local ipc:// one)."""
         return sock in self._remote
 
-    def stalled(self, sock: zmq.Socket, identity: bytes) -> bool:
+    def stalled(self, sock: ReplySocket, identity: bytes) -> bool:
         """True while the connection counts as not reading its replies."""
         return bool(self._stalled) and (sock, identity) in self._stalled
 
@@ -289,7 +296,7 @@ class Frontend:
         """Send one reply; False when it was dropped: the connection does not
         read (its queue holds max_unread_replies) or is gone. Never blocks,
         never raises for a client's sake. A local client's lane sends its own."""
-        if sock.__class__ is Lane:
+        if isinstance(sock, Lane):
             return sock.send(header, frames)
         try:
             # a ROUTER refuses (EAGAIN, EHOSTUNREACH) on the first frame or not at all

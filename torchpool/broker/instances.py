@@ -20,11 +20,12 @@ for its version, its batch and the loop. It tells the server through
 """
 from __future__ import annotations
 
+import functools
 import logging
 import select
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, cast
 
 from ..config.parameters import model_parameters
 from ..logs import LOADING_NOTICE_S, log_fields
@@ -164,14 +165,16 @@ class Instances:
         now = time.monotonic()
         stats = mv.stats
         windows = stats.windows
-        for req in worker.batch.requests:
+        batch = worker.batch
+        assert batch is not None      # run() and _on_finished set it before it starts
+        for req in batch.requests:
             ns = int((now - req.received) * 1e9)
             stats.queue.add(ns)
             if windows is not None:
                 windows.queue.observe(ns // 1000, now)
         limit = self.execution_timeout(mv)
         if limit:
-            self.loop.call_later(limit, lambda w=worker, b=worker.batch_id: self._kill_if_hung(w, b, limit))
+            self.loop.call_later(limit, functools.partial(self._kill_if_hung, worker, worker.batch_id, limit))
 
     def _hand_over(self, worker: WorkerHandle, names: list[str]) -> None:
         """The daemon's memory has no names: a worker gets each segment's fd
@@ -217,8 +220,8 @@ class Instances:
             log.error("%s sent a message that is not of the worker protocol (%s); killing it", h.label, exc)
             h.process.kill()     # its sentinel fails its batch and restarts it
             return
-        kind = type(msg)
-        if kind is internal.Segments:
+        # (`type(msg) is`: mypy narrows on it)
+        if type(msg) is internal.Segments:
             self.answers.map_worker_segments(h, msg.segments, fds)
             return
         close_all(fds)
@@ -226,16 +229,16 @@ class Instances:
             self.loop.unwatch(h.sock.fileno())
             return
         mv = h.mv
-        if kind is internal.Ready:
+        if type(msg) is internal.Ready:
             self._on_ready(h, mv, msg)
-        elif kind is internal.LoadFailed:
+        elif type(msg) is internal.LoadFailed:
             self.version_failed(mv, msg.message)
-        elif kind is internal.Done or kind is internal.Failed:
+        elif type(msg) is internal.Done or type(msg) is internal.Failed:
             self._on_finished(h, mv, msg)
-        elif kind is internal.Served:
+        elif type(msg) is internal.Served:
             self.read_reports(h)         # the ring first: its reports were written before
             self._on_served(h, mv, msg.records, msg.closed)
-        elif kind is internal.Forget:
+        elif type(msg) is internal.Forget:
             self.answers.worker_areas_closed(h, msg.refs)
 
     def read_reports(self, h: Optional[WorkerHandle] = None) -> None:
@@ -277,7 +280,8 @@ class Instances:
                 if not self.loop.watching(fd):     # it closed
                     poller.unregister(fd)
 
-    def _on_served(self, h: WorkerHandle, mv: ModelVersion, records: list, closed: bool) -> None:
+    def _on_served(self, h: WorkerHandle, mv: ModelVersion, records: Sequence[reports.Record],
+                   closed: bool) -> None:
         """Direct requests the worker answered (worker/direct.py), counted as
         the broker counts its own (their queue: the wait for their batch in
         the worker); each renews its client's session, as a request to the
@@ -335,15 +339,18 @@ class Instances:
             mv.idle.append(h)
         if batch is not None:
             self.answers.free_batch(batch)
-            outcome: Optional[Executed | TorchpoolError]
+            outcome: Executed | TorchpoolError
             if msg.batch_id != batch_id:
                 outcome = TorchpoolError(errors.INTERNAL, f"{h.label} answered batch {msg.batch_id} "
                                                           f"while running batch {batch_id}")
-            elif type(msg) is internal.Done:
-                mv.stats.record_execution(batch.items, len(batch.requests), *msg.timings[:3],
+            elif isinstance(msg, internal.Done):
+                input_ns, infer_ns, output_ns = msg.timings[:3]
+                mv.stats.record_execution(batch.items, len(batch.requests), input_ns, infer_ns, output_ns,
                                           padding=batch.padding)
                 mv.consecutive_crashes = 0
-                outcome = Executed(msg.outputs, h, frozenset(msg.reused))
+                # (internal.decode builds a list of them: the type says Sequence for the encoder's sake)
+                outcome = Executed(cast("list[internal.OutputDescriptor]", msg.outputs), h,
+                                   frozenset(msg.reused))
             else:
                 outcome = TorchpoolError(msg.code, msg.message)
             # the scheduler sees the outputs (a sequence's state) before they go back

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Union, cast
 
 import zmq
 
@@ -67,7 +67,8 @@ class Intake:
             for i in range(64):
                 # One request at a time is the common case: asking whether
                 # another waits costs less than pyzmq's Again exception
-                if i == 1 and not sock.get(_EVENTS) & _POLLIN:
+                # (ZMQ_EVENTS is an int option: pyzmq's get is typed int | bytes for every one)
+                if i == 1 and not cast(int, sock.get(_EVENTS)) & _POLLIN:
                     return
                 try:
                     frames = _recv_frames(sock)
@@ -137,6 +138,7 @@ class Intake:
                                      "--max-unread-replies); they were dropped and its requests "
                                      "refused until it reads")
             op = header.get("op")
+            session: Optional[Session]
             if ln is not None:
                 if op not in _LANE_OPS:
                     raise TorchpoolError(errors.UNSUPPORTED, f"operation {op!r} is not sent over the "
@@ -147,7 +149,7 @@ class Intake:
             else:
                 session = self._session_of(header, identity)
             if op == messages.OP_INFER:
-                client = ln.client if ln is not None else self.frontend.in_flight.client_of(
+                client = came_by.client if isinstance(came_by, Lane) else self.frontend.in_flight.client_of(
                     sock, identity, came_by, not self.frontend.is_remote(sock))
                 self._accept_infer(sock, identity, request_id, header, payload, session, client)
                 return
@@ -160,6 +162,7 @@ class Intake:
                 if ln is None:
                     raise TorchpoolError(errors.UNSUPPORTED, "a direct path is asked for over the local "
                                                              "side channel of a session with a lane")
+                assert session is not None      # the lane's own (lane_session)
                 self.frontend.send(sock, identity, messages.ok_response(
                     request_id, result=self.direct.open(session, header)))
                 return

@@ -16,7 +16,7 @@ import collections
 import itertools
 import logging
 import socket
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Sequence, Union
 
 import zmq
 
@@ -125,7 +125,7 @@ ReplySocket = Union[zmq.Socket, Lane]
 ClientKey = Union[tuple[str, int], tuple[ReplySocket, bytes]]
 
 
-def lane_session(ln: Lane, header: dict, sessions: SessionManager) -> Optional[Session]:
+def lane_session(ln: Lane, header: dict, sessions: SessionManager) -> Session:
     """The session a lane request runs in: the lane's own, which the header
     must name; raises SESSION_LOST once it has ended."""
     session = ln.session

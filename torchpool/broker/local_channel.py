@@ -25,6 +25,7 @@ readable would have the loop spin on it.
 from __future__ import annotations
 
 import errno
+import functools
 import grp
 import logging
 import os
@@ -127,8 +128,8 @@ class LocalChannel:
                                               "attach (--max-sessions-per-peer)"))
             return
         self._pending[conn.fileno()] = (conn, uid)
-        self.loop.watch(conn.fileno(), lambda c=conn: self._on_readable(c))
-        self.loop.call_later(ATTACH_TIMEOUT_S, lambda c=conn: self._attach_deadline(c))
+        self.loop.watch(conn.fileno(), functools.partial(self._on_readable, conn))
+        self.loop.call_later(ATTACH_TIMEOUT_S, functools.partial(self._attach_deadline, conn))
 
     def _shed(self) -> None:
         """No fd is free: the spare one takes the connection off the backlog to close it."""
@@ -233,6 +234,7 @@ class LocalChannel:
                 break
             burst.append(data)
         if burst and not ln.closed:
+            assert self.on_requests is not None     # lanes are made only with it (attach)
             self.on_requests(ln, burst)
         if gone or ln.closed:
             self._end_lane(ln)

@@ -265,7 +265,7 @@ def render_metrics(snap: MetricsSnapshot, config: MetricsConfig, now: Optional[f
         for kind, doc, counter in _LATENCIES:
             # Triton sums successful requests only: rate(duration) / rate(success) is their mean
             per_version(f"nv_inference_{kind}_duration_us", "counter", f"Cumulative {doc}",
-                        lambda s, _, c=counter: getattr(s, c).ns // 1000)
+                        _duration_us(counter))
     if config.summary_latencies:
         for kind, doc, counter in _LATENCIES:
             _summary(out, f"nv_inference_{kind}_summary_us", f"Summary of {doc}", keyed, kind, counter,
@@ -281,13 +281,18 @@ def render_metrics(snap: MetricsSnapshot, config: MetricsConfig, now: Optional[f
     return out.render()
 
 
+def _duration_us(counter: str) -> Callable[[VersionStats, int], float]:
+    """The value of a duration counter of VersionStats (its name), in us."""
+    return lambda s, _: getattr(s, counter).ns // 1000
+
+
 def _torchpool_families(out: Exposition, snap: MetricsSnapshot) -> None:
     out.family("torchpool_model_state", "gauge",
                "1 for the state each model version is in (LOADING, READY, UNAVAILABLE, UNLOADING), 0 for the "
                "others; version \"\" for a model with none (its configuration did not load)")
-    for model, version, state in snap.states:
+    for model, shown, state in snap.states:
         for each in MODEL_STATES:
-            out.sample("torchpool_model_state", (("model", model), ("state", each), ("version", version)),
+            out.sample("torchpool_model_state", (("model", model), ("state", each), ("version", shown)),
                        int(each == state))
     out.family("torchpool_worker_restarts", "counter",
                "Worker processes of a model instance restarted after a crash or an execution timeout")

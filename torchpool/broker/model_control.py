@@ -121,7 +121,7 @@ class ModelControl:
         model.unloaded = True
         model.unload_waiters.append(waiter)
         if model.pending is not None:
-            self._abandon(model, TorchpoolError(errors.UNAVAILABLE, f"model '{name}' was unloaded"))
+            self._abandon(model, model.pending, TorchpoolError(errors.UNAVAILABLE, f"model '{name}' was unloaded"))
         for mv in list(model.versions.values()):
             self.retire(mv)
         model.former |= set(model.versions)
@@ -158,8 +158,9 @@ class ModelControl:
             w(None)
         self.progress()
 
-    def _abandon(self, model: Model, err: TorchpoolError) -> None:
-        gen, model.pending = model.pending, None
+    def _abandon(self, model: Model, gen: Generation, err: TorchpoolError) -> None:
+        """Give up `gen`, the load under way (model.pending)."""
+        model.pending = None
         for mv in gen.versions.values():
             self.retire(mv)
         for w in gen.waiters:
@@ -210,9 +211,15 @@ class ModelControl:
             # a model removed (so unloaded) and put back loads again, even unchanged
             if model is None or model.unloaded or fingerprint(self.root / name) != model.fingerprint:
                 try:
-                    self.load(name, None, lambda err, n=name: err and log.error("%s", err.message))
+                    self.load(name, None, _log_failure)
                 except TorchpoolError as exc:
                     log.error("%s", exc.message)
         for name, model in list(self.registry.models.items()):
             if name not in names and not model.unloaded and model.versions:
                 self.unload(name, lambda err: None)
+
+
+def _log_failure(err: Optional[TorchpoolError]) -> None:
+    """A polled load's waiter: nobody asked for it, the log hears how it went."""
+    if err is not None:
+        log.error("%s", err.message)

@@ -45,7 +45,7 @@ class InferRequest:
     identity: bytes                   # ZeroMQ routing id of the client
     request_id: object                # the client's id, echoed as it came
     version: ModelVersion
-    inputs: list[list]                # worker descriptors
+    inputs: list[InputDescriptor]     # worker descriptors
     outputs: list                     # requested outputs for the worker: names, or
                                       # [name, region ref, offset, capacity] to write into a region
     blocks: list[Block] = field(default_factory=list)
@@ -100,10 +100,12 @@ def batch_layout(req: "InferRequest", staged: list[tuple], cfg: ModelConfig) -> 
         req.key = batch_key(staged)
 
 
-def stage_inputs(staged: list[tuple], arena: Arena, model: str) -> tuple[list[list], list[Block]]:
+def stage_inputs(staged: list[tuple], arena: Arena, model: str
+                 ) -> tuple[list[InputDescriptor], list[Block]]:
     """Copy inline inputs once into the arena; inputs already in shared memory
     are passed by descriptor. Returns worker descriptors and the blocks used."""
-    descriptors, blocks = [], []
+    descriptors: list[InputDescriptor] = []
+    blocks: list[Block] = []
     try:
         for spec, _shape, model_shape, payload, location in staged:
             if location is not None:

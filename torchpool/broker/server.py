@@ -44,10 +44,12 @@ timeout, shutdown). Signal handlers only record the signal; the loop acts.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections import Counter
@@ -163,8 +165,8 @@ class Server:
         self.answers = Answers(self.frontend, self.arena, self.transfer, close_segment=self.reaper.close)
         local_path = resolve_path(o.local_socket, o.listen, self.daemon)
         self.sessions = SessionManager(self.prefix, o, self.answers.end_loans,
-                                       lambda refs: self.supervisor.forget(refs), local_path,
-                                       close_channel=lambda conn: self.local_channel.close_channel(conn),
+                                       self._forget_in_workers, local_path,
+                                       close_channel=self._close_channel,
                                        close_segment=self.reaper.close)
         if local_path is not None:
             self.local_channel = LocalChannel(local_path, self.loop, self.sessions, o.local_allow_users,
@@ -192,20 +194,20 @@ class Server:
                                      o.worker_busy_poll_us, o.log_format, self._cpu_instances,
                                      o.output_capture_mib, o.stream_copy_bytes)
         self.instances = Instances(self.loop, self.supervisor, self.answers, self.sessions, o, InstanceEvents(
-            idle=self._dispatch, settled=self._settled, drained=lambda: self.control.progress(),
+            idle=self._dispatch, settled=self._settled, drained=self._drained,
             stopping=lambda: self.should_exit))
         self.control = ModelControl(self.registry, o.model_repository, o.model_control_mode,
                                     self.start_version, self.instances.version_gone)
         limits = TensorLimits.of(o)
         direct = DirectPaths(self.registry, limits, self.instances.execution_timeout,
                              lambda: self.should_exit, o.direct_spin_us) if o.direct_paths else None
-        self.intake = Intake(self.frontend, self.registry, self.sessions, self.control, self.answers,
+        self.intake = intake = Intake(self.frontend, self.registry, self.sessions, self.control, self.answers,
                              self.transfer, self._dispatch, lambda: self.should_exit,
                              remote_model_control=o.remote_model_control, limits=limits,
                              direct=direct, catch_up=self.instances.catch_up,
                              max_header_bytes=o.max_header_bytes)
         for sock in self.frontend.sockets:
-            self.loop.watch(sock, lambda sock=sock: self.intake.on_readable(sock))
+            self.loop.watch(sock, functools.partial(intake.on_readable, sock))
         self.frontend.watch_connections(self.loop)
         if self.local_channel is not None:
             self.local_channel.on_requests = self.intake.on_lane
@@ -233,6 +235,18 @@ class Server:
             self.gateway.start()        # GatewayError (a busy port...): the daemon does not start
             self.loop.call_later(1.0, self._check_gateway)
         self._announce_if_ready()
+
+    def _forget_in_workers(self, refs: list) -> None:
+        assert self.supervisor is not None     # made before any session can end
+        self.supervisor.forget(refs)
+
+    def _close_channel(self, conn: socket.socket) -> None:
+        assert self.local_channel is not None  # a session has a channel only through it
+        self.local_channel.close_channel(conn)
+
+    def _drained(self) -> None:
+        assert self.control is not None        # # startup() made it before the loop runs
+        self.control.progress()
 
     def main_loop(self) -> None:
         drain_deadline = None
@@ -272,7 +286,8 @@ class Server:
     def shutdown(self) -> None:
         if self.gateway is not None:
             self.gateway.stop()
-        if self.registry is not None:
+        # (no version has a scheduler before the answers and the instances are made)
+        if self.registry is not None and self.answers is not None and self.instances is not None:
             for mv in self.registry.all_versions():
                 if mv.scheduler is None:
                     continue
@@ -286,7 +301,7 @@ class Server:
         if self.instances is not None:
             self.instances.stop()
         if self.frontend is not None:
-            self._refuse_waiting()
+            self._refuse_waiting(self.frontend)
             self.frontend.close()
         if self.ctx is not None:
             self.ctx.destroy(linger=1000)   # closes any socket still open, then terminates
@@ -302,10 +317,10 @@ class Server:
         self.service.close()
         log.info("torchpool stopped")
 
-    def _refuse_waiting(self) -> None:
+    def _refuse_waiting(self, frontend: Frontend) -> None:
         """Requests that arrived while the workers stopped still get an answer."""
         refusal = TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
-        for sock in self.frontend.sockets:
+        for sock in frontend.sockets:
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -317,7 +332,7 @@ class Server:
                     request_id = messages.decode_header(frames[1]).get("id")
                 except messages.HeaderError as exc:
                     request_id = exc.request_id
-                self.frontend.send(sock, frames[0], messages.error_response(request_id, refusal))
+                frontend.send(sock, frames[0], messages.error_response(request_id, refusal))
 
     # -------------------------------------------------------------- signals
 
@@ -334,6 +349,7 @@ class Server:
     def _reload(self) -> None:
         """SIGHUP (systemctl reload): poll mode rescans the repository; systemd hears
         RELOADING=1 now and READY=1 once what the rescan started has settled."""
+        assert self.control is not None        # # startup() made it before the loop runs
         rescan = self.control.mode == POLL
         what = "rescanning the model repository" if rescan else f"nothing to reload ({self.control.mode} mode)"
         log.info("SIGHUP: %s", what)
@@ -343,6 +359,7 @@ class Server:
         self._reload_done_if_settled()
 
     def _reload_done_if_settled(self) -> None:
+        assert self.registry is not None       # # startup() made it before the loop runs
         if self.service.reloading and not self.registry.loading():
             self.service.reload_settled(self._serving_status())
 
@@ -361,22 +378,26 @@ class Server:
         """Schedulers whose deadline passed: fail what they give up on, then
         dispatch (a batch that waited for more requests may be due)."""
         now = time.monotonic()
+        assert self.answers is not None        # # startup() made it before the loop runs
         for mv in self.deadlines.due(now):
             for req, err in mv.scheduler.expire(now):
                 self.answers.fail(req, err)
             self._dispatch(mv)
 
     def _cancel_queued(self, sock: ReplySocket, identity: bytes) -> None:
+        assert self.registry is not None and self.answers is not None   # # startup() made it before the loop runs
         for mv in self.registry.all_versions():
             if mv.scheduler is not None:
                 for req, err in mv.scheduler.cancel(sock, identity):
                     self.answers.fail(req, err)
 
     def _expire_sessions(self) -> None:
+        assert self.sessions is not None       # # startup() made it before the loop runs
         self.sessions.expire()
         self.loop.call_later(max(0.2, self.options.client_lease / 4), self._expire_sessions)
 
     def _poll_repository(self) -> None:
+        assert self.control is not None        # # startup() made it before the loop runs
         self.control.poll()
         self.loop.call_later(self.options.repository_poll_secs, self._poll_repository)
 
@@ -384,6 +405,7 @@ class Server:
         """Idle instances of `mv` take the batches its scheduler has for them;
         the scheduler prepares the next one meanwhile."""
         scheduler = mv.scheduler
+        assert self.answers is not None and self.instances is not None   # # startup() made it before the loop runs
         self.deadlines.touch(mv)      # it may have a deadline now
         if not len(scheduler):
             return
@@ -406,6 +428,7 @@ class Server:
                                                           f"{mv.label}: scheduling failed: {exc}"))
 
     def _pending(self) -> int:
+        assert self.instances is not None and self.registry is not None   # # startup() made it before the loop runs
         return sum(len(mv.scheduler) + self.instances.running(mv)
                    for mv in self.registry.all_versions() if mv.scheduler is not None)
 
@@ -414,11 +437,13 @@ class Server:
     def _cpu_instances(self) -> int:
         """CPU instances of what the daemon serves or loads; a reload's new
         generation replaces its model's current one, so each model counts once."""
+        assert self.supervisor is not None and self.registry is not None   # it asks from then on
         count = self.supervisor.cpu_instances_of
         return sum(max(count(m.versions.values()), count(m.pending.versions.values()) if m.pending else 0)
                    for m in self.registry.models.values())
 
     def start_version(self, mv: ModelVersion) -> None:
+        assert self.arena is not None and self.instances is not None   # made before any version starts
         if mv.scheduler is None:
             try:
                 model_parameters(mv.config)       # parsed once; a bad value fails the load here
@@ -440,6 +465,7 @@ class Server:
                                          len(self._startup_versions), f"{mv.name} v{mv.version} {mv.state}")
         if self.failure is None:
             self._announce_if_ready()
+        assert self.control is not None        # made before any version starts
         self.control.version_settled(mv)
         self._reload_done_if_settled()
 
@@ -452,6 +478,7 @@ class Server:
         """Stop taking requests, on direct paths too (their next ones come here, refused)."""
         self.should_exit = True
         if self.intake is not None and self.intake.direct is not None:
+            assert self.sessions is not None   # made before the intake
             self.intake.direct.close_all(self.sessions.sessions.values())
 
     def _metrics_snapshot(self) -> MetricsSnapshot:
@@ -472,11 +499,17 @@ class Server:
         self.loop.call_from_thread(catch_up)
         caught_up.wait(METRICS_CATCH_UP_S)
         # pending: accepted, not started (Triton's nv_inference_pending_request_count)
+        assert self.arena is not None and self.sessions is not None   # made before the metrics server
         shm = {"input_mapped": self.arena.mapped_bytes, "input_used": self.arena.used_bytes,
                "client_arenas": sum(s.arena_bytes for s in list(self.sessions.sessions.values()))}
-        return take_snapshot(self.registry, lambda mv: self.instances.pending(mv), shm)
+        # (the registry is made just before the instances: a scrape between sees no version)
+        instances = self.instances
+        if instances is None:
+            return take_snapshot(None, lambda mv: 0, shm)
+        return take_snapshot(self.registry, instances.pending, shm)
 
     def _announce_if_ready(self) -> None:
+        assert self.registry is not None       # made before any version starts
         if not self.service.starting or self.registry.loading():
             return
         counts, broken = self.registry.ready_counts()
@@ -485,4 +518,5 @@ class Server:
         self.service.ready(self._serving_status())
 
     def _serving_status(self) -> str:
+        assert self.registry is not None       # # startup() made it before the loop runs
         return "serving {}{}".format(*self.registry.ready_counts())

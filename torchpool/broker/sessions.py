@@ -31,7 +31,7 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Union, overload
 
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
@@ -195,10 +195,12 @@ class SessionManager:
         """Send the session's client these segments' fds over its side channel
         (before any answer names them). Read-only fds for outputs lent to it.
         Raises RESOURCE_EXHAUSTED when the client does not read its channel."""
+        channel = session.channel
+        assert channel is not None       # its callers hand over to local sessions only (grow, offer)
         fds = [s.fd if writable else s.readonly_fd() for s in segments]
         try:
             body = messages.pack({"segments": [{"segment": s.name, "size": s.size} for s in segments]})
-            send_with_fds(session.channel, body, fds, socket.MSG_DONTWAIT)
+            send_with_fds(channel, body, fds, socket.MSG_DONTWAIT)
         except OSError:
             raise _exhausted("the client does not read its local side channel; the daemon cannot "
                              "hand it shared memory") from None
@@ -225,6 +227,10 @@ class SessionManager:
         """A client arena segment by name (workers are handed its fd)."""
         return self.segments.get(name)
 
+    @overload
+    def get(self, token: str, identity: bytes = b"") -> Session: ...
+    @overload
+    def get(self, token: object, identity: bytes = b"") -> Optional[Session]: ...
     def get(self, token: object, identity: bytes = b"") -> Optional[Session]:
         """The request's session (renewing its lease); None when it names none."""
         if token is None:
@@ -351,6 +357,7 @@ class SessionManager:
         if len(session.regions) + len(session.challenges) >= limit:
             raise _exhausted(f"region '{name}': this session already has {limit} regions, the "
                              f"limit (--max-regions-per-session)")
+        assert session.peer is not None  # set with its channel (attach): register checked it is local
         challenge = open_challenge(session.peer, name, key, header.get("offset", 0), header.get("byte_size"),
                                    header["key"])
         old = session.challenges.pop(name, None)

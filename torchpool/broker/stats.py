@@ -17,7 +17,7 @@ from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Protocol
 
 from .usage import instance_rows
 
@@ -65,8 +65,8 @@ class LatencyWindow:
     def __init__(self, max_age: float, now: float, buckets: int = 5, cap: int = 1024) -> None:
         self.step = max_age / buckets
         self.cap = cap
-        self.buckets: deque = deque((deque(maxlen=cap) for _ in range(buckets)), maxlen=buckets)
-        self.current: deque = self.buckets[-1]
+        self.buckets: deque[deque[int]] = deque((deque(maxlen=cap) for _ in range(buckets)), maxlen=buckets)
+        self.current: deque[int] = self.buckets[-1]
         self.rotate_at = now + self.step
 
     def observe(self, us: int, now: float, times: int = 1) -> None:
@@ -84,7 +84,7 @@ class LatencyWindow:
 
     def _rotate(self, now: float) -> None:
         steps = int((now - self.rotate_at) / self.step) + 1
-        for _ in range(min(steps, self.buckets.maxlen)):
+        for _ in range(min(steps, len(self.buckets))):      # (always full: len is its maxlen)
             self.buckets.append(deque(maxlen=self.cap))     # the oldest falls out
         self.current = self.buckets[-1]
         self.rotate_at += steps * self.step
@@ -136,16 +136,31 @@ class WindowAndHistogram:
         self.histogram.observe(us, now, times)
 
 
+class Latency(Protocol):
+    """What is kept of one latency: LatencyWindow, LatencyHistogram or WindowAndHistogram."""
+
+    @property
+    def window(self) -> Optional[LatencyWindow]: ...
+    @property
+    def histogram(self) -> Optional[LatencyHistogram]: ...
+    def observe(self, us: int, now: float, times: int = 1) -> None: ...
+
+
 class LatencyWindows:
     """What one version records of each latency Triton summarises beyond its
     counter: a window (summaries), a histogram, or both; each has
     `observe(us, now, times)`, `.window` and `.histogram` (None if not kept)."""
 
     __slots__ = ("request", "queue", "compute_input", "compute_infer", "compute_output")
+    request: Latency
+    queue: Latency
+    compute_input: Latency
+    compute_infer: Latency
+    compute_output: Latency
 
     def __init__(self, max_age: Optional[float], now: float,
                  histogram_bounds: Optional[tuple[int, ...]] = None) -> None:
-        for name in self.__slots__:
+        for name in self.__slots__:     # (one of the two at least: _new_windows)
             window = LatencyWindow(max_age, now) if max_age is not None else None
             histogram = LatencyHistogram(histogram_bounds) if histogram_bounds is not None else None
             setattr(self, name, WindowAndHistogram(window, histogram) if window and histogram

@@ -52,10 +52,10 @@ DEAD = "DEAD"
 # unless the process cannot run at all.
 ABORT_GRACE_S = 2.0
 
-_context: Optional[multiprocessing.context.BaseContext] = None
+_context: Optional[multiprocessing.context.ForkServerContext] = None
 
 
-def _fork_context() -> multiprocessing.context.BaseContext:
+def _fork_context() -> multiprocessing.context.ForkServerContext:
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
@@ -83,7 +83,8 @@ def stop_fork_helpers(timeout: float) -> None:
         if address and not util.is_abstract_socket_namespace(address):
             with contextlib.suppress(OSError):
                 os.unlink(address)
-        server._forkserver_address = None
+        # (multiprocessing's private attribute, which typeshed's stub lacks)
+        server._forkserver_address = None  # type: ignore[attr-defined]
     _end(resource_tracker._resource_tracker, "_pid", "_fd", deadline)
 
 
@@ -176,8 +177,10 @@ class WorkerHandle:
         when it has exited already."""
         if not self.running():
             return False
+        pid = self.process.pid
+        assert pid is not None      # started (spawn) before its handle was made
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.process.pid, signal.SIGABRT)
+            os.kill(pid, signal.SIGABRT)
         return True
 
     def kill(self) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 EXTEND_EVERY = 5.0              # seconds between EXTEND_TIMEOUT_USEC while models load
 EXTEND_BY = 3 * EXTEND_EVERY    # each asks for this much more: two may be late before it runs out
@@ -28,7 +28,7 @@ EXTEND_BY = 3 * EXTEND_EVERY    # each asks for this much more: two may be late 
 class Notifier:
     """Sends READY=1, STATUS=..., STOPPING=1 and WATCHDOG=1 when run by systemd."""
 
-    def __init__(self, environ: Optional[dict] = None) -> None:
+    def __init__(self, environ: Optional[Mapping[str, str]] = None) -> None:
         env = os.environ if environ is None else environ
         self.address = env.get("NOTIFY_SOCKET") or None
         self._sock: Optional[socket.socket] = None
@@ -39,7 +39,7 @@ class Notifier:
         self.watchdog_interval = self._watchdog_interval(env)
 
     @staticmethod
-    def _watchdog_interval(env) -> Optional[float]:
+    def _watchdog_interval(env: Mapping[str, str]) -> Optional[float]:
         """Half of WATCHDOG_USEC, as sd_watchdog_enabled(3) recommends."""
         usec = env.get("WATCHDOG_USEC")
         pid = env.get("WATCHDOG_PID")
@@ -55,10 +55,11 @@ class Notifier:
         return self._sock is not None
 
     def notify(self, *lines: str) -> None:
-        if self._sock is None:
+        sock, address = self._sock, self.address
+        if sock is None or address is None:      # (the socket is made only with an address)
             return
         try:
-            self._sock.sendto("\n".join(lines).encode(), self.address)
+            sock.sendto("\n".join(lines).encode(), address)
         except OSError:
             pass  # systemd going away must never take the daemon down
 
@@ -168,6 +169,7 @@ class ServiceStatus:
 
     def _watchdog(self) -> None:
         """WATCHDOG=1 from the main loop's timers: a stuck loop stops the pings."""
-        if self.notifier.enabled:
+        interval = self.notifier.watchdog_interval
+        if self.notifier.enabled and interval:   # (loading_started starts it only with one)
             self.notifier.watchdog()
-            self.call_later(self.notifier.watchdog_interval, self._watchdog)
+            self.call_later(interval, self._watchdog)

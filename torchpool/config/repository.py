@@ -84,7 +84,7 @@ def model_names(root: Path | str) -> list[str]:
         raise ConfigError(f"model repository path '{root}' cannot be listed: {err.strerror or err}") from None
 
 
-def load_model_entry(root: Path | str, name: str, override: Optional[Override] = None) -> ModelEntry:
+def load_model_entry(root: Path | str, name: str, override: Optional[object] = None) -> ModelEntry:
     """Read one model's config and version directories; never raises for a
     problem with the model (the entry's `error` says what is wrong).
 
@@ -155,9 +155,12 @@ def _load_config(model_dir: Path, name: str) -> ModelConfig:
     return config
 
 
-def _override_config(model_dir: Path, name: str, override: Override) -> ModelConfig:
-    """The configuration a load request carries, validated as a config.json is."""
+def _override_config(model_dir: Path, name: str, override: object) -> ModelConfig:
+    """The configuration a load request carries (an Override; a client's
+    value, so anything), validated as a config.json is."""
     source = f"load('{name}') config"
+    if not isinstance(override, (str, bytes, Mapping)):    # (dict() made a config of a list of pairs)
+        raise ConfigError(f"{source}: not a JSON object: {type(override).__name__}")
     try:
         data = json.loads(override) if isinstance(override, (str, bytes)) else dict(override)
     except (ValueError, TypeError) as err:

@@ -58,6 +58,7 @@ def measure_level(load: Load, recorder: Recorder, mode: str, level: float, setti
         while True:
             # the failure event doubles as the window's timer: a failed request ends it at once
             if recorder.failed.wait(settings.interval_s):
+                assert recorder.error is not None   # Recorder.fail sets it before `failed`
                 raise RequestFailed(mode, level, recorder.error)
             done = carried + recorder.drain()
             end = time.monotonic_ns()

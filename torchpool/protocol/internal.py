@@ -322,7 +322,7 @@ _DECODERS: dict[int, Callable[[Decoded], Message]] = {
 }
 
 
-def decode(raw: bytes) -> Message:
+def decode(raw: Union[bytes, memoryview]) -> Message:
     """The message in `raw` (one msgpack array); raises ProtocolViolation.
     Trailing elements a newer peer may add are ignored."""
     try:

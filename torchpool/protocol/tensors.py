@@ -53,7 +53,7 @@ What each function is for:
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Protocol, Sequence, TypeVar, Union
 
 import numpy as np
 
@@ -188,8 +188,20 @@ def contiguous_bytes(src: Source) -> memoryview:
     return memoryview(src).cast("B")  # type: ignore[arg-type]
 
 
-def put_data(entry: Entry, src: Source, frames: list[Buffer],
-             make_frame: Optional[Callable[[memoryview], Buffer]] = None, inline: bool = True) -> Optional[Buffer]:
+_F = TypeVar("_F")
+_T_contra = TypeVar("_T_contra", contravariant=True)
+
+
+class Frames(Protocol[_T_contra]):
+    """Where put_data appends a frame (a list of frames, or of anything wider)."""
+
+    def append(self, frame: _T_contra, /) -> None: ...
+    def __len__(self) -> int: ...
+
+
+def put_data(entry: Entry, src: Source, frames: Frames[Union[_F, memoryview]],
+             make_frame: Optional[Callable[[memoryview], _F]] = None,
+             inline: bool = True) -> Union[_F, memoryview, None]:
     """Put the bytes of `src` into `entry`: inline when at most INLINE_LIMIT
     (and `inline`), else appended to `frames` (as `make_frame(data)` when
     given) and named by its 1-based index. Returns the appended frame, or

@@ -33,16 +33,37 @@ every output, as before.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
+from typing_extensions import Buffer
 
 from ..shm.segment import Segment
 
-try:
-    from . import _outcapture
-except ImportError:       # built optionally (setup.py): outputs are then copied
-    _outcapture = None
+
+class _Extension(Protocol):
+    """What is used of the C extension _outcapture (its types: _outcapture.pyi)."""
+
+    def add_region(self, buffer: Buffer, min_block: int, /) -> int: ...
+    def remove_region(self, index: int, /) -> bool: ...
+    def install(self, threshold: int, /) -> int: ...
+    def capture(self, index: int, /) -> None: ...
+    def alloc(self, index: int, n: int, /) -> Optional[int]: ...
+    def release(self, index: int, offset: int, /) -> bool: ...
+    def base(self, index: int, /) -> int: ...
+    def stats(self, index: int, /) -> tuple[int, int, int]: ...
+
+
+def _load_extension() -> Optional[_Extension]:
+    try:
+        from . import _outcapture
+    except ImportError:   # built optionally (setup.py): outputs are then copied
+        return None
+    return _outcapture
+
+
+# the extension, or None (tests set it so, as on an install without a C compiler)
+_outcapture: Optional[_Extension] = _load_extension()
 
 log = logging.getLogger("torchpool.worker")
 
@@ -50,12 +71,16 @@ log = logging.getLogger("torchpool.worker")
 # faults, copying them costs microseconds, and most are intermediates.
 MIN_CAPTURED = 256 << 10
 
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+# (private, and not in every torch: looked up, None without it)
+_storage_use_count: Optional[Callable[[int], int]] = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _use_counts(value: torch.Tensor) -> tuple[int, int]:
     """How many references hold the tensor, and its memory."""
-    return value._use_count(), _storage_use_count(value.untyped_storage()._cdata)
+    count = _storage_use_count
+    assert count is not None    # OutputCapture.create makes no region without it
+    # torch's stubs lack Tensor._use_count (a C method of every torch the count above exists in)
+    return value._use_count(), count(value.untyped_storage()._cdata)  # type: ignore[attr-defined]
 
 
 class CaptureRegion:
@@ -65,10 +90,14 @@ class CaptureRegion:
     lent from it (until the broker releases them) and the blocks written."""
 
     def __init__(self, segment: Segment, min_block: int = MIN_CAPTURED) -> None:
+        ext = _outcapture
+        # regions are made only where the extension is (OutputCapture.create, LendingAreas.available)
+        assert ext is not None
+        self.ext = ext
         self.segment = segment
         self.name = segment.name
-        self.index = _outcapture.add_region(segment.buf, min_block)
-        self.base = _outcapture.base(self.index)
+        self.index = ext.add_region(segment.buf, min_block)
+        self.base = ext.base(self.index)
         self.size = segment.size
         self.held: dict[int, torch.Tensor] = {}   # offset -> tensor the broker still reads
         self.written: set[int] = set()            # offsets of blocks Python wrote outputs into
@@ -89,7 +118,7 @@ class CaptureRegion:
 
     def alloc(self, nbytes: int) -> Optional[int]:
         """The offset of a new block for an output copied here (None: full)."""
-        offset = _outcapture.alloc(self.index, nbytes)
+        offset = self.ext.alloc(self.index, nbytes)
         if offset is not None:
             self.written.add(offset)
         return offset
@@ -102,16 +131,16 @@ class CaptureRegion:
             return True
         if offset in self.written:
             self.written.discard(offset)
-            return _outcapture.release(self.index, offset)
+            return self.ext.release(self.index, offset)
         return False
 
     def blocks(self) -> int:
         """Blocks in use: lent, written, or still held by someone else (the model)."""
-        return _outcapture.stats(self.index)[1]
+        return self.ext.stats(self.index)[1]
 
     def close(self) -> bool:
         """Leave the table and unmap, once no block is in use (False: not yet)."""
-        if self.held or self.written or not _outcapture.remove_region(self.index):
+        if self.held or self.written or not self.ext.remove_region(self.index):
             return False
         self.segment.close()
         return True
@@ -123,6 +152,7 @@ class OutputCapture:
 
     def __init__(self, region: CaptureRegion) -> None:
         self.region = region
+        self.ext = region.ext
         self.name = region.name
         self.base = region.base
         self.size = region.size
@@ -143,7 +173,7 @@ class OutputCapture:
         try:
             region = CaptureRegion(segment)
             try:
-                _outcapture.install(MIN_CAPTURED)
+                region.ext.install(MIN_CAPTURED)
             except (OSError, RuntimeError, ValueError):
                 region.close()
                 raise
@@ -157,10 +187,10 @@ class OutputCapture:
     def on(self, region: Optional[CaptureRegion] = None) -> None:
         """Large allocations come from `region` (this worker's own by
         default) until `off`, on every thread."""
-        _outcapture.capture((region or self.region).index)
+        self.ext.capture((region or self.region).index)
 
     def off(self) -> None:
-        _outcapture.capture(-1)
+        self.ext.capture(-1)
 
     def lend(self, value: torch.Tensor) -> Optional[tuple[str, int, int]]:
         return self.region.lend(value)
@@ -178,7 +208,7 @@ class OutputCapture:
 
     def stats(self) -> tuple[int, int, int]:
         """(bytes in use, blocks, large allocations that did not fit) of the own region."""
-        return _outcapture.stats(self.region.index)
+        return self.ext.stats(self.region.index)
 
 
 # Outputs that lie where they are sent already, without capture: views of an input.

@@ -42,7 +42,9 @@ import os
 import select
 import socket
 import time
-from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol, cast
+
+from typing_extensions import Buffer
 
 from ..config import ModelConfig
 from ..protocol import errors, internal, lane, messages
@@ -123,7 +125,7 @@ class DirectClients:
         self.spin = SpinWait(worker.busy_poll_ns // 1000, share=WORKER_SPIN_SHARE)
         self.batching = spec.config.max_batch_size > 0
         self.runner: Optional[DirectRunner] = None
-        self.batcher: Optional[DirectBatcher] = None
+        self.batcher: Optional[DirectBatcher[_Client]] = None
 
     def start(self) -> None:
         """The instance is loaded: its direct requests run on its engine."""
@@ -201,15 +203,14 @@ class DirectClients:
             elif events & _GONE:
                 self._drop(c)
         if self.batcher is not None and self.batcher.waiting:
-            self._fill_batch()
+            self._fill_batch(self.batcher)
             self.batcher.run_due(self._answer_batch)
         return True
 
-    def _fill_batch(self) -> None:
+    def _fill_batch(self, batcher: DirectBatcher[_Client]) -> None:
         """Read more of what the clients already sent, one request of each in
         turn, until the batch is full: the threads of one client share its
         path, and their requests are batched as the broker batches them."""
-        batcher = self.batcher
         more = list({id(w.client): w.client for w in batcher.waiting}.values())
         for _ in range(batcher.max_preferred):       # (bounded: refused requests fill nothing)
             more = [c for c in more if not c.outbox and self._serve(c)]
@@ -267,7 +268,10 @@ class DirectClients:
                 errors.INVALID_ARG, f"malformed request for model '{self.model.name}': {exc!r}")))])
             return True
         batching = self.batcher is not None
-        request = Waiting(c, request_id, _part(staged, self.batching), requested, batch_size,
+        # _check_plain (rules/direct.py's plain_refusal) refused any output asked otherwise
+        # than by name: what validate_infer gives back is names only
+        names = cast("list[str]", requested)
+        request = Waiting(c, request_id, _part(staged, self.batching), names, batch_size,
                           batch_key(staged) if batching else None, t0)
         if self.batcher is not None:
             # a model that batches ignores a request's own timeout, as the
@@ -316,7 +320,7 @@ class DirectClients:
         if refusal is not None:
             raise refusal
 
-    def _answer_batch(self, records: list, answers: list) -> None:
+    def _answer_batch(self, records: list, answers: list[tuple[_Client, list[Buffer]]]) -> None:
         """A batch's report, then its answers (a client gone meanwhile gets none)."""
         self._report(records)
         for c, frames in answers:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Generic, Optional, Protocol, TypeVar
 
 import torch
 
@@ -41,18 +41,21 @@ class DirectClient(Protocol):
     session: str
 
 
+# the clients' own type (direct.py's _Client): a batcher gives back what it was given
+ClientT = TypeVar("ClientT", bound=DirectClient)
+
 # answer(records for SERVED, [(client, frames of its answer), ...])
 Answer = Callable[[list, list], None]
 # failed(exception, what failed) -> the answer's code and text (Worker.failed)
 Failure = Callable[[Exception, str], "Failed"]
 
 
-class Waiting:
+class Waiting(Generic[ClientT]):
     """An accepted direct request waiting for its batch (or running alone)."""
     __slots__ = ("client", "request_id", "part", "requested", "batch_size", "key", "enqueued", "t0")
     exclusive = False                    # names only, a batch dimension: it may share a batch
 
-    def __init__(self, client: DirectClient, request_id: object, part: Part, requested: list[str],
+    def __init__(self, client: ClientT, request_id: object, part: Part, requested: list[str],
                  batch_size: int, key: object, t0: int) -> None:
         self.client = client
         self.request_id = request_id
@@ -73,7 +76,7 @@ class DirectRunner:
         self.version = version
         self.failed = failed
 
-    def run(self, reqs: list[Waiting], answer: Answer) -> None:
+    def run(self, reqs: list[Waiting[ClientT]], answer: Answer) -> None:
         t_start = time.perf_counter_ns()
         try:
             done = self.engine.run_parts([w.part for w in reqs], self._requested(reqs))
@@ -94,14 +97,14 @@ class DirectRunner:
                    for i, w in enumerate(reqs)]
         answer(records, answers)
 
-    def _requested(self, reqs: list[Waiting]) -> list[str]:
+    def _requested(self, reqs: list[Waiting[ClientT]]) -> list[str]:
         first = reqs[0].requested
         if len(reqs) == 1 or all(w.requested == first for w in reqs):
             return first
         wanted = {name for w in reqs for name in w.requested}
         return [t.name for t in self.cfg.outputs if t.name in wanted]
 
-    def _answers(self, reqs: list[Waiting], outputs: list[dict[str, Value]]) -> list:
+    def _answers(self, reqs: list[Waiting[ClientT]], outputs: list[dict[str, Value]]) -> list:
         """Each request's answer: its part of each output it asked for."""
         model, version = self.cfg.name, self.version
         out = []
@@ -118,24 +121,24 @@ class DirectRunner:
         return out
 
 
-class DirectBatcher:
+class DirectBatcher(Generic[ClientT]):
     """The waiting direct requests of one worker and the batches they form."""
 
     def __init__(self, runner: DirectRunner) -> None:
         self.runner = runner
         self.limits = batch_limits(runner.cfg)
         self.max_preferred = self.limits.max_preferred
-        self.waiting: list[Waiting] = []
+        self.waiting: list[Waiting[ClientT]] = []
         self.wake_at: Optional[float] = None      # the waiting batch is due then
 
-    def add(self, request: Waiting) -> None:
+    def add(self, request: Waiting[ClientT]) -> None:
         self.waiting.append(request)
 
     def items(self) -> int:
         """The batch size of the requests waiting."""
         return sum(w.batch_size for w in self.waiting)
 
-    def drop(self, client: DirectClient) -> None:
+    def drop(self, client: ClientT) -> None:
         """A client that is gone: its waiting requests have no one to answer."""
         self.waiting = [w for w in self.waiting if w.client is not client]
 

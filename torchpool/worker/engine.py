@@ -96,7 +96,7 @@ class Engine:
 
     # ------------------------------------------------------------ one input
 
-    def tensor(self, name: str, datatype: str, shape: list[int], buf: Memory, offset: int, nbytes: int,
+    def tensor(self, name: str, datatype: str, shape: Sequence[int], buf: Memory, offset: int, nbytes: int,
                pinned: bool = False) -> Value:
         """Input `name` as the model takes it, a view of `buf[offset:offset + nbytes]`
         (on a GPU, a copy there: asynchronous when `buf` is page-locked)."""

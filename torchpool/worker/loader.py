@@ -131,6 +131,8 @@ def load_extensions(model: str, model_dir: Path, settings: ModelParameters) -> N
                 else:
                     name = f"torchpool_ext_{model}_{path.stem}"
                     module_spec = importlib.util.spec_from_file_location(name, path)
+                    if module_spec is None or module_spec.loader is None:   # no loader for its suffix
+                        raise ImportError("it is not a Python source file")
                     module = importlib.util.module_from_spec(module_spec)
                     sys.modules[name] = module
                     module_spec.loader.exec_module(module)

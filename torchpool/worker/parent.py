@@ -36,7 +36,8 @@ def _let_go_of_the_fork_server() -> None:
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
         os.close(fd)
-        server._forkserver_alive_fd = None
+        # (multiprocessing's private attribute, which typeshed's stub lacks)
+        server._forkserver_alive_fd = None  # type: ignore[attr-defined]
 
 
 def tie_to_the_broker() -> None:

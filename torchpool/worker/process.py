@@ -28,7 +28,7 @@ import signal
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union, cast
 
 import torch
 
@@ -38,7 +38,7 @@ from ..protocol.errors import TorchpoolError
 from ..shm.arena import Arena, Block, MappedSegments
 from ..shm.bulkcopy import copy_into, set_stream_threshold, streams
 from ..shm.fdpass import FdReceiver, close_all, send_with_fds
-from ..shm.segment import Segment
+from ..shm.segment import NamedSegment, Segment
 from ..shm.reaper import Reaper
 from .binding import ExecutionError, ModelLoadError
 from .capture import CaptureRegion, OutputCapture, reuse_input
@@ -96,9 +96,9 @@ class Worker:
         self.outputs = Arena(lambda i: f"{spec.segment_prefix}{i}", spec.arena_chunk,
                              spec.arena_limit, prefault=True, announce=self.announce)
         self.engine: Engine           # built by load(): inputs to the device, the model, outputs
-        self.classifier: Optional[Classifier] = None   # labels, and outputs asked as top-k classes
+        self.classifier: Classifier   # by load(): labels, and outputs asked as top-k classes
         self.busy_poll_ns = spec.busy_poll_us * 1000
-        self.weights = None           # the shared weights segment, if any (kept mapped)
+        self.weights: Optional[NamedSegment] = None   # the shared weights segment, if any (kept mapped)
         self.label = f"model '{spec.model}' version {spec.version} instance '{spec.instance}'"
         self.capture: Optional[OutputCapture] = None   # outputs answered where the model made them
         self.capture_name: Optional[str] = None
@@ -207,43 +207,46 @@ class Worker:
             close_all(fds)
             log.error("%s: ignoring a message from the broker: %s", self.label, exc)
             return True
-        kind = msg.__class__
+        kind = type(msg)
         if fds and kind is not internal.Segments and kind is not internal.Adopt:
             close_all(fds)
             fds = []
-        if kind is internal.Run:
+        # (`type(msg) is`, as `kind is` before: mypy narrows on it)
+        if type(msg) is internal.Run:
             self.release(msg.releases)
             self.run(msg)
-        elif kind is internal.Stop:
+        elif type(msg) is internal.Stop:
             return False
-        elif kind is internal.Release:
+        elif type(msg) is internal.Release:
             self.release(msg.blocks)
-        elif kind is internal.Forget:
+        elif type(msg) is internal.Forget:
             self.forget(msg.refs)
-        elif kind is internal.Segments:
+        elif type(msg) is internal.Segments:
             self.map_segments(msg.segments, fds)
-        elif kind is internal.Adopt:
+        elif type(msg) is internal.Adopt:
             self.direct.adopt(msg, fds)
         return True
 
-    def map_segments(self, segments: list, fds: list[int]) -> None:
+    def map_segments(self, segments: Sequence[Sequence[Union[str, int]]], fds: list[int]) -> None:
         """Input segments the broker handed over (its arena, client arenas)."""
         if len(segments) != len(fds):
             close_all(fds)
             log.error("%s: %d segments came with %d fds; ignored", self.label, len(segments), len(fds))
             return
-        for (name, _size), fd in zip(segments, fds):
+        # the broker's SEGMENTS are [name, size] each (protocol/internal.py; decoded as they
+        # come, the peer is the daemon): the wire's layout, which the type system cannot see
+        for (name, _size), fd in zip(cast("Sequence[tuple[str, int]]", segments), fds):
             try:
                 self.inputs_shm.add(name, fd)
             except (OSError, ValueError) as exc:
                 log.error("%s: cannot map segment %s: %s", self.label, name, exc)
 
-    def forget(self, refs: list) -> None:
+    def forget(self, refs: Sequence[internal.SegmentRef]) -> None:
         """Unmap segments of closed client sessions and unregistered regions;
         close their direct paths."""
         paths = False
         for ref in refs:
-            if isinstance(ref, list):
+            if not isinstance(ref, str):      # [key, inode]: a region (a list, off the wire)
                 self.regions.drop(ref)
             elif ref.startswith(DIRECT_PREFIX):
                 self.direct.forget(ref)
@@ -251,46 +254,53 @@ class Worker:
             elif ref.startswith(LEND_PREFIX):
                 self.lending.forget(int(ref[len(LEND_PREFIX):]))
             else:
-                self.inputs_shm.drop(lambda name, ref=ref: name == ref)
+                self.inputs_shm.drop(ref.__eq__)
         if paths:     # what ran on them is answered: the broker may stop waiting for them
             self.send(internal.Served([], True))
 
-    def release(self, blocks: list) -> None:
+    def release(self, blocks: Sequence[internal.BlockRef]) -> None:
         """Output blocks the broker no longer reads: arena blocks are freed,
         tensors lent from the capture region dropped (torch frees them)."""
-        captured = self.capture_name
-        for segment, offset, size in blocks:
-            if segment == captured:
-                self.capture.release(offset)
+        capture, captured = self.capture, self.capture_name
+        # a released block is [segment, offset, size] (protocol/internal.py; decoded as they
+        # come, the peer is the daemon): the wire's layout, which the type system cannot see
+        for segment, offset, size in cast("Sequence[tuple[str, int, int]]", blocks):
+            if capture is not None and segment == captured:
+                capture.release(offset)
             elif not self.lending.release(segment, offset):
                 self.outputs.free(Block(segment, offset, size))
 
     def run(self, msg: internal.Run) -> None:
         t0 = time.perf_counter_ns()
-        out: list = []
-        reused: list = []
+        out: list[internal.OutputDescriptor] = []
+        reused: list[str] = []
+        value: Optional[Value] = None
         try:
-            inputs, reusable, regions = {}, None, False
+            inputs: dict[str, Value] = {}
+            reusable: Optional[list[tuple[int, int, internal.SegmentRef, int]]] = None
+            regions = False
             for d in msg.inputs:
                 value = inputs[d.name] = self.view_input(d)
                 if d.segment.__class__ is list:
                     regions = True
-                elif d.reuse is True and d.nbytes and self.on_cpu and value.__class__ is not list:
+                elif d.reuse is True and d.nbytes and self.on_cpu and not isinstance(value, list):
                     reusable = reusable or []
                     reusable.append((value.data_ptr(), d.nbytes, d.segment, d.offset))
             t1 = time.perf_counter_ns()
-            requested, targets = msg.outputs, None
-            names = [r if r.__class__ is str else r.name for r in requested] if requested else None
+            requested = msg.outputs
+            asked: Optional[dict[str, Union[internal.OutputTarget, internal.Classify]]] = None
+            targets: Optional[dict[str, internal.OutputTarget]] = None
+            names = [r if isinstance(r, str) else r.name for r in requested] if requested else None
             if requested and not all(r.__class__ is str for r in requested):
-                targets = {r.name: r for r in requested if r.__class__ is not str}
+                asked = {r.name: r for r in requested if not isinstance(r, str)}
             # one local session's batch: its outputs go into that session's area, the only
             # memory lent to it (lending.py); anyone else's into this worker's own memory
             lend_to = msg.lend_to
             captured = self.lending.capture_region(lend_to) if lend_to else None
             results = self.engine.execute(inputs, names, region=captured)
             t2 = time.perf_counter_ns()
-            if targets:   # rare: outputs into regions, outputs asked as classes
-                targets = self.classifier.apply(results, targets)
+            if asked:   # rare: outputs into regions, outputs asked as classes
+                targets = self.classifier.apply(results, asked)
             # (a session's outputs are answered in place only from its area: one made in
             # this worker's own region is copied into the area, which that first copy makes)
             lender = captured if lend_to else self.capture
@@ -309,10 +319,11 @@ class Worker:
                                                              *where))
                         continue
                 out.append(self.write_output(name, value, target, lend_to))
-            if regions or targets:
+            if regions or asked:
                 self.check_regions(msg)
             if captured is not None:
-                results = value = None       # only what the model itself keeps is left in the area
+                del results                  # only what the model itself keeps is left in the area
+                value = None
                 if self.lending.kept_by_the_model(captured):
                     out = self.copy_out_of(captured, out)
             if self.lending.retiring:
@@ -324,13 +335,14 @@ class Worker:
         t3 = time.perf_counter_ns()
         self.send(internal.Done(msg.batch_id, out, (t1 - t0, t2 - t1, t3 - t2), reused))
 
-    def copy_out_of(self, area: CaptureRegion, out: list) -> list:
+    def copy_out_of(self, area: CaptureRegion, out: list[internal.OutputDescriptor]
+                    ) -> list[internal.OutputDescriptor]:
         """The batch's outputs in `area`, copied into this worker's arena (they
         go back as bytes: the area is retired, kept_by_the_model) and their
         blocks of the area given back."""
         moved = []
         for d in out:
-            if d.segment != area.name:
+            if not isinstance(d.segment, str) or d.segment != area.name:
                 moved.append(d)
                 continue
             block = self.outputs.alloc(d.nbytes)
@@ -340,19 +352,19 @@ class Worker:
             moved.append(d._replace(segment=block.segment, offset=block.offset))
         return moved
 
-    def take_back(self, out: list, reused: list) -> None:
+    def take_back(self, out: list[internal.OutputDescriptor], reused: list[str]) -> None:
         """A batch failed after some outputs were placed: nobody will read
         them, so their blocks (and lent tensors) come back now."""
-        self.release([[d.segment, d.offset, d.nbytes] for d in out
-                      if d.segment.__class__ is str and d.name not in reused])
+        self.release([internal.Block(d.segment, d.offset, d.nbytes) for d in out
+                      if isinstance(d.segment, str) and d.name not in reused])
 
     def check_regions(self, msg: internal.Run) -> None:
         """A client that shrank its region while the model read it (or while
         its output was written) made the guard put zeros in its place
         (shm/guard.py): that batch's answer would be wrong, so it fails. It
         is the client's error, never a crash of this worker."""
-        refs = [d.segment for d in msg.inputs if d.segment.__class__ is list]
-        refs += [r.region for r in msg.outputs if r.__class__ is internal.OutputTarget]
+        refs = [d.segment for d in msg.inputs if not isinstance(d.segment, str)]
+        refs += [r.region for r in msg.outputs if isinstance(r, internal.OutputTarget)]
         for ref in refs:
             if self.regions.broken(ref):
                 raise ExecutionError(f"model '{self.spec.model}': a client's registered region "
@@ -390,7 +402,7 @@ class Worker:
                 name: str) -> mmap.mmap:
         """The mapping that holds [offset, offset + nbytes) of input `name`: a
         daemon segment (named) or a client's registered region ([key, inode])."""
-        if ref.__class__ is list:
+        if not isinstance(ref, str):       # [key, inode] (a list, off the wire)
             return self.regions.get(ref, offset + nbytes, self.engine.input_label(name))
         seg = self.inputs_shm.find(ref)
         if seg is None:
@@ -443,13 +455,13 @@ class Worker:
             segment: internal.SegmentRef = ref
         else:
             area = self.lending.area(lend_to) if lend_to and worth_descriptor(nbytes) else None
-            offset = area.alloc(nbytes) if area is not None else None
-            if offset is not None:
-                segment, buf, address = area.name, area.segment.buf, area.base
+            in_area = area.alloc(nbytes) if area is not None else None
+            if area is not None and in_area is not None:
+                segment, offset, buf, address = area.name, in_area, area.segment.buf, area.base
             else:
                 block = self.outputs.alloc(nbytes)
                 segment, offset = block.segment, block.offset
-                buf, address = self.outputs.segments[segment].buf, 0
+                buf, address = self.outputs.segments[block.segment].buf, 0
             if nbytes and data is value and not streams(nbytes):
                 # the arena and the areas are this worker's own memory: one memcpy from
                 # the tensor, without numpy views or buffer objects on the way

@@ -21,18 +21,17 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union, cast
 
 import zmq
 
 from ...protocol import errors, messages, tensors
 from ...protocol.errors import TorchpoolError
-from ...protocol.internal import OutputDescriptor
 from ...shm import Arena, MappedSegments
 from ...shm.fdpass import close_all
 from ...shm.arena import Block
 from ...shm.segment import Segment
-from ..batch import Batch, CopiedOutput, SegmentRef
+from ..batch import Batch, CopiedDescriptor, CopiedOutput, SegmentRef
 from ..frontend import Frontend
 from ..registry import ModelVersion
 from ..requests import InferRequest
@@ -42,6 +41,8 @@ from ..supervisor import DEAD, WorkerHandle
 from .split import check_reused_outputs, split_outputs
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
     from ..sessions import Session, SessionManager
 
 log = logging.getLogger("torchpool.broker")
@@ -111,7 +112,7 @@ class Answers:
         self.frontend = frontend
         self.arena = arena                    # the broker's input arena (requests' blocks)
         self.transfer = transfer              # bytes copied / lent / sent, for benchmarks and tests
-        self.sessions: Optional[SessionManager] = None   # the SessionManager, set once it exists
+        self.sessions: SessionManager         # set by the server once it exists (it takes end_loans)
         self._orders: dict[ModelVersion, _Order] = {}
         # each worker's output segments (fds kept); a dead worker's are closed by
         # `close_segment` (the server's reaper: the last close frees their pages)
@@ -142,7 +143,8 @@ class Answers:
         for name in [n for n in self.area_owner if n.startswith(prefix)]:
             del self.area_owner[name]
 
-    def map_worker_segments(self, h: WorkerHandle, segments: list, fds: list[int]) -> None:
+    def map_worker_segments(self, h: WorkerHandle, segments: Sequence[Sequence[Union[str, int]]],
+                            fds: list[int]) -> None:
         """A worker's new output segments: mapped to read answers from, their
         fds kept (to lend a lending area's outputs to its session, and to
         hand sequence state to the next worker)."""
@@ -152,18 +154,19 @@ class Answers:
             close_all(fds)
             log.error("%s handed over segments the broker cannot take: %r", h.label, segments)
             return
-        for segment, fd in zip(segments, fds):
-            area = len(segment) == 3
+        # checked above: [name, size], or a lending area's [name, size, lend_id] (protocol/internal.py)
+        checked = cast("Sequence[Union[tuple[str, int], tuple[str, int, int]]]", segments)
+        for segment, fd in zip(checked, fds):
             self.worker_segments.add(segment[0], fd, writable=False, keep_fd=True)
-            if area:
+            if len(segment) == 3:       # a lending area
                 self.area_owner[segment[0]] = segment[2]
 
-    def worker_areas_closed(self, h: WorkerHandle, names: list) -> None:
+    def worker_areas_closed(self, h: WorkerHandle, names: Sequence[object]) -> None:
         """A worker closed lending areas (their session went, their blocks are back)."""
         for name in names:
             if isinstance(name, str) and name.startswith(h.spec.segment_prefix) \
                     and self.area_owner.pop(name, None) is not None:
-                self.worker_segments.drop(lambda n, name=name: n == name)
+                self.worker_segments.drop(name.__eq__)
 
     def close(self) -> None:
         self.worker_segments.close()
@@ -188,8 +191,11 @@ class Answers:
             if not (isinstance(item, list) and len(item) == 3):
                 raise TorchpoolError(errors.INVALID_ARG,
                                      "'release' must be a list of [segment, offset, generation]")
-            key = (item[0], item[1]) if isinstance(item[0], str) and isinstance(item[1], int) else None
-            loan = self._lent.get(key) if key is not None else None
+            if not (isinstance(item[0], str) and isinstance(item[1], int)):
+                ignored += 1
+                continue
+            key = (item[0], item[1])
+            loan = self._lent.get(key)
             if loan is None or loan.session is not session or loan.generation != item[2]:
                 ignored += 1
                 continue
@@ -248,11 +254,12 @@ class Answers:
     def complete(self, mv: ModelVersion, batch: Batch, outcome: Outcome) -> None:
         """Answer a finished batch. With preserve_ordering, batches are
         answered in the order they were sent; one that finished early waits."""
-        order = self._orders.get(mv) if batch.seq is not None else None
-        if order is None:
+        seq = batch.seq
+        order = self._orders.get(mv) if seq is not None else None
+        if order is None or seq is None:
             self._settle(batch, outcome)
             return
-        order.held[batch.seq] = (batch, outcome)
+        order.held[seq] = (batch, outcome)
         while order.next_answer in order.held:
             held_batch, held_outcome = order.held.pop(order.next_answer)
             order.next_answer += 1
@@ -338,7 +345,11 @@ class Answers:
         # input blocks of ours that outputs are views of outlive the request
         held = _take_viewed_blocks(req, pieces, reused)
         self.release(req)
-        outputs, frames, trackers, sending, held_trackers = [], [], [], [], []
+        outputs: list[dict] = []
+        frames: list[Union[zmq.Frame, Buffer]] = []
+        trackers: list[zmq.MessageTracker] = []
+        sending: list[_OutBlock] = []
+        held_trackers: list[zmq.MessageTracker] = []
         try:
             for name, datatype, shape, segment, offset, nbytes in pieces:
                 if name in req.hidden_outputs:
@@ -379,7 +390,7 @@ class Answers:
         self.transfer["output_bytes_sent"] += nbytes
         data = memoryview(self.arena.segments[segment].buf)[offset:offset + nbytes]
         frame = tensors.put_data(entry, data, frames, _tracked)
-        if frame is not None:
+        if isinstance(frame, zmq.Frame):      # (else inline: None)
             trackers.append(frame.tracker)
 
     def _answer_output(self, entry: dict, segment: SegmentRef, offset: int, nbytes: int,
@@ -389,7 +400,8 @@ class Answers:
         (`lend_to`: its session, else None); small ones inline; large ones as
         zero-copy frames of the worker's shared memory (`owner`: its block;
         None for bytes copied out of a worker that died)."""
-        if lend_to is not None and owner is not None and tensors.worth_descriptor(nbytes) \
+        if lend_to is not None and owner is not None and isinstance(segment, str) \
+                and tensors.worth_descriptor(nbytes) \
                 and self.area_owner.get(segment) == lend_to.lend_id \
                 and self.sessions.offer(lend_to, self.worker_segments.get(segment)):
             tensors.put_shm(entry, segment, offset, nbytes, self._lend(lend_to, owner, segment, offset))
@@ -398,7 +410,7 @@ class Answers:
         self.transfer["output_bytes_sent"] += nbytes
         data = self.read_output(segment, offset, nbytes)
         frame = tensors.put_data(entry, data, frames, None if owner is None else _tracked)
-        if frame is not None and owner is not None:
+        if isinstance(frame, zmq.Frame) and owner is not None:    # (made by _tracked: an owner's)
             trackers.append(frame.tracker)
             if owner not in sending:
                 owner.refs += 1
@@ -432,7 +444,7 @@ class Answers:
         for seq, (batch, outcome) in list(order.held.items()):
             if isinstance(outcome, Executed) and outcome.worker is h:
                 reused = outcome.reused
-                copied = [OutputDescriptor(name, datatype, shape,
+                copied = [CopiedDescriptor(name, datatype, shape,
                                            CopiedOutput(bytes(self.read_output(seg, off, n))), 0, n)
                           if isinstance(seg, str) and name not in reused else d
                           for d in outcome.outputs for name, datatype, shape, seg, off, n in [d]]

@@ -70,8 +70,8 @@ class DynamicBatcher(Scheduler):
         self.default_level = max(1, db.get("default_priority_level", 0) or 1)
         default_policy = db.get("default_queue_policy") or {}
         overrides = db.get("priority_queue_policy") or {}
-        self.policies = [overrides.get(str(level), overrides.get(level, default_policy))
-                         for level in range(1, self.levels + 1)]
+        # (by level as a string: normalize.py's keys, pbtxt's and JSON's alike)
+        self.policies = [overrides.get(str(level), default_policy) for level in range(1, self.levels + 1)]
         self.main: list[deque[InferRequest]] = [deque() for _ in range(self.levels)]
         self.delayed: list[deque[InferRequest]] = [deque() for _ in range(self.levels)]
         self.count = 0
@@ -292,6 +292,7 @@ class DynamicBatcher(Scheduler):
         try:
             self._sync(reqs)
             f, self.forming = self.forming, None
+            assert f is not None      # ready: the rules sent a batch, so `reqs` is not empty and _sync formed it
             inputs, blocks, passed = f.finish(self.cfg)
             self._count("input_bytes_in_place", passed)
         except ArenaFull as exc:

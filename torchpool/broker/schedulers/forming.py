@@ -39,11 +39,11 @@ class InputBuffer:
         self.used = 0
         self.reserve = reserve           # capacity to take on the first allocation
 
-    def ensure(self, end: int) -> None:
-        """Room for bytes up to `end` (may raise ArenaFull). Growing keeps what
-        was written (a copy: only when a variable-size input outgrows its room)."""
+    def ensure(self, end: int) -> Block:
+        """Room for bytes up to `end` (may raise ArenaFull): the block. Growing keeps
+        what was written (a copy: only when a variable-size input outgrows its room)."""
         if end <= self.capacity and self.block is not None:
-            return
+            return self.block
         size = max(end, self.reserve, 2 * self.capacity, 64)
         block = self.arena.alloc(size)
         if self.block is not None:
@@ -51,13 +51,14 @@ class InputBuffer:
                 self.arena.view(block)[:self.used] = self.arena.view(self.block)[:self.used]
             self.arena.free(self.block)
         self.block, self.capacity = block, size
+        return block
 
     def write(self, start: int, payload: memoryview) -> int:
         n = len(payload)
         if n:
-            self.ensure(start + n)
-            seg = self.arena.segments[self.block.segment].buf
-            base = self.block.offset + start
+            block = self.ensure(start + n)
+            seg = self.arena.segments[block.segment].buf
+            base = block.offset + start
             copy_into(memoryview(seg)[base:base + n], payload)
         return n
 

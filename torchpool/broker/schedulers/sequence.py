@@ -112,6 +112,13 @@ class SequenceBatchContext:
 
 # ------------------------------------------------------------------ the scheduler
 
+def _flags(req: InferRequest) -> SequenceFlags:
+    """A queued request's sequence flags."""
+    flags = req.sequence
+    assert flags is not None        # admit() parsed them before the request was queued
+    return flags
+
+
 class SequenceBatcher(Scheduler):
     """Triton's sequence batcher (`direct` and `oldest`) for one model version."""
 
@@ -125,14 +132,16 @@ class SequenceBatcher(Scheduler):
         self.batching = config.max_batch_size > 0
         self.max_batch = max(1, config.max_batch_size)
         self.oldest = sb.get("oldest") is not None
-        strategy = (sb.get("oldest") if self.oldest else sb.get("direct")) or {}
+        oldest, direct = sb.get("oldest") or {}, sb.get("direct") or {}     # (the one in use: self.oldest)
+        strategy = oldest if self.oldest else direct
         self.slot_count = self.max_batch
-        if self.oldest and int(strategy.get("max_candidate_sequences", 0) or 0) > 0:
-            self.slot_count = int(strategy["max_candidate_sequences"])
-        self.limits = limits(self.max_batch, strategy.get("preferred_batch_size", ()) if self.oldest else (),
+        if self.oldest and int(oldest.get("max_candidate_sequences", 0) or 0) > 0:
+            self.slot_count = int(oldest["max_candidate_sequences"])
+        self.limits = limits(self.max_batch, oldest.get("preferred_batch_size", ()) if self.oldest else (),
                              int(strategy.get("max_queue_delay_microseconds", 0) or 0))
         self.delay = self.limits.delay
-        self.min_utilization = float(strategy.get("minimum_slot_utilization", 0) or 0)
+        # (a direct strategy's: oldest has none)
+        self.min_utilization = float((0 if self.oldest else direct.get("minimum_slot_utilization", 0)) or 0)
         self.idle_s = int(sb.get("max_sequence_idle_microseconds") or 1_000_000) / 1e6
         self.controls = [parse_control(config.name, entry) for entry in sb.get("control_input", ())]
         self.states = [parse_state(config.name, s, model_dir, self.batching) for s in config.sequence_states()]
@@ -156,7 +165,7 @@ class SequenceBatcher(Scheduler):
         self._check_known(req)
 
     def _check_known(self, req: InferRequest) -> None:
-        flags = req.sequence
+        flags = _flags(req)
         if flags.start or flags.corrid in self.sequences:
             return
         lost = self.lost.get(flags.corrid)
@@ -167,7 +176,7 @@ class SequenceBatcher(Scheduler):
                              f"must specify the START flag on the first request of the sequence")
 
     def push(self, req: InferRequest, now: float) -> None:
-        flags = req.sequence
+        flags = _flags(req)
         if req.batch_size > 1:
             raise TorchpoolError(errors.INVALID_ARG, f"inference request to model '{self.model}' must "
                                                      f"specify batch-size 1 due to requirements of "
@@ -246,7 +255,7 @@ class SequenceBatcher(Scheduler):
         return (req.key, shapes)
 
     def _state_of(self, seq: Sequence, req: InferRequest) -> dict:
-        if req.sequence.start or not seq.state:
+        if _flags(req).start or not seq.state:
             return {s.spec.input_name: (s.shape, s.initial) for s in self.states}
         return seq.state
 
@@ -291,7 +300,8 @@ class SequenceBatcher(Scheduler):
         chosen, go, due = select_batch(fronts, self.limits, now)
         if go:
             return [front.seq for front in chosen]
-        self._wake(due)
+        if due is not None:         # (None only when nothing is ready)
+            self._wake(due)
         return []
 
     def _wake(self, when: float) -> None:
@@ -335,7 +345,7 @@ class SequenceBatcher(Scheduler):
                 seq.running = None            # failed, not run: the state stays as it was
         for seq, req in members:
             req.staged = []
-            if req.sequence.end:
+            if _flags(req).end:
                 self._release(seq)            # the slot goes to the backlog now, as in Triton
         return batch
 
@@ -374,7 +384,7 @@ class SequenceBatcher(Scheduler):
                 continue                       # the sequence was dropped meanwhile
             seq.running = None
             seq.last = now
-            if req.sequence.end:
+            if _flags(req).end:
                 seq.state = {}
             elif captured:
                 seq.state = {name: parts[i] for name, parts in states.items()}

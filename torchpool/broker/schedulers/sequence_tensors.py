@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ...config import ModelConfig, SequenceState
+from ...config.shapes import ControlInput
 from ...protocol import datatypes, errors
 from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
@@ -70,7 +71,7 @@ class Control:
         return struct.pack(self.pack, self.values[1] if on else self.values[0])
 
 
-def parse_control(model: str, entry: dict) -> Control:
+def parse_control(model: str, entry: ControlInput) -> Control:
     name = str(entry.get("name"))
     controls = entry.get("control") or []
     if len(controls) != 1:
@@ -86,7 +87,7 @@ def parse_control(model: str, entry: dict) -> Control:
         return Control(name, kind, datatype, _CORRID_FORMATS[datatype])
     for key, (datatype, pack) in _PAIRS.items():
         pair = control.get(key)
-        if pair:
+        if isinstance(pair, list) and pair:       # (a list, or absent: normalize.py)
             if len(pair) != 2:
                 raise TorchpoolError(errors.INVALID_ARG, f"model '{model}': control '{name}' {key} "
                                                          f"needs two values (false, true)")
