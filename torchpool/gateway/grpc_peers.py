@@ -80,7 +80,7 @@ class GrpcCallers:
         if key is None:
             key = caller.peer_key = await self._peer_key(caller)
         open_now = self._streams.get(key, 0)
-        if self.max_streams_per_peer and open_now >= self.max_streams_per_peer:
+        if open_now >= self.max_streams_per_peer:
             raise TorchpoolError(errors.RESOURCE_EXHAUSTED,
                                  f"{_describe(key, caller)} has {open_now} ModelStreamInfer streams open, the most "
                                  f"one peer may (--grpc-max-streams-per-peer); end one before opening another")
