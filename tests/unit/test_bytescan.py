@@ -10,6 +10,7 @@ import pytest
 
 from torchpool.broker.options import ServerOptions
 from torchpool.broker.registry import ModelVersion
+from torchpool.rules.request import read_infer
 from torchpool.rules.validation import DEFAULT_LIMITS, TensorLimits, validate_infer
 from torchpool.config import ModelConfig
 from torchpool.config.pbtxt import parse_pbtxt
@@ -131,8 +132,7 @@ def strings_model(max_batch_size: int = 0) -> ModelVersion:
 
 def infer(shape: list, frames: list, limits: TensorLimits = DEFAULT_LIMITS) -> list:
     header = {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": shape, "data": 1}]}
-    staged, *_ = validate_infer(header, frames, strings_model(), limits=limits)
-    return staged
+    return validate_infer(read_infer(header), frames, strings_model(), limits=limits).staged
 
 
 def test_the_default_limits_are_the_server_options_defaults() -> None:

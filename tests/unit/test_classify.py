@@ -22,6 +22,7 @@ from torchpool.protocol.errors import TorchpoolError
 from torchpool.protocol.internal import OutputDescriptor
 from torchpool.worker.classify import Classified, Classifier, read_labels, split_lines, top_k
 from torchpool.worker.settings import ExecutionError, ModelLoadError
+from torchpool.rules.validation import Staged
 
 
 def config(max_batch_size: int = 8, label: str = "labels.txt") -> ModelConfig:
@@ -194,7 +195,7 @@ def test_classification_into_a_region_is_refused() -> None:
 def _request(mv: ModelVersion, outputs: list, rows: int = 1) -> InferRequest:
     req = InferRequest(None, b"c", 1, mv, [], outputs, rows=rows)
     spec = mv.config.input("INPUT__0")
-    batch_layout(req, [(spec, [rows, 4], [rows, 4], b"", None)], mv.config)
+    batch_layout(req, [Staged(spec, [rows, 4], [rows, 4], memoryview(b""), None)], mv.config)
     return req
 
 

@@ -15,7 +15,9 @@ from torchpool.broker.schedulers import make_scheduler
 from torchpool.broker.schedulers.direct import DirectScheduler
 from torchpool.config import ModelConfig
 from torchpool.config.pbtxt import parse_pbtxt
+from torchpool.rules.request import read_infer
 from torchpool.shm.arena import Arena
+from torchpool.rules.validation import Staged
 
 CONFIG = ('name: "m"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
           'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
@@ -36,7 +38,7 @@ def config(text: str = CONFIG) -> ModelConfig:
 def request(cfg: ModelConfig, value: float, timeout_us: int = 0, location=None,
             identity: bytes = b"") -> InferRequest:
     x = np.full(2, value, np.float32)
-    staged = [(cfg.inputs[0], [2], [2], memoryview(x.tobytes()), location)]
+    staged = [Staged(cfg.inputs[0], [2], [2], memoryview(x.tobytes()), location)]
     req = InferRequest(None, identity, value, SimpleNamespace(name="m"), [], ["OUTPUT__0"], [], None,
                        timeout_us=timeout_us)
     batch_layout(req, staged, cfg)
@@ -57,7 +59,7 @@ def test_requests_run_alone_in_arrival_order_and_are_copied_once(arena: Arena) -
     s = DirectScheduler(config(), arena, counts)
     reqs = [request(s.config, float(i)) for i in range(3)]
     for r in reqs:
-        s.admit(r, {})
+        s.admit(r, read_infer({}))
         s.push(r, 0.0)
     assert len(s) == 3 and counts["input_bytes_copied"] == 24 and all(r.staged == [] for r in reqs)
     got = []
@@ -116,7 +118,7 @@ def test_connections_are_served_in_turn_so_a_flood_delays_only_its_sender(arena:
     flood = [request(s.config, float(i), identity=b"flood") for i in range(5)]
     honest = [request(s.config, 100.0 + i, identity=b"honest") for i in range(2)]
     for r in flood + honest:            # the flood arrived first
-        s.admit(r, {})
+        s.admit(r, read_infer({}))
         s.push(r, 0.0)
     assert len(s) == 7
     taken = []

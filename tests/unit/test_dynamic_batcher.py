@@ -21,6 +21,7 @@ from torchpool.config.pbtxt import parse_pbtxt
 from torchpool.protocol import datatypes
 from torchpool.protocol.errors import TorchpoolError
 from torchpool.shm.arena import Arena
+from torchpool.rules.validation import Staged
 
 INSTANCE = "instance-0"     # instances are opaque to the dynamic batcher
 
@@ -46,7 +47,7 @@ def request(cfg: ModelConfig, rows: int = 1, width: int = 2, value: float = 0.0,
     x = np.full((rows, width), value, np.float32)
     shape = list(x.shape)
     model_shape = [x.size] if spec.allow_ragged_batch else shape
-    staged = [(spec, shape, model_shape, memoryview(x.tobytes()), location)]
+    staged = [Staged(spec, shape, model_shape, memoryview(x.tobytes()), location)]
     req = InferRequest(None, b"", value if rid is None else rid, SimpleNamespace(name="m"), [], ["OUTPUT__0"], [], None,
                        batch_size=max(rows, 1), timeout_us=timeout_us, level=level)
     batch_layout(req, staged, cfg)

@@ -152,11 +152,12 @@ def test_no_module_imports_from_a_floor_above_its_own() -> None:
 
 
 def test_the_rules_client_modules_load_nothing_of_the_servers() -> None:
-    """The client applies rules.direct and rules.spin: they (and the rules
-    package itself) import only the wire."""
+    """The client applies rules.direct, rules.spin and rules.request: they
+    (and the rules package itself) import only the wire and each other."""
     graph = import_graph()
-    for name in ("torchpool.rules", "torchpool.rules.direct", "torchpool.rules.spin"):
-        assert {floor_of(t) for t in graph[name]} <= {0}, (name, graph[name])
+    client_rules = {"torchpool.rules", "torchpool.rules.direct", "torchpool.rules.spin", "torchpool.rules.request"}
+    for name in client_rules:
+        assert {floor_of(t) for t in graph[name] - client_rules} <= {0}, (name, graph[name])
 
 
 def private_imports() -> list[tuple[str, str]]:

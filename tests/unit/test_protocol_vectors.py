@@ -84,10 +84,11 @@ def addsub():
 def daemon_answer(header: dict, mv) -> bytes:
     """What the daemon's validator makes of a request header: the error
     answer's bytes, or b"" when it accepts the request."""
+    from torchpool.rules.request import read_infer
     from torchpool.rules.validation import validate_infer
 
     try:
-        validate_infer(header, [], mv)
+        validate_infer(read_infer(header), [], mv)
     except TorchpoolError as exc:
         return messages.pack(messages.error_response(header.get("id"), exc))
     return b""

@@ -21,11 +21,13 @@ from torchpool.broker.requests import InferRequest, batch_layout
 from torchpool.broker.schedulers import make_scheduler
 from torchpool.broker.schedulers.base import SchedulerHold
 from torchpool.broker.stats import VersionStats
+from torchpool.rules.request import read_infer
 from torchpool.broker.schedulers.sequence import SequenceBatcher
 from torchpool.config import ModelConfig, parse_pbtxt
 from torchpool.protocol import datatypes, errors
 from torchpool.protocol.errors import TorchpoolError
 from torchpool.shm import Arena
+from torchpool.rules.validation import Staged
 
 KiB = 1024
 
@@ -96,10 +98,10 @@ class Harness:
             arr = np.asarray(value, datatypes.numpy_dtype(datatype)).reshape(-1)
             payload = arr.tobytes()
             shape = [1, arr.size] if batching else [arr.size]
-        staged = [(spec, shape, shape, memoryview(payload), None)]
+        staged = [Staged(spec, shape, shape, memoryview(payload), None)]
         req = InferRequest(None, b"client", next(self.ids), None, [], list(outputs or ["OUTPUT__0"]))
         req.batch_size = 1
-        self.s.admit(req, {"sequence": {"id": corrid, "start": start, "end": end}})
+        self.s.admit(req, read_infer({"sequence": {"id": corrid, "start": start, "end": end}}))
         hidden = [n for n in self.s.hidden_outputs if n not in req.outputs]
         req.outputs = req.outputs + hidden
         req.hidden_outputs = frozenset(hidden)
@@ -721,9 +723,9 @@ def test_tritons_qa_implicit_state_models_load(arena, tmp_path: Path, data_type:
 def test_a_request_of_a_sequence_has_batch_size_one(arena) -> None:
     h = Harness(accumulator(mbs=4), arena)
     spec = h.cfg.input("INPUT__0")
-    staged = [(spec, [2, 1], [2, 1], memoryview(bytes(8)), None)]
+    staged = [Staged(spec, [2, 1], [2, 1], memoryview(bytes(8)), None)]
     req = InferRequest(None, b"client", 1, None, [], ["OUTPUT__0"], batch_size=2)
-    h.s.admit(req, {"sequence": {"id": 5, "start": True}})
+    h.s.admit(req, read_infer({"sequence": {"id": 5, "start": True}}))
     batch_layout(req, staged, h.cfg)
     req.staged = staged
     with pytest.raises(TorchpoolError) as err:

@@ -29,7 +29,8 @@ from .frontend import Frontend
 from .lane import ClientKey, Lane, ReplySocket, lane_session
 from .model_control import ModelControl
 from .registry import ModelVersion, Registry
-from ..rules.validation import DEFAULT_LIMITS, TensorLimits, request_timeout_us, validate_infer
+from ..rules.request import InferCall, read_infer
+from ..rules.validation import DEFAULT_LIMITS, TensorLimits, validate_infer
 from .requests import InferRequest, batch_layout
 from .sessions import Session, SessionManager
 
@@ -151,7 +152,7 @@ class Intake:
             if op == messages.OP_INFER:
                 client = came_by.client if isinstance(came_by, Lane) else self.frontend.in_flight.client_of(
                     sock, identity, came_by, not self.frontend.is_remote(sock))
-                self._accept_infer(sock, identity, request_id, header, payload, session, client)
+                self._accept_infer(sock, identity, read_infer(header), payload, session, client)
                 return
             if op == messages.OP_DIRECT:
                 if self.direct is None:
@@ -267,32 +268,31 @@ class Intake:
             self.frontend.send(sock, identity, header)
         return reply
 
-    def _accept_infer(self, sock: ReplySocket, identity: bytes, request_id: object, header: dict,
+    def _accept_infer(self, sock: ReplySocket, identity: bytes, call: InferCall,
                       payload: list, session: Optional[Session], client: ClientKey) -> None:
         if self.stopping():
             raise TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
         in_flight = self.frontend.in_flight
         in_flight.check(client)                 # refused before any work is done for it
-        mv = self.registry.resolve(header.get("model"), header.get("version"))
+        mv = self.registry.resolve(call.model, call.version)
         scheduler = mv.scheduler
-        staged, outputs, batch_size, regions, region_outputs = validate_infer(
-            header, payload, mv, session, self.sessions, limits=self.limits)
-        timeout_us = request_timeout_us(header)
-        req = InferRequest(sock, identity, request_id, mv, [], outputs, [], None,
-                           batch_size=batch_size, session=session, client=client, regions=regions,
-                           region_outputs=region_outputs, timeout_us=timeout_us,
-                           output_shm=bool(header.get("output_shm")) and session is not None and session.local)
+        checked = validate_infer(call, payload, mv, session, self.sessions, limits=self.limits)
+        regions = checked.regions
+        req = InferRequest(sock, identity, call.request_id, mv, [], checked.outputs, [], None,
+                           batch_size=checked.batch_size, session=session, client=client, regions=regions,
+                           region_outputs=checked.region_outputs, timeout_us=call.timeout_us,
+                           output_shm=call.output_shm and session is not None and session.local)
         if scheduler.hidden_outputs:
             hidden = [name for name in scheduler.hidden_outputs if name not in req.outputs]
             req.outputs = req.outputs + hidden      # the worker returns them; the client never sees them
             req.hidden_outputs = frozenset(hidden)
-        batch_layout(req, staged, mv.config)
-        req.staged = staged
+        batch_layout(req, checked.staged, mv.config)
+        req.staged = checked.staged
         # counted from here until its one final answer goes out (Answers.release);
         # counted before push, which may answer it at once
         in_flight.add(req)
         try:
-            scheduler.admit(req, header)
+            scheduler.admit(req, call)
             self.answers.collect_finished_sends()   # input blocks answers were sent from come back
             scheduler.push(req, time.monotonic())
         except BaseException:

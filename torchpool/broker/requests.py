@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from ..config import ModelConfig
 from ..protocol import errors
 from ..rules.batching import batch_key, batch_rows
+from ..rules.validation import Staged
 from ..protocol.errors import TorchpoolError
 from ..protocol.internal import InputDescriptor
 from ..shm.arena import Arena, ArenaFull, Block
@@ -62,7 +63,7 @@ class InferRequest:
     # --- batching (see broker/batcher.py) ---
     rows: int = 1                     # rows along dim 0 (batch_size counts a 0-row request as 1)
     shapes: dict = field(default_factory=dict)   # input name -> shape as sent
-    staged: list = field(default_factory=list)   # [(spec, shape, model shape, bytes, location)] until batched
+    staged: list[Staged] = field(default_factory=list)   # its checked inputs, until batched
     key: Optional[tuple[object, ...]] = None  # requests with equal keys may share a batch
     exclusive: bool = False           # runs alone (outputs into regions, or no batch dimension)
     level: int = 1                    # priority level (1 = highest)
@@ -73,13 +74,13 @@ class InferRequest:
     delayed: bool = False             # timed out with DELAY: behind its level's other requests
 
 
-def batch_layout(req: "InferRequest", staged: list[tuple], cfg: ModelConfig) -> None:
+def batch_layout(req: "InferRequest", staged: list[Staged], cfg: ModelConfig) -> None:
     """Fill in what batching needs to know about an accepted request: its
     input shapes, its rows, and the key of the requests it may share a batch
     with (the same inputs, with the same shapes beyond the batch dimension,
     except ragged inputs)."""
     batching = cfg.max_batch_size > 0
-    req.shapes = {spec.name: shape for spec, shape, *_ in staged}
+    req.shapes = {s.spec.name: s.shape for s in staged}
     req.rows = batch_rows(staged, batching)
     # A request with an output into a region or a classified output (both
     # are the only requested outputs that are not plain names) runs alone:
@@ -100,7 +101,7 @@ def batch_layout(req: "InferRequest", staged: list[tuple], cfg: ModelConfig) -> 
         req.key = batch_key(staged)
 
 
-def stage_inputs(staged: list[tuple], arena: Arena, model: str
+def stage_inputs(staged: list[Staged], arena: Arena, model: str
                  ) -> tuple[list[InputDescriptor], list[Block]]:
     """Copy inline inputs once into the arena; inputs already in shared memory
     are passed by descriptor. Returns worker descriptors and the blocks used."""
@@ -109,7 +110,9 @@ def stage_inputs(staged: list[tuple], arena: Arena, model: str
     try:
         for spec, _shape, model_shape, payload, location in staged:
             if location is not None:
-                descriptors.append(InputDescriptor(spec.name, spec.datatype, model_shape, *location))
+                # the location is the descriptor's segment, offset, nbytes[, generation[, reuse]]
+                descriptors.append(InputDescriptor(spec.name, spec.datatype, model_shape,
+                                                   *location))  # type: ignore[arg-type]
                 continue
             block = arena.alloc(len(payload))
             blocks.append(block)

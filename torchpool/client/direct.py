@@ -30,6 +30,7 @@ from ..protocol.errors import InferenceError
 from ..protocol.messages import Header
 from ..shm.fdpass import DONTWAIT, FdReceiver, close_all
 from ..rules.direct import plain_refusal
+from ..rules.request import read_infer
 from .lane import LaneSocket
 from .types import DirectPath, Flow, Frames, Inputs, Lane, NoAnswer, RawTensor, Reply, RequestedOutput
 
@@ -93,7 +94,7 @@ def takes_direct(header: Header) -> bool:
     checks (rules/direct.py), and its inputs' bytes in the header itself: a
     payload frame means a tensor too large for a path. (A per-call timeout
     travels with it.)"""
-    if plain_refusal(header, cast(str, header["model"])) is not None:    # (the client's own header)
+    if plain_refusal(read_infer(header), cast(str, header["model"])) is not None:   # (its own header)
         return False
     for e in cast("list[tensors.Entry]", header["inputs"]):
         if e[tensors.DATA].__class__ is not bytes:

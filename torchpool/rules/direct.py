@@ -10,19 +10,20 @@ requests at all is its scheduler's to say (Scheduler.direct_refusal).
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Optional
 
 from ..protocol import errors, tensors
 from ..protocol.errors import TorchpoolError
+from .request import InferCall
 
 
-def plain_refusal(header: Mapping[str, object], model: str) -> Optional[TorchpoolError]:
+def plain_refusal(call: InferCall, model: str) -> Optional[TorchpoolError]:
     """None when a direct path takes this infer request; otherwise the
     error the worker answers it with (a client sends it to the daemon)."""
-    if header.get("priority") or header.get("sequence"):
+    if call.priority or call.sequence:
         return TorchpoolError(errors.UNSUPPORTED, f"a request for model '{model}' with a priority or "
                                                   f"sequence goes to the daemon, not the direct path")
-    outputs = header.get("outputs")
+    outputs = call.outputs
     if outputs is not None:
         if outputs.__class__ is not list:
             return TorchpoolError(errors.UNSUPPORTED, f"the direct path of model '{model}' takes "
@@ -31,7 +32,7 @@ def plain_refusal(header: Mapping[str, object], model: str) -> Optional[Torchpoo
             if o.__class__ is not str:
                 return TorchpoolError(errors.UNSUPPORTED, f"the direct path of model '{model}' takes "
                                                           f"outputs by name only")
-    entries = header.get("inputs")
+    entries = call.inputs
     if entries.__class__ is list:
         for e in entries:
             if e.__class__ is dict and tensors.location(e) != tensors.DATA:

@@ -11,25 +11,31 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Mapping, Optional, Protocol, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Generic, NamedTuple, cast, Optional, Protocol, Sequence, TypeVar, Union
 
 from ..config import ModelConfig, TensorSpec
 from ..protocol import datatypes, errors, tensors
 from ..protocol.errors import TorchpoolError
+from .request import InferCall
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer, TypeGuard
 
     from ..protocol.tensors import Entry
 
-# A request's header, as msgpack decoded it: values are checked where read.
-Header = Mapping[str, object]
-# A validated input: (spec, shape, the shape the model sees, its bytes, where a
-# worker finds them in shared memory or None: see _payload)
-Staged = tuple[TensorSpec, list[int], list[int], memoryview, Optional[list[object]]]
 # A requested output as the worker takes it: a name, [name, region ref, offset,
 # capacity] or [name, k] (_requested_outputs)
 WorkerOutput = Union[str, list[object]]
+
+
+class Staged(NamedTuple):
+    """One input of a request, checked against its model's config."""
+
+    spec: TensorSpec
+    shape: list[int]                    # as sent
+    model_shape: list[int]              # as the model sees it (reshape, ragged)
+    payload: memoryview                 # its bytes
+    location: Optional[list[object]]    # where a worker finds them in shared memory; None: inline (_payload)
 
 S = TypeVar("S", contravariant=True)       # a session, passed through to the sessions
 R = TypeVar("R", bound="SessionRegion")
@@ -175,18 +181,27 @@ def _payload(e: Entry, frames: Sequence[Buffer], session: Optional[S], sessions:
     return region.view(offset, nbytes), [region.worker_ref(), region.offset + offset, nbytes, 0]
 
 
-def validate_infer(header: Header, frames: Sequence[Buffer], mv: ModelVersionLike, session: Optional[S] = None,
-                   sessions: Optional[Sessions[S, R]] = None, *, limits: TensorLimits = DEFAULT_LIMITS
-                   ) -> tuple[list[Staged], list[WorkerOutput], int, list[R], dict[str, tuple[str, int]]]:
-    """Check inputs and requested outputs against the config and `limits`.
+@dataclass(frozen=True)
+class CheckedInfer(Generic[R]):
+    """What validate_infer found an infer request to ask, checked."""
 
-    Returns ([(spec, shape, model_shape, payload, location)], requested
-    outputs for the worker, batch size, regions used, {output: (region, offset)}).
-    """
+    staged: list[Staged]                 # its inputs, in the order sent
+    outputs: list[WorkerOutput]          # the outputs to ask the worker for
+    batch_size: int                      # rows along the batch dimension (1 without batching)
+    regions: list[R]                     # registered regions it uses (held until it is answered)
+    region_outputs: dict[str, tuple[str, int]]   # output name -> (region name, offset) it goes to
+
+
+def validate_infer(call: InferCall, frames: Sequence[Buffer], mv: ModelVersionLike, session: Optional[S] = None,
+                   sessions: Optional[Sessions[S, R]] = None, *, limits: TensorLimits = DEFAULT_LIMITS
+                   ) -> CheckedInfer[R]:
+    """Check a request's inputs and requested outputs against its model's
+    config and `limits`; TorchpoolError (INVALID_ARG, RESOURCE_EXHAUSTED)
+    naming the model, the tensor and what was expected."""
     cfg: ModelConfig = mv.config
     model = mv.name
-    entries = header.get("inputs")
-    if entries.__class__ is not list or not _all_dicts(entries):
+    raw = call.inputs
+    if raw.__class__ is not list or not _all_dicts(entries := cast("list[object]", raw)):
         raise _bad(f"request for model '{model}' has no valid 'inputs' list")
     specs = cfg.inputs_by_name
     batching = cfg.max_batch_size > 0
@@ -254,7 +269,7 @@ def validate_infer(header: Header, frames: Sequence[Buffer], mv: ModelVersionLik
             if len(payload) != want:
                 raise _bad(f"input byte size mismatch for input '{name}' for model '{model}'. "
                            f"Expected {want}, got {len(payload)}")
-        staged.append((spec, shape, _model_shape(spec, shape, batching), payload, location))
+        staged.append(Staged(spec, shape, _model_shape(spec, shape, batching), payload, location))
 
     if cfg.batch_inputs or cfg.batch_outputs:
         present = {spec.name for spec, *_ in staged}
@@ -264,9 +279,8 @@ def validate_infer(header: Header, frames: Sequence[Buffer], mv: ModelVersionLik
                 what = "batch input" if entry in cfg.batch_inputs else "batch output"
                 raise _bad(f"input '{source}' for model '{model}' is required: {what} "
                            f"'{entry['target_name'][0]}' is computed from it")
-    requested, region_outputs = _requested_outputs(header.get("outputs"), cfg, model, session,
-                                                   sessions, regions)
-    return staged, requested, batch_size or 1, regions, region_outputs
+    requested, region_outputs = _requested_outputs(call.outputs, cfg, model, session, sessions, regions)
+    return CheckedInfer(staged, requested, batch_size or 1, regions, region_outputs)
 
 
 def _all_dicts(entries: list[object]) -> TypeGuard[list[Entry]]:
@@ -352,26 +366,16 @@ def _requested_outputs(requested: object, cfg: ModelConfig, model: str, session:
 TIMEOUT = "Request timeout expired"
 
 
-def request_timeout_us(header: Header) -> int:
-    """A request's own timeout in microseconds (0: none); anything but a
-    non-negative integer counts as none, on every path."""
-    timeout_us = header.get("timeout_us")
-    if timeout_us.__class__ is not int or timeout_us < 0:
-        return 0
-    return timeout_us
-
-
-def start_deadline(header: Header, model: str) -> Optional[int]:
+def start_deadline(call: InferCall) -> Optional[int]:
     """When a request taken on a direct path must have started
     (time.monotonic_ns), or None without a timeout: counted from when its
     client sent it (`sent_ns`, on the host's monotonic clock, which a
     worker shares with its local clients), from now when that is missing
     or in the future. The daemon counts from when it received a request."""
-    timeout_us = request_timeout_us(header)
-    if not timeout_us:
+    if not call.timeout_us:
         return None
     now = time.monotonic_ns()
-    sent = header.get("sent_ns")
-    if sent.__class__ is not int or sent > now:
+    sent = call.sent_ns
+    if sent is None or sent > now:
         sent = now
-    return sent + timeout_us * 1000
+    return sent + call.timeout_us * 1000

@@ -53,8 +53,10 @@ from ..protocol import reports
 from ..protocol.reports import ReportRing, open_ring
 from ..rules.spin import WORKER_SPIN_SHARE, SpinWait
 from ..rules.direct import plain_refusal
+from ..rules.request import InferCall, read_infer
 from ..rules.batching import batch_key, batch_rows
-from ..rules.validation import TIMEOUT, TensorLimits, start_deadline, validate_infer
+from ..rules.validation import (TIMEOUT, CheckedInfer, SessionRegion, TensorLimits, start_deadline,
+                                validate_infer)
 from ..shm.fdpass import DONTWAIT, close_all
 from .direct_batch import DirectBatcher, DirectRunner, Waiting, poll_timeout_ms
 from .engine import Part, StagedInput
@@ -256,10 +258,11 @@ class DirectClients:
             except messages.HeaderError as exc:
                 request_id = exc.request_id
                 raise
-            request_id = header.get("id")
-            self._check_plain(header)
-            deadline = start_deadline(header, self.model.name)
-            staged, requested, batch_size, _, _ = validate_infer(header, payload, self.model, limits=self.limits)
+            call = read_infer(header)
+            request_id = call.request_id
+            self._check_plain(header.get("op"), call)
+            deadline = start_deadline(call)
+            checked: CheckedInfer[SessionRegion] = validate_infer(call, payload, self.model, limits=self.limits)
         except TorchpoolError as exc:    # not accepted: nothing ran, nothing to count
             self._answer(c, [messages.pack(messages.error_response(request_id, exc))])
             return True
@@ -270,8 +273,9 @@ class DirectClients:
         batching = self.batcher is not None
         # _check_plain (rules/direct.py's plain_refusal) refused any output asked otherwise
         # than by name: what validate_infer gives back is names only
-        names = cast("list[str]", requested)
-        request = Waiting(c, request_id, _part(staged, self.batching), names, batch_size,
+        names = cast("list[str]", checked.outputs)
+        staged = checked.staged
+        request = Waiting(c, request_id, _part(staged, self.batching), names, checked.batch_size,
                           batch_key(staged) if batching else None, t0)
         if self.batcher is not None:
             # a model that batches ignores a request's own timeout, as the
@@ -306,17 +310,17 @@ class DirectClients:
                                                      f"'{model}': {exc}") from None
         return messages.decode_header(frames[0]), frames[1:]
 
-    def _check_plain(self, header: dict) -> None:
+    def _check_plain(self, op: object, call: InferCall) -> None:
         """TorchpoolError unless the request is one this path takes."""
         model = self.model.name
-        if header.get("op") != messages.OP_INFER:
+        if op != messages.OP_INFER:
             raise TorchpoolError(errors.UNSUPPORTED, f"the direct path of model '{model}' takes only "
-                                                     f"infer, not {header.get('op')!r}")
-        if header.get("model") != model or header.get("version") not in ("", self.version):
+                                                     f"infer, not {op!r}")
+        if call.model != model or call.version not in ("", self.version):
             raise TorchpoolError(errors.INVALID_ARG, f"this direct path serves model '{model}' version "
-                                                     f"{self.version}, not {header.get('model')!r} "
-                                                     f"version {header.get('version')!r}")
-        refusal = plain_refusal(header, model)
+                                                     f"{self.version}, not {call.model!r} "
+                                                     f"version {call.version!r}")
+        refusal = plain_refusal(call, model)
         if refusal is not None:
             raise refusal
 

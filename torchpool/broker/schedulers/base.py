@@ -5,7 +5,7 @@ request per execution, in arrival order), `DynamicBatcher` (Triton's dynamic
 batcher) and `SequenceBatcher` (Triton's sequence batcher, `direct` and
 `oldest`). The loop never asks which one it holds:
 
-    accept:   scheduler.admit(req, header)       policy checks, may refuse
+    accept:   scheduler.admit(req, call)         policy checks, may refuse
               scheduler.push(req, now)           queued (the scheduler stages it)
     dispatch: scheduler.take(instance, now)      the Batch an idle instance runs now
               scheduler.take_ahead(instance, now)   one to send a busy instance,
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 from ...protocol.errors import TorchpoolError
 
 if TYPE_CHECKING:
+    from ...rules.request import InferCall
     from ...config import ModelConfig
     from ..batch import Batch, SegmentRef
     from ..lane import ReplySocket
@@ -96,7 +97,7 @@ class Scheduler(ABC):
     hidden_outputs: frozenset[str] = frozenset()
 
     @abstractmethod
-    def admit(self, req: "InferRequest", header: dict) -> None:
+    def admit(self, req: "InferRequest", call: "InferCall") -> None:
         """Checks only this policy makes (priority level, room in the queue,
         sequence flags), before the request holds anything. Raises
         TorchpoolError to refuse it at once."""

@@ -32,6 +32,7 @@ from ..requests import InferRequest, stage_inputs
 from .base import TIMEOUT, Refusals, Scheduler
 
 if TYPE_CHECKING:
+    from ...rules.request import InferCall
     from ..lane import ReplySocket
     from ..supervisor import WorkerHandle
 
@@ -51,7 +52,7 @@ class DirectScheduler(Scheduler):
     def __len__(self) -> int:
         return self._count
 
-    def admit(self, req: InferRequest, header: dict) -> None:
+    def admit(self, req: InferRequest, call: InferCall) -> None:
         pass
 
     def direct_refusal(self) -> Optional[str]:

@@ -52,6 +52,7 @@ from .base import TIMEOUT, Refusals, Scheduler, SchedulerHold
 from .forming import FormingBatch
 
 if TYPE_CHECKING:
+    from ...rules.request import InferCall
     from ..supervisor import WorkerHandle
 
 
@@ -115,8 +116,8 @@ class DynamicBatcher(Scheduler):
             return "the daemon holds its batcher (TRITONSERVER_DELAY_SCHEDULER, a switch for testing)"
         return None
 
-    def admit(self, req: InferRequest, header: dict) -> None:
-        req.level = self.level_of(header.get("priority"))
+    def admit(self, req: InferRequest, call: InferCall) -> None:
+        req.level = self.level_of(call.priority)
         self.check_room(req)
 
     def level_of(self, priority: object) -> int:

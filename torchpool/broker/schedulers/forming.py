@@ -156,7 +156,9 @@ class FormingBatch:
         for name, buf in self.buffers.items():
             spec, shape, model_shape, payload, location = first[name]
             if name in in_place:
-                descriptors.append(InputDescriptor(name, spec.datatype, model_shape, *location))
+                assert location is not None         # (in place: it is in shared memory)
+                descriptors.append(InputDescriptor(name, spec.datatype, model_shape,
+                                                   *location))  # type: ignore[arg-type]  # see stage_inputs
                 passed += len(payload)
                 buf.free()
                 continue

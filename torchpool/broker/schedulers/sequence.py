@@ -62,6 +62,7 @@ from .sequence_tensors import (SequenceFlags, check_corrid, layout_rows, parse_c
                                parse_state, split_state, stage_rows)
 
 if TYPE_CHECKING:
+    from ...rules.request import InferCall
     from ..supervisor import WorkerHandle
 
 log = logging.getLogger("torchpool.broker")
@@ -159,8 +160,8 @@ class SequenceBatcher(Scheduler):
 
     # --- admission --------------------------------------------------------------
 
-    def admit(self, req: InferRequest, header: dict) -> None:
-        req.sequence = parse_flags(header, self.model)
+    def admit(self, req: InferRequest, call: InferCall) -> None:
+        req.sequence = parse_flags(call.sequence, self.model)
         check_corrid(self.controls, req.sequence.corrid, self.model)
         self._check_known(req)
 

@@ -43,9 +43,8 @@ _CORRID_FORMATS = {"INT32": "<i", "UINT32": "<I", "INT64": "<q", "UINT64": "<Q"}
 Tensors = list[tuple[str, str, list, bytes]]      # [(name, datatype, shape, bytes)]
 
 
-def parse_flags(header: dict, model: str) -> SequenceFlags:
-    """The request's `sequence` header field, checked (Triton's wording)."""
-    raw = header.get("sequence")
+def parse_flags(raw: object, model: str) -> SequenceFlags:
+    """A request's `sequence` field (InferCall.sequence), checked (Triton's wording)."""
     if not isinstance(raw, dict):
         raw = {}
     corrid = raw.get("id")
