@@ -30,7 +30,7 @@ from ..protocol.errors import InferenceError
 from ..protocol.messages import Header
 from ..shm.fdpass import DONTWAIT, FdReceiver, close_all
 from ..rules.direct import plain_refusal
-from ..rules.request import read_infer
+from ..rules.request import InferCall, infer_header
 from .lane import LaneSocket
 from .types import DirectPath, Flow, Frames, Inputs, Lane, NoAnswer, RawTensor, Reply, RequestedOutput
 
@@ -89,14 +89,14 @@ class DirectSocket(LaneSocket):
         self._link.sock.close()
 
 
-def takes_direct(header: Header) -> bool:
+def takes_direct(call: InferCall) -> bool:
     """Is this infer request one a direct path takes? The rule the worker
     checks (rules/direct.py), and its inputs' bytes in the header itself: a
     payload frame means a tensor too large for a path. (A per-call timeout
     travels with it.)"""
-    if plain_refusal(read_infer(header), cast(str, header["model"])) is not None:   # (its own header)
+    if plain_refusal(call, cast(str, call.model)) is not None:        # (the client's own call)
         return False
-    for e in cast("list[tensors.Entry]", header["inputs"]):
+    for e in cast("list[tensors.Entry]", call.inputs):
         if e[tensors.DATA].__class__ is not bytes:
             return False
     return True
@@ -259,9 +259,9 @@ class DirectRequests:
         def finish(self, enc: EncodedInputs, arena: Optional[ClientArena], answered: bool,
                    rid: Optional[int] = None, token: Optional[str] = None) -> None: ...
 
-        def _infer_header(self, model: str, version: Version, enc: EncodedInputs,
-                          outputs: Optional[Sequence[RequestedOutput]],
-                          timeout: Optional[float], priority: int, sequence: Optional[Header]) -> Header: ...
+        def _infer_call(self, model: str, version: Version, enc: EncodedInputs,
+                        outputs: Optional[Sequence[RequestedOutput]],
+                        timeout: Optional[float], priority: int, sequence: Optional[Header]) -> InferCall: ...
 
         def open_lane(self) -> Optional[Lane]: ...
 
@@ -280,16 +280,17 @@ class DirectRequests:
         if path is None:
             return None
         enc = self._encode_inline(inputs)    # what encode_inputs makes of these: nothing in the arena
-        header = self._infer_header(model, version, enc, outputs, timeout, 0, None)
-        if not takes_direct(header):
+        call = self._infer_call(model, version, enc, outputs, timeout, 0, None)
+        if not takes_direct(call):
             self.finish(enc, arena, answered=True)
             return None
+        header = infer_header(call)
         token = header["session"] = self.session
         frames: Frames = [messages.pack(header)]
         if not lane.fits(frames):           # (many inputs) over ZeroMQ: the flow's
             self.finish(enc, arena, answered=True)
             return None
-        return DirectRequest(path, cast(int, header["id"]), frames, enc, token)
+        return DirectRequest(path, cast(int, call.request_id), frames, enc, token)
 
     def inline_inputs(self, inputs: Inputs) -> bool:
         """Do these inputs go inline for sure, as a direct path takes them?

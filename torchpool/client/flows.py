@@ -34,6 +34,7 @@ from ..protocol.errors import InferenceError
 from ..protocol.messages import OP_ARENA_GROW, OP_GOODBYE, OP_HELLO, Header
 from .arena import DEFAULT_ARENA_CAP, ClientArena, OutputMaps, block_size, local_wanted
 from .inputs import InputEncoding, NeedRoom
+from ..rules.request import InferCall, infer_header
 from .direct import DirectPaths, DirectRequests, takes_direct
 from .local import LocalLink
 from .outputs import OutputDecoding, Release, Quarantined, EncodedInputs
@@ -328,9 +329,10 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                 enc = self.encode_inputs(inputs, arena)
             except NeedRoom as room:
                 enc, arena = yield from self._encode_after_growing(inputs, arena, room.nbytes, timeout)
-        header = self._infer_header(model, version, enc, outputs, timeout, priority, sequence)
+        call = self._infer_call(model, version, enc, outputs, timeout, priority, sequence)
+        header = infer_header(call)
         direct = None
-        if self.direct_allowed() and takes_direct(header):
+        if self.direct_allowed() and takes_direct(call):
             direct = yield from self.direct.path_flow(self, model, "" if version is None else str(version), timeout,
                                                       ask=self.direct_group is None)
         if direct is not None:
@@ -345,7 +347,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
             lane = direct = None
             del header["output_shm"]
             frames[0] = messages.pack(header)
-        rid, answered = cast(int, header["id"]), False     # (_infer_header's id)
+        rid, answered = cast(int, call.request_id), False     # (_infer_call's id)
         try:
             try:
                 reply_header, payload = yield from self._send_infer(rid, frames, timeout, direct, lane)
@@ -361,28 +363,18 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         finally:
             self.finish(enc, arena, answered, rid, token)
 
-    def _infer_header(self, model: str, version: Version, enc: EncodedInputs,
-                      outputs: Optional[Sequence[RequestedOutput]],
-                      timeout: Optional[float], priority: int, sequence: Optional[Header]) -> Header:
+    def _infer_call(self, model: str, version: Version, enc: EncodedInputs,
+                    outputs: Optional[Sequence[RequestedOutput]],
+                    timeout: Optional[float], priority: int, sequence: Optional[Header]) -> InferCall:
         wanted = None
         if outputs is not None:
             wanted = [o.wire() if isinstance(o, (OutputRef, Classification)) else o for o in outputs]
-        header = {"v": messages.PROTOCOL_VERSION, "op": messages.OP_INFER, "id": next(self.ids),
-                  "model": model, "version": "" if version is None else str(version),
-                  "inputs": enc.entries, "outputs": wanted,
-                  "timeout_us": int(timeout * 1e6) if timeout else 0}
-        if timeout:
-            # when it left, on the host's monotonic clock: a worker that takes
-            # it on a direct path counts its deadline from here (the daemon
-            # counts from when it received it and ignores this)
-            header["sent_ns"] = time.monotonic_ns()
-        if priority:
-            header["priority"] = int(priority)
-        if sequence:
-            header["sequence"] = sequence
-        if self.local:
-            header["output_shm"] = True
-        return header
+        # sent_ns: when it left, on the host's monotonic clock: a worker that
+        # takes it on a direct path counts its deadline from here (the daemon
+        # counts from when it received it and ignores this)
+        return InferCall(next(self.ids), model, "" if version is None else str(version), enc.entries, wanted,
+                         int(timeout * 1e6) if timeout else 0, time.monotonic_ns() if timeout else None,
+                         int(priority) if priority else 0, sequence or None, self.local)
 
     def _answered(self, header: Header, payload: Sequence[Buffer], copy: bool, token: Optional[str], enc: EncodedInputs,
                   arena: Optional[ClientArena]) -> InferResult:

@@ -1,12 +1,13 @@
 """An infer request as it arrived: read once from its header.
 
-Each edge an infer request comes in at reads its header into one
-`InferCall`: the broker's intake, a worker's direct path, and the client
-choosing the path of a header it built. Everything after the edge takes
-this object, never the header: validation (validate_infer), the direct-path
-rule (rules/direct.py), the deadline (start_deadline), the schedulers
-(priority, sequence flags). So each field of the wire's infer map is read
-in one place, here, and what a field means is said once.
+The client makes one `InferCall` for each request and `infer_header`
+writes its wire map; each edge a request comes in at (the broker's intake,
+a worker's direct path) reads the map back into one with `read_infer`.
+Everything after the edge takes this object, never the header: validation
+(validate_infer), the direct-path rule (rules/direct.py, which the client
+applies to choose its path), the deadline (start_deadline), the schedulers
+(priority, sequence flags). So each field of the wire's infer map is
+written and read in one place, here, and what a field means is said once.
 
 Fields that a rule checks against the model's config (inputs, outputs,
 priority, sequence, model, version) are kept as sent: the rule that reads
@@ -17,6 +18,8 @@ their meaning here.
 from __future__ import annotations
 
 from typing import Mapping, NamedTuple, Optional
+
+from ..protocol.messages import OP_INFER, PROTOCOL_VERSION
 
 # A request's header, as msgpack decoded it.
 Header = Mapping[str, object]
@@ -49,3 +52,20 @@ def read_infer(header: Header) -> InferCall:
     return InferCall(get("id"), get("model"), get("version"), get("inputs"), get("outputs"), timeout_us,
                      sent if sent.__class__ is int else None,
                      get("priority"), get("sequence"), bool(get("output_shm")))
+
+
+def infer_header(call: InferCall) -> dict[str, object]:
+    """The wire map of an infer request (docs/protocol.md, "infer"):
+    what read_infer reads back. Fields at their defaults are left out."""
+    header: dict[str, object] = {
+        "v": PROTOCOL_VERSION, "op": OP_INFER, "id": call.request_id, "model": call.model,
+        "version": call.version, "inputs": call.inputs, "outputs": call.outputs, "timeout_us": call.timeout_us}
+    if call.sent_ns is not None:
+        header["sent_ns"] = call.sent_ns
+    if call.priority:
+        header["priority"] = call.priority
+    if call.sequence:
+        header["sequence"] = call.sequence
+    if call.output_shm:
+        header["output_shm"] = True
+    return header
