@@ -8,7 +8,15 @@ handed to the future of the call it answers, by request id, so any number
 of calls may be in flight on one socket at once. A send the socket has no
 room for (the far end has not read this client's earlier requests) waits
 for writability in the loop, until the call's own deadline; answers are
-read meanwhile. Nothing spins: the loop sleeps in its selector.
+read meanwhile.
+
+A direct path's calls wait as the sync client's do (rules/spin.py): while
+its recent answers came sooner than the daemon's window, a call that waits
+keeps the loop from sleeping in its selector (a callback that schedules
+itself again: each turn of the loop polls the sockets without a timeout and
+runs every other ready task) until its answer comes or the window passes.
+The wake-up of a loop asleep in epoll is most of a tiny call's latency on
+a VM (rules/spin.py's figures).
 
 - An answer nobody waits for any more (a call that timed out or was
   cancelled) goes to `on_late`, which gives back what its request held.
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import socket
 import time
 from typing import Callable, Hashable, Optional, Union
@@ -28,6 +37,7 @@ from typing import Callable, Hashable, Optional, Union
 from ..protocol import errors, lane, messages
 from ..protocol.errors import InferenceError
 from ..rules.ahead import may_send_ahead
+from ..rules.spin import SpinWait
 from ..shm.fdpass import DONTWAIT
 from .direct import DirectLink, path_closed
 from .lane import LaneLink, assemble
@@ -57,6 +67,8 @@ class AsyncLane:
         self._pending: dict[object, asyncio.Future[Reply]] = {}     # by request id (as an answer says it)
         self._writable: list[asyncio.Future[None]] = []      # sends waiting for room
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._spin: Optional[SpinWait] = None     # a direct path's polling policy (spin())
+        self._spinning = False                    # a spin callback is scheduled
         try:
             self._attach(asyncio.get_running_loop())   # read from now on: fds come ahead of answers
         except RuntimeError:
@@ -173,14 +185,36 @@ class AsyncLane:
                     raise self._lost_error(sent=False) from None
             if sent is not None:
                 sent()
+            spin = self._spin
+            if spin is None:
+                try:
+                    return await fut
+                except asyncio.TimeoutError:
+                    raise self._no_answer(timeout) from None
+            start = time.perf_counter_ns()
+            if spin.spinning() and not self._spinning:
+                self._spinning = True
+                loop.call_soon(self._spin_turn, loop, start + spin.window_ns)
             try:
                 return await fut
             except asyncio.TimeoutError:
                 raise self._no_answer(timeout) from None
+            finally:
+                spin.waited(time.perf_counter_ns() - start)
         finally:
             timer.cancel()
             if self._pending.get(rid) is fut:
                 del self._pending[rid]
+
+    def _spin_turn(self, loop: asyncio.AbstractEventLoop, end_ns: int) -> None:
+        """One turn of the loop without sleeping while a call on this socket
+        waits, until `end_ns`; yields the CPU to other runnable processes
+        (the worker) as the sync client's spin does."""
+        if not self._pending or self._closed or time.perf_counter_ns() >= end_ns:
+            self._spinning = False
+            return
+        os.sched_yield()
+        loop.call_soon(self._spin_turn, loop, end_ns)
 
     # -- errors
     def _lost_error(self, sent: bool) -> NoAnswer:
@@ -217,7 +251,9 @@ class AsyncDirect(AsyncLane):
         super().__init__(DirectLink(sock), url, on_late)
 
     def spin(self, window_us: int) -> None:
-        """The daemon's polling window: this end waits in the event loop instead."""
+        """The daemon's polling window: calls wait without sleeping in the
+        loop's selector while answers come sooner (module docstring)."""
+        self._spin = SpinWait(window_us) if window_us else None
 
     def lost_error(self) -> InferenceError:
         return InferenceError(errors.UNAVAILABLE, self._lost_error(True).message)
@@ -335,7 +371,9 @@ class AsyncPaths:
         return all_lost or (some_lost and not any(self._in_flight))
 
     def spin(self, window_us: int) -> None:
-        """The daemon's polling window: these wait in the event loop instead."""
+        """The daemon's polling window: each member applies it to the calls it carries."""
+        for member in self.members:
+            member.spin(window_us)
 
     def _place(self) -> int:
         """The member a call goes to now; -1 when it must wait."""

@@ -89,6 +89,10 @@ class SpinWait:
         if not ready:
             ready = poll(timeout_ms)
         # a wait that ends in a timeout counts as long: nothing came
-        waited = min(_now() - start, 4 * window)
-        self.typical_ns += (waited - self.typical_ns) >> 3
+        self.waited(_now() - start)
         return ready
+
+    def waited(self, ns: int) -> None:
+        """One wait took `ns` (spinning or asleep): the recent waits' average
+        follows it (a wait counts as at most four windows)."""
+        self.typical_ns += (min(ns, 4 * self.window_ns) - self.typical_ns) >> 3
