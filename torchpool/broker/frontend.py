@@ -172,7 +172,8 @@ class Frontend:
     def __init__(self, ctx: zmq.Context, urls: Sequence[str], *, curve_secret_key: Optional[str] = None,
                  curve_authorized_keys: Optional[str] = None, insecure_tcp: bool = False,
                  max_in_flight: int = 0, max_unread_replies: int = 0, max_connections: int = 0,
-                 on_stalled: Optional[Callable[[bytes], None]] = None) -> None:
+                 on_stalled: Optional[Callable[[bytes], None]] = None,
+                 on_gone: Optional[Callable[[ReplySocket, bytes], None]] = None) -> None:
         self.urls = list(urls)
         self.sockets: list[zmq.Socket] = []
         self.connections = Connections(max_connections or default_max_connections())
@@ -181,7 +182,7 @@ class Frontend:
         self.in_flight = InFlight(max_in_flight)
         self.max_unread_replies = max_unread_replies
         self.on_stalled = on_stalled
-        self.on_gone: Optional[Callable[[ReplySocket, bytes], None]] = None   # (sock, routing id)
+        self.on_gone = on_gone                  # (sock, routing id)
         self._remote: set[zmq.Socket] = set()  # sockets of tcp:// URLs
         self._url_of: dict[zmq.Socket, str] = {}
         self._stalled: dict[tuple[zmq.Socket, bytes], int] = {}   # -> replies dropped since
@@ -209,13 +210,15 @@ class Frontend:
             raise
 
     @classmethod
-    def from_options(cls, ctx: zmq.Context, options: ServerOptions) -> "Frontend":
+    def from_options(cls, ctx: zmq.Context, options: ServerOptions, *,
+                     on_stalled: Optional[Callable[[bytes], None]] = None,
+                     on_gone: Optional[Callable[[ReplySocket, bytes], None]] = None) -> "Frontend":
         """A frontend on `options.listen` (a ServerOptions) with its access options and limits."""
         return cls(ctx, options.listen, curve_secret_key=options.curve_secret_key,
                    curve_authorized_keys=options.curve_authorized_keys, insecure_tcp=options.insecure_tcp,
                    max_in_flight=options.max_in_flight_per_client,
                    max_unread_replies=options.max_unread_replies,
-                   max_connections=options.max_connections)
+                   max_connections=options.max_connections, on_stalled=on_stalled, on_gone=on_gone)
 
     def watch_connections(self, loop: Loop) -> None:
         """Count connections (and refuse those over the limit) as they come, on `loop`."""

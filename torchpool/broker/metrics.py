@@ -361,8 +361,11 @@ def _summary(out: Exposition, name: str, doc: str, keyed: list, window: str, cou
 # ------------------------------------------------------------------ server
 
 class MetricsServer:
+    """/metrics, and Triton's health endpoints: live until the daemon stops
+    (`stopping()`), ready while it is not stopping and `ready()` says so."""
+
     def __init__(self, host: str, port: int, snapshot: Callable[[], MetricsSnapshot],
-                 live: Callable[[], bool], ready: Callable[[], bool],
+                 stopping: Callable[[], bool], ready: Callable[[], bool],
                  config: MetricsConfig = MetricsConfig()) -> None:
         def metrics() -> bytes:
             return render_metrics(snapshot(), config)
@@ -373,9 +376,9 @@ class MetricsServer:
                 if path == "/metrics":
                     self._reply(200, metrics(), CONTENT_TYPE)
                 elif path == "/v2/health/live":
-                    self._reply(200 if live() else 503, b"", "text/plain")
+                    self._reply(503 if stopping() else 200, b"", "text/plain")
                 elif path == "/v2/health/ready":
-                    self._reply(200 if ready() else 503, b"", "text/plain")
+                    self._reply(200 if not stopping() and ready() else 503, b"", "text/plain")
                 else:
                     self._reply(404, b"not found\n", "text/plain")
 
@@ -402,14 +405,15 @@ class MetricsServer:
         self.httpd.server_close()
 
 
-def serve_metrics(options: ServerOptions, snapshot: Callable[[], MetricsSnapshot], live: Callable[[], bool],
+def serve_metrics(options: ServerOptions, snapshot: Callable[[], MetricsSnapshot], stopping: Callable[[], bool],
                   ready: Callable[[], bool], config: MetricsConfig) -> Optional[MetricsServer]:
-    """The daemon's metrics and health server, started (None without --metrics-port)."""
+    """The daemon's metrics and health server, started (None without --metrics-port);
+    `stopping` and `ready` as MetricsServer's."""
     o = options
     if o.metrics_port is None:
         return None
     try:
-        server = MetricsServer(o.metrics_host, o.metrics_port, snapshot, live, ready, config)
+        server = MetricsServer(o.metrics_host, o.metrics_port, snapshot, stopping, ready, config)
     except OSError as exc:      # the CLI probed it: another process took it since
         raise AddressInUse(f"--metrics-port {o.metrics_port}: cannot serve metrics on "
                            f"{o.metrics_host}:{o.metrics_port}: {exc.strerror or exc}") from None

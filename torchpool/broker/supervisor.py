@@ -19,7 +19,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from ..config import InstanceGroup
 from ..config.devices import cpu_budget, threads_per_worker, visible_gpus
@@ -31,7 +31,7 @@ from ..shm.segment import Segment
 from ..worker.capture_size import DEFAULT_MIB
 from ..worker.entry import run_worker
 from ..worker.spec import WorkerSpec
-from .registry import ModelVersion
+from .registry import ModelVersion, Registry
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -245,13 +245,13 @@ def instance_devices(group: InstanceGroup, gpus: list[int]) -> list[str]:
 class Supervisor:
     def __init__(self, segment_prefix: str, arena_chunk: int, arena_limit: int, log_level: int,
                  busy_poll_us: int = 0, log_format: str = "text",
-                 cpu_instances: Callable[[], int] = lambda: 1, output_capture_mib: int = DEFAULT_MIB,
+                 registry: Optional[Registry] = None, output_capture_mib: int = DEFAULT_MIB,
                  stream_copy_bytes: int = 0) -> None:
         self.segment_prefix = segment_prefix
         # the CPUs the daemon may use, shared among the CPU instances of every
-        # version it serves or loads (cpu_instances: their number, now)
+        # version it serves or loads (the registry's: cpu_instances)
         self.cpu_budget = cpu_budget()
-        self.cpu_instances = cpu_instances
+        self.registry = registry
         # which CPU workers run a batch now: they size their threads by it (shm/cpu_ledger.py)
         self.cpu_slots = SlotPool(CpuLedger.create())
         self.threads = 0              # each CPU worker's threads, as last decided
@@ -339,6 +339,16 @@ class Supervisor:
         """How many of these versions' instances run on the CPU."""
         return sum(instance_devices(group, self.gpus).count("cpu")
                    for mv in versions for group in mv.config.instance_groups)
+
+    def cpu_instances(self) -> int:
+        """CPU instances of what the daemon serves or loads (1 without a
+        registry); a reload's new generation replaces its model's current one,
+        so each model counts once."""
+        if self.registry is None:
+            return 1
+        count = self.cpu_instances_of
+        return sum(max(count(m.versions.values()), count(m.pending.versions.values()) if m.pending else 0)
+                   for m in self.registry.models.values())
 
     def cpu_threads(self) -> int:
         """A new CPU worker's threads (when its model sets none): its share

@@ -107,12 +107,12 @@ class Answers:
     """Answers requests, and keeps the shared memory their zero-copy sends and
     lends still read (worker output blocks, broker input blocks) until done."""
 
-    def __init__(self, frontend: Frontend, arena: Arena, transfer: Counter,
+    def __init__(self, frontend: Frontend, arena: Arena, transfer: Counter, sessions: SessionManager,
                  close_segment: Callable[[Segment], None] = Segment.close) -> None:
         self.frontend = frontend
         self.arena = arena                    # the broker's input arena (requests' blocks)
         self.transfer = transfer              # bytes copied / lent / sent, for benchmarks and tests
-        self.sessions: SessionManager         # set by the server once it exists (it takes end_loans)
+        self.sessions = sessions              # local clients: regions to release, outputs to lend
         self._orders: dict[ModelVersion, _Order] = {}
         # each worker's output segments (fds kept); a dead worker's are closed by
         # `close_segment` (the server's reaper: the last close frees their pages)
