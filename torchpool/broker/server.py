@@ -54,7 +54,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import zmq
 
@@ -63,6 +63,7 @@ from ..logs import set_process_title
 from ..config.parameters import ParameterError, model_parameters
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
+from ..protocol.internal import SegmentRef
 from ..shm import Arena, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
 from ..shm.bulkcopy import set_stream_threshold, streams
 from ..shm.reaper import Reaper
@@ -104,7 +105,7 @@ class Server:
         self.daemon = daemon_id(options.listen)
         self.prefix = segment_prefix(self.daemon)
         self.loop = Loop()
-        self.ctx: Optional[zmq.Context] = None
+        self.ctx: Optional[zmq.Context[zmq.Socket[bytes]]] = None
         self.frontend: Optional[Frontend] = None
         self.arena: Optional[Arena] = None
         self.registry: Optional[Registry] = None
@@ -114,7 +115,7 @@ class Server:
         self.sessions: Optional[SessionManager] = None
         self.local_channel: Optional[LocalChannel] = None
         # bytes the broker copied vs. passed by descriptor, for benchmarks and tests
-        self.transfer: Counter = Counter()
+        self.transfer: Counter[str] = Counter()
         self.answers: Optional[Answers] = None
         self.reaper = Reaper()     # closes shared memory off the loop thread (shm/reaper.py)
         self.signals = SignalInbox((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
@@ -243,7 +244,7 @@ class Server:
         the reply that found it gone is sent (answering them there would nest in Answers)."""
         self.loop.call_later(0.0, functools.partial(self._cancel_queued, sock, identity))
 
-    def _forget_in_workers(self, refs: list) -> None:
+    def _forget_in_workers(self, refs: Sequence[SegmentRef]) -> None:
         assert self.supervisor is not None     # made before any session can end
         self.supervisor.forget(refs)
 

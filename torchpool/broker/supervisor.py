@@ -19,13 +19,14 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from ..config import InstanceGroup
 from ..config.devices import cpu_budget, threads_per_worker, visible_gpus
 from ..shm.cpu_ledger import CpuLedger, SlotPool
 from ..config.parameters import model_parameters
 from ..protocol import internal
+from ..protocol.internal import BlockRef, SegmentRef
 from ..shm.fdpass import DONTWAIT, FdReceiver, send_with_fds
 from ..shm.segment import Segment
 from ..worker.capture_size import DEFAULT_MIB
@@ -146,12 +147,12 @@ class WorkerHandle:
     batch_id: int = 0
     ahead: Optional[Batch] = None     # a Batch sent to run right after it (Scheduler.take_ahead)
     ahead_id: int = 0
-    releases: list = field(default_factory=list)   # output blocks to hand back on the next RUN
+    releases: list[BlockRef] = field(default_factory=list)   # output blocks to hand back on the next RUN
     timed_out: float = 0.0            # set when killed for exceeding the execution timeout
     load_timed_out: float = 0.0       # set when killed for not loading within the load timeout
     stopping: bool = False            # asked to stop (its version was retired)
     started: float = field(default_factory=time.monotonic)
-    known: set = field(default_factory=set)   # segments whose fds it has been handed
+    known: set[str] = field(default_factory=set)   # segments whose fds it has been handed
     how_it_ended: str = ""            # once reaped: "was killed by signal SIGKILL (9)", ...
     closing_paths: bool = False       # told to close direct paths, not done yet (broker/direct.py)
     reports: Optional[ReportRing] = None   # given a direct path: its report ring (protocol/reports.py)
@@ -380,7 +381,7 @@ class Supervisor:
             self.cpu_slots.give_back(handle.spec.cpu_slot)
         return how
 
-    def forget(self, refs: list) -> None:
+    def forget(self, refs: Sequence[SegmentRef]) -> None:
         """Every live worker unmaps segments of a closed session or region."""
         names = [r for r in refs if isinstance(r, str)]
         for h in self.workers.values():
