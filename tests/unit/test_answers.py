@@ -50,7 +50,11 @@ class Rig:
         assert self.frontend.sockets[0].poll(5000)
         assert self.frontend.sockets[0].recv_multipart() == [b"client-1", b"hello"]
         self.broker_arena = Arena(lambda i: f"{tag}in{i}", 1 << 20, 4 << 20)
-        self.answers = Answers(self.frontend, self.broker_arena, Counter())
+        options = ServerOptions("repo", [], client_shm_size=1 << 20, client_shm_limit=4 << 20)
+        # the sessions give back what was lent to a session that closes (the server's wiring)
+        self.sessions = SessionManager(tag, options, lambda session: self.answers.end_loans(session),
+                                       lambda refs: None)
+        self.answers = Answers(self.frontend, self.broker_arena, Counter(), self.sessions)
         # a worker hands its output segments' fds to the broker; here the arena does it directly
         self.worker_arena = Arena(lambda i: f"{tag}w0.{i}", 1 << 20, 4 << 20, announce=lambda seg:
                                   self.answers.worker_segments.add(seg.name, os.dup(seg.fd), writable=False,
@@ -73,6 +77,7 @@ class Rig:
         return messages.decode_header(header)
 
     def close(self) -> None:
+        self.sessions.close_all()
         self.answers.close()
         self.client.close(linger=0)
         self.frontend.close()
@@ -158,10 +163,7 @@ def test_held_answers_of_a_dead_worker_keep_their_bytes(rig: Rig) -> None:
 def test_a_client_cannot_release_what_was_lent_to_another_session(rig: Rig) -> None:
     """One map holds every lent output: a release names the range and its
     generation, and only the session it was lent to can give it back."""
-    options = ServerOptions("repo", [], client_shm_size=1 << 20, client_shm_limit=4 << 20)
-    sessions = SessionManager(f"torchpool.unit{os.getpid()}.{uuid.uuid4().hex[:6]}", options,
-                              rig.answers.end_loans, lambda refs: None)
-    rig.answers.sessions = sessions
+    sessions = rig.sessions
     victim = sessions.sessions[sessions.hello({})["session"]]
     attacker = sessions.sessions[sessions.hello({})["session"]]
     # the victim is local: attached over a side channel (here a socket pair)

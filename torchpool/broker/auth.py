@@ -220,14 +220,14 @@ class CurveAuth:
         self.public, self.secret = public, secret
         self.allowed = allowed
         self.key_file, self.directory = key_file, directory
-        self._zap: Optional[zmq.Socket] = None
-        self._wake: Optional[zmq.Socket] = None       # ours: tells the thread to stop
-        self._wake_peer: Optional[zmq.Socket] = None  # the thread's end
+        self._zap: Optional[zmq.Socket[bytes]] = None
+        self._wake: Optional[zmq.Socket[bytes]] = None       # ours: tells the thread to stop
+        self._wake_peer: Optional[zmq.Socket[bytes]] = None  # the thread's end
         self._thread: Optional[threading.Thread] = None
         self._refused = _Throttle()
         self._failed = _Throttle()
 
-    def secure(self, ctx: zmq.Context, sock: zmq.Socket, url: str) -> None:
+    def secure(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], url: str) -> None:
         """Make `sock` (not bound yet) a CURVE server under our ZAP domain.
         Call for every socket before start(); its monitor's HANDSHAKE_EVENTS
         go to `handshake_failed`."""
@@ -238,7 +238,7 @@ class CurveAuth:
         sock.curve_publickey = self.public
         sock.zap_domain = ZAP_DOMAIN
 
-    def start(self, ctx: zmq.Context) -> None:
+    def start(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         """Bind the ZAP handler (before any CURVE socket binds) and run it."""
         self._zap = zap = ctx.socket(zmq.REP)
         zap.linger = 0
@@ -280,7 +280,7 @@ class CurveAuth:
 
     # -- the thread
 
-    def _run(self, zap: zmq.Socket, wake_peer: zmq.Socket) -> None:
+    def _run(self, zap: zmq.Socket[bytes], wake_peer: zmq.Socket[bytes]) -> None:
         poller = zmq.Poller()
         poller.register(wake_peer, zmq.POLLIN)
         poller.register(zap, zmq.POLLIN)
@@ -297,7 +297,7 @@ class CurveAuth:
                 log.exception("CURVE: the ZAP handler failed; tcp:// handshakes wait until restart")
                 return
 
-    def _answer_zap(self, zap: zmq.Socket) -> None:
+    def _answer_zap(self, zap: zmq.Socket[bytes]) -> None:
         request = zap.recv_multipart()
         try:
             status, text, user = self._decide(request)

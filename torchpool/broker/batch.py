@@ -15,10 +15,15 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 from ..config import ModelConfig
 from ..protocol import errors
+from ..protocol import internal
 from ..protocol.internal import InputDescriptor
 from ..protocol.errors import TorchpoolError
+from ..rules.validation import WorkerOutput
 from ..shm.arena import Arena, ArenaFull, Block
 from .requests import InferRequest
+
+# a tensor the broker makes itself: (name, datatype, shape, bytes)
+BrokerTensor = tuple[str, str, list[int], bytes]
 
 
 class CopiedOutput:
@@ -46,6 +51,12 @@ class CopiedDescriptor(NamedTuple):
     nbytes: int
 
 
+# an output a batch's worker answered: where it wrote it, or the bytes copied out of it
+OutputEntry = Union[internal.OutputDescriptor, CopiedDescriptor]
+# one request's part of such an output: (name, datatype, client shape, segment, offset, nbytes)
+OutputPiece = tuple[str, str, Sequence[int], Union[internal.SegmentRef, CopiedOutput], int, int]
+
+
 @dataclass(eq=False)
 class Batch:
     """One model execution: its requests, and where the worker finds the inputs."""
@@ -53,8 +64,8 @@ class Batch:
     requests: list[InferRequest]
     items: int                        # batch size (Triton counts a 0-row request as 1)
     rows: int                         # rows along dim 0, summed over the requests
-    inputs: list                      # worker descriptors
-    outputs: list                     # outputs the worker is asked for
+    inputs: list[InputDescriptor]     # worker descriptors
+    outputs: list[WorkerOutput]       # outputs the worker is asked for (none: every one)
     blocks: list[Block] = field(default_factory=list)   # broker arena blocks, freed when it finished
     seq: Optional[int] = None         # answer order, set by the answer path (preserve_ordering)
     error: Optional[TorchpoolError] = None   # could not be formed: fail its requests
@@ -103,7 +114,7 @@ def _accumulate(values: list[int]) -> list[int]:
     return list(itertools.accumulate(values))
 
 
-def batch_input_values(cfg: ModelConfig, requests: list[InferRequest]) -> list[tuple[str, str, list, bytes]]:
+def batch_input_values(cfg: ModelConfig, requests: list[InferRequest]) -> list[BrokerTensor]:
     """The `batch_input` tensors of a batch: [(target name, datatype, shape, bytes)].
 
     Each kind reads its source input's shape in every request, as Triton does:
@@ -144,7 +155,7 @@ def batch_input_values(cfg: ModelConfig, requests: list[InferRequest]) -> list[t
     return out
 
 
-def write_tensors(tensors: list[tuple[str, str, list, bytes]], arena: Arena
+def write_tensors(tensors: list[BrokerTensor], arena: Arena
                   ) -> tuple[list[InputDescriptor], list[Block]]:
     """Tensors the broker makes itself ([(name, datatype, shape, bytes)]:
     batch inputs, sequence controls and state) written into the arena:

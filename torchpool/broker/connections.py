@@ -104,7 +104,7 @@ class ZmqConnectionWatch:
     libzmq allows one monitor a socket: `other_events` are watched too and
     handed to `on_other(url, event, value)` (auth.py's failed CURVE handshakes)."""
 
-    def __init__(self, sock: zmq.Socket, url: str, connections: Connections, other_events: int = 0,
+    def __init__(self, sock: zmq.Socket[bytes], url: str, connections: Connections, other_events: int = 0,
                  on_other: Optional[Callable[[str, int, int], None]] = None) -> None:
         self.url = url
         self.connections = connections

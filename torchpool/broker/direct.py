@@ -72,7 +72,7 @@ class DirectPaths:
         self._names = (f"{internal.DIRECT_PREFIX}{n}" for n in itertools.count(1))
         self._turn = itertools.count()
 
-    def open(self, session: Session, header: dict) -> dict:
+    def open(self, session: Session, header: messages.Header) -> messages.Header:
         """Direct paths to the model `header` names, for a session attached
         with a lane: their fds are on its side channel when this returns.
 
@@ -147,10 +147,11 @@ class DirectPaths:
         counted once per path as the model's failure), else the path was closed."""
         if self.stopping():           # the broker's words for a request it refuses now
             return TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
-        h = next((h for paths in (session.direct.values() if session is not None else ())
-                  for n, h in paths if n == name), None)
-        if h is None or session is None:
+        found = next(((n, h) for paths in (session.direct.values() if session is not None else ())
+                      for n, h in paths if n == name), None)
+        if found is None or session is None:
             return TorchpoolError(errors.INVALID_ARG, f"this session has no direct path {name!r}")
+        path, h = found
         if h.stopping:                # its version was unloaded or replaced
             return TorchpoolError(errors.UNAVAILABLE, f"{h.label} was unloaded")
         how = h.how_it_ended
@@ -162,8 +163,8 @@ class DirectPaths:
         if not how:
             return TorchpoolError(errors.UNAVAILABLE, f"{h.label} closed this client's direct path (the "
                                                       f"session ended)")
-        if name not in session.direct_failed:     # once: a client may ask again and again
-            session.direct_failed.add(name)
+        if path not in session.direct_failed:     # once: a client may ask again and again
+            session.direct_failed.add(path)
             h.mv.stats.record_failure(0, BACKEND)
         return TorchpoolError(errors.INTERNAL, f"{h.label} {how} with this request on its direct path")
 

@@ -169,23 +169,25 @@ class Frontend:
     connection stops reading, or is found gone (its sessions can go);
     `on_gone(sock, identity)` once more when it is gone."""
 
-    def __init__(self, ctx: zmq.Context, urls: Sequence[str], *, curve_secret_key: Optional[str] = None,
-                 curve_authorized_keys: Optional[str] = None, insecure_tcp: bool = False,
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], urls: Sequence[str], *,
+                 curve_secret_key: Optional[str] = None, curve_authorized_keys: Optional[str] = None,
+                 insecure_tcp: bool = False,
                  max_in_flight: int = 0, max_unread_replies: int = 0, max_connections: int = 0,
-                 on_stalled: Optional[Callable[[bytes], None]] = None) -> None:
+                 on_stalled: Optional[Callable[[bytes], None]] = None,
+                 on_gone: Optional[Callable[[ReplySocket, bytes], None]] = None) -> None:
         self.urls = list(urls)
-        self.sockets: list[zmq.Socket] = []
+        self.sockets: list[zmq.Socket[bytes]] = []
         self.connections = Connections(max_connections or default_max_connections())
         self._watches: list[ZmqConnectionWatch] = []
         self.notifies_disconnect = False        # ROUTER_NOTIFY took (libzmq with drafts)
         self.in_flight = InFlight(max_in_flight)
         self.max_unread_replies = max_unread_replies
         self.on_stalled = on_stalled
-        self.on_gone: Optional[Callable[[ReplySocket, bytes], None]] = None   # (sock, routing id)
-        self._remote: set[zmq.Socket] = set()  # sockets of tcp:// URLs
-        self._url_of: dict[zmq.Socket, str] = {}
-        self._stalled: dict[tuple[zmq.Socket, bytes], int] = {}   # -> replies dropped since
-        self._gone: dict[tuple[zmq.Socket, bytes], None] = {}     # reported gone already
+        self.on_gone = on_gone                  # (sock, routing id)
+        self._remote: set[zmq.Socket[bytes]] = set()  # sockets of tcp:// URLs
+        self._url_of: dict[zmq.Socket[bytes], str] = {}
+        self._stalled: dict[tuple[zmq.Socket[bytes], bytes], int] = {}   # -> replies dropped since
+        self._gone: dict[tuple[zmq.Socket[bytes], bytes], None] = {}     # reported gone already
         self._ipc_files: list[str] = []
         self._auth: Optional[CurveAuth] = check_options(self.urls, curve_secret_key, curve_authorized_keys,
                                                         insecure_tcp)
@@ -209,20 +211,22 @@ class Frontend:
             raise
 
     @classmethod
-    def from_options(cls, ctx: zmq.Context, options: ServerOptions) -> "Frontend":
+    def from_options(cls, ctx: zmq.Context[zmq.Socket[bytes]], options: ServerOptions, *,
+                     on_stalled: Optional[Callable[[bytes], None]] = None,
+                     on_gone: Optional[Callable[[ReplySocket, bytes], None]] = None) -> "Frontend":
         """A frontend on `options.listen` (a ServerOptions) with its access options and limits."""
         return cls(ctx, options.listen, curve_secret_key=options.curve_secret_key,
                    curve_authorized_keys=options.curve_authorized_keys, insecure_tcp=options.insecure_tcp,
                    max_in_flight=options.max_in_flight_per_client,
                    max_unread_replies=options.max_unread_replies,
-                   max_connections=options.max_connections)
+                   max_connections=options.max_connections, on_stalled=on_stalled, on_gone=on_gone)
 
     def watch_connections(self, loop: Loop) -> None:
         """Count connections (and refuse those over the limit) as they come, on `loop`."""
         for watch in self._watches:
             loop.watch(watch.monitor, watch.on_events)
 
-    def _socket(self, ctx: zmq.Context, url: str) -> tuple[zmq.Socket, str]:
+    def _socket(self, ctx: zmq.Context[zmq.Socket[bytes]], url: str) -> tuple[zmq.Socket[bytes], str]:
         sock = ctx.socket(zmq.ROUTER)
         self.sockets.append(sock)               # closed by close() whatever fails below
         self._url_of[sock] = url
@@ -255,7 +259,7 @@ class Frontend:
             raise SecurityError(f"cannot listen on {url}: only ipc:// and tcp:// addresses are served")
         return sock, url
 
-    def _bind(self, sock: zmq.Socket, url: str) -> None:
+    def _bind(self, sock: zmq.Socket[bytes], url: str) -> None:
         path = ipc_path(url)
         if path:
             claim_socket_path(path)
@@ -287,11 +291,11 @@ class Frontend:
         """True while the connection counts as not reading its replies."""
         return bool(self._stalled) and (sock, identity) in self._stalled
 
-    def forget(self, sock: zmq.Socket, identity: bytes) -> None:
+    def forget(self, sock: zmq.Socket[bytes], identity: bytes) -> None:
         """The connection closed (ROUTER_NOTIFY): nothing to remember of it."""
         self._stalled.pop((sock, identity), None)
 
-    def send(self, sock: ReplySocket, identity: bytes, header: dict,
+    def send(self, sock: ReplySocket, identity: bytes, header: messages.Header,
              frames: Sequence[zmq.Frame | Buffer] = ()) -> bool:
         """Send one reply; False when it was dropped: the connection does not
         read (its queue holds max_unread_replies) or is gone. Never blocks,
@@ -332,7 +336,7 @@ class Frontend:
                      identity.hex(), self._url_of.get(sock), dropped)
         return True
 
-    def _not_reading(self, sock: zmq.Socket, identity: bytes) -> None:
+    def _not_reading(self, sock: zmq.Socket[bytes], identity: bytes) -> None:
         key = (sock, identity)
         if key in self._stalled:
             self._stalled[key] += 1
@@ -345,7 +349,7 @@ class Frontend:
                     "it reads", identity.hex(), self._url_of.get(sock), self.max_unread_replies)
         self._report(identity)
 
-    def _is_gone(self, sock: zmq.Socket, identity: bytes) -> None:
+    def _is_gone(self, sock: zmq.Socket[bytes], identity: bytes) -> None:
         key = (sock, identity)
         self._stalled.pop(key, None)
         if key in self._gone:

@@ -46,7 +46,7 @@ class GatewayProcess:
         self.options = options
         self.log_level = log_level
         self.url = gateway_url(options.listen)
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: Optional[subprocess.Popen[bytes]] = None
         self.ports: dict[str, int] = {}
         self._crashes = 0
         self._started_at = 0.0

@@ -25,7 +25,7 @@ import logging
 import select
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union, cast
 
 from ..config.parameters import model_parameters
 from ..logs import LOADING_NOTICE_S, log_fields
@@ -136,7 +136,10 @@ class Instances:
             missing = [d.segment for d in batch.inputs if d.segment.__class__ is str and d.segment not in known]
             if missing:
                 self._hand_over(worker, missing)
-            worker.send(internal.Run(batch_id, batch.inputs, batch.outputs, releases, batch.lend_to()))
+            # (the outputs as the client asked: a region's or a classification's is the list the
+            # worker decodes into an OutputTarget or a Classify; msgpack sends either as an array)
+            outputs = cast("list[Union[str, internal.OutputTarget, internal.Classify]]", batch.outputs)
+            worker.send(internal.Run(batch_id, batch.inputs, outputs, releases, batch.lend_to()))
         except OSError:
             pass  # the worker is dying; its sentinel will answer this batch
 
@@ -486,6 +489,6 @@ class Instances:
         return sum((h.batch is not None) + (h.ahead is not None) + h.closing_paths for h in mv.workers)
 
 
-def _fields(h: WorkerHandle) -> dict:
+def _fields(h: WorkerHandle) -> dict[str, str]:
     """A log record's fields for one instance (logs.log_fields)."""
     return log_fields(h.spec.model, h.spec.version, h.spec.instance)

@@ -53,7 +53,7 @@ class Lane:
         self._queued = 0                # replies (messages) waiting in the outbox
         self.closed = False
 
-    def send(self, header: dict, frames: Sequence[zmq.Frame | Buffer] = ()) -> bool:
+    def send(self, header: messages.Header, frames: Sequence[zmq.Frame | Buffer] = ()) -> bool:
         """Send one reply; False when it was dropped (the client does not
         read, or is gone). Never blocks."""
         if self.closed:
@@ -119,13 +119,13 @@ class Lane:
 
 
 # where a request came in and its reply goes: a frontend socket or a lane
-ReplySocket = Union[zmq.Socket, Lane]
+ReplySocket = Union[zmq.Socket[bytes], Lane]
 # whom a request counts against in flight (frontend.InFlight.client_of, Lane.client):
 # ("pid", pid) for a process on this host, else (socket or lane, routing id)
 ClientKey = Union[tuple[str, int], tuple[ReplySocket, bytes]]
 
 
-def lane_session(ln: Lane, header: dict, sessions: SessionManager) -> Session:
+def lane_session(ln: Lane, header: messages.Header, sessions: SessionManager) -> Session:
     """The session a lane request runs in: the lane's own, which the header
     must name; raises SESSION_LOST once it has ended."""
     session = ln.session

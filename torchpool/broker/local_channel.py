@@ -68,7 +68,10 @@ def _gids(groups: list[str]) -> set[int]:
 class LocalChannel:
     def __init__(self, path: str, loop: Loop, sessions: SessionManager, allow_users: list[str],
                  allow_groups: list[str], max_pending: int, max_pending_per_user: int,
-                 connections: Connections, max_unread_replies: int = 0) -> None:
+                 connections: Connections, max_unread_replies: int = 0, *,
+                 on_requests: Callable[[Lane, list[bytes]], None],
+                 on_lane_gone: Callable[[Lane, bytes], None] = lambda sock, identity: None,
+                 offers_direct: bool = False) -> None:
         self.path = path
         self.loop = loop
         self.sessions = sessions
@@ -82,11 +85,11 @@ class LocalChannel:
         self.max_unread_replies = max_unread_replies
         self.connections = connections     # the daemon's connection count and limit
         self._counted: set[int] = set()    # fds of connections counted in `connections`
-        # set by the server once its intake exists: (lane, [datagram]) -> None;
-        # lane -> None when a lane goes (its queued requests are cancelled)
-        self.on_requests: Optional[Callable[[Lane, list[bytes]], None]] = None
-        self.on_lane_gone: Callable[[Lane, bytes], None] = lambda sock, identity: None
-        self.offers_direct = False         # a lane may ask for direct paths (direct.py)
+        # a lane's requests: (lane, [datagram]) -> None (the intake's);
+        # (lane, identity) -> None when a lane goes (its queued requests are cancelled)
+        self.on_requests = on_requests
+        self.on_lane_gone = on_lane_gone
+        self.offers_direct = offers_direct   # a lane may ask for direct paths (direct.py)
         claim_socket_path(path, socket.SOCK_SEQPACKET)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
@@ -204,7 +207,7 @@ class LocalChannel:
             return
         session = self.sessions.sessions[request["session"]]
         self._attached[fd] = (conn, session)
-        if request.get("lane") is True and self.on_requests is not None:
+        if request.get("lane") is True:
             # a lane that stops reading loses its session: once the reply that found it out is sent
             self._lanes[fd] = Lane(conn, session, self.loop, self.max_unread_replies,
                                    lambda ln: self.loop.call_later(0.0, lambda: self._end_lane(ln)),
@@ -234,7 +237,6 @@ class LocalChannel:
                 break
             burst.append(data)
         if burst and not ln.closed:
-            assert self.on_requests is not None     # lanes are made only with it (attach)
             self.on_requests(ln, burst)
         if gone or ln.closed:
             self._end_lane(ln)

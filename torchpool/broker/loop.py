@@ -28,7 +28,7 @@ class _Timer:
 
 
 # what the loop polls: a file descriptor or a ZeroMQ socket
-Watched = Union[int, zmq.Socket]
+Watched = Union[int, zmq.Socket[bytes]]
 
 
 class Loop:

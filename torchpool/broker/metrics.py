@@ -24,14 +24,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Optional, Sequence
 
 from .frontend import AddressInUse
 from .options import ServerOptions
 from .registry import LOADING, READY, UNAVAILABLE, UNLOADING
 from .stats import (FAILURE_REASONS, Duration, LatencyHistogram, LatencyWindow, VersionStats,
                     keep_latency_histograms, keep_latency_windows)
-from .usage import instance_rows
+from .usage import InstanceRow, instance_rows
 
 if TYPE_CHECKING:
     from .registry import ModelVersion, Registry
@@ -96,15 +96,23 @@ def _quantiles(value: str) -> tuple[tuple[float, float], ...]:
 def parse_metrics_config(items: Iterable[str]) -> MetricsConfig:
     """Triton's --metrics-config <setting>=<value> list. Raises
     MetricsConfigError on anything else, naming the settings known."""
-    settings: dict = {}
+    flags: dict[str, bool] = {}
+    quantiles = MetricsConfig.summary_quantiles
     for item in items:
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or key not in KNOWN_SETTINGS:
             raise MetricsConfigError(f"--metrics-config {item!r}: unknown setting {key!r}; known: "
                                      f"{', '.join(f'{k}=...' for k in KNOWN_SETTINGS)}")
-        settings[key] = _quantiles(value) if key == "summary_quantiles" else _flag(key, value)
-    return MetricsConfig(**settings)
+        if key == "summary_quantiles":
+            quantiles = _quantiles(value)
+        else:
+            flags[key] = _flag(key, value)
+    return MetricsConfig(
+        counter_latencies=flags.get("counter_latencies", MetricsConfig.counter_latencies),
+        summary_latencies=flags.get("summary_latencies", MetricsConfig.summary_latencies),
+        summary_quantiles=quantiles,
+        histogram_latencies=flags.get("histogram_latencies", MetricsConfig.histogram_latencies))
 
 
 def configure_metrics(items: Iterable[str]) -> MetricsConfig:
@@ -192,20 +200,22 @@ _HISTOGRAMS = {
 }
 
 VersionRow = tuple[str, int, VersionStats, int]   # model, version, its statistics, pending requests
+Keyed = tuple[Labels, VersionStats, int]           # a version's labels, its statistics, pending requests
 
 
 @dataclass
 class MetricsSnapshot:
     """What a scrape reads from the broker, taken on the scrape's thread."""
     versions: list[VersionRow]
-    shm: dict                                      # {state: bytes}
+    shm: dict[str, int]                            # {state: bytes}
     states: list[tuple[str, str, str]] = field(default_factory=list)   # model, version ("" if none), state
     # model, version, usage.instance_row, and the version's restarts per instance
-    instances: list[tuple[str, int, dict]] = field(default_factory=list)
-    restarts: list[tuple[str, int, dict]] = field(default_factory=list)
+    instances: list[tuple[str, int, InstanceRow]] = field(default_factory=list)
+    restarts: list[tuple[str, int, dict[str, int]]] = field(default_factory=list)
 
 
-def take_snapshot(registry: Optional["Registry"], pending: Callable[[ModelVersion], int], shm: dict) -> MetricsSnapshot:
+def take_snapshot(registry: Optional["Registry"], pending: Callable[[ModelVersion], int],
+                  shm: dict[str, int]) -> MetricsSnapshot:
     """The broker's state for a scrape. The loop runs meanwhile: every list is
     copied before it is walked. A version loading or retiring beside the
     serving one of the same number is left out (its series would repeat the
@@ -300,21 +310,25 @@ def _torchpool_families(out: Exposition, snap: MetricsSnapshot) -> None:
         for instance, count in counts.items():
             out.sample("torchpool_worker_restarts", _instance_labels(model, version, instance), count)
     rows = [(_instance_labels(model, version, row["name"]), row) for model, version, row in snap.instances]
-    for name, kind, doc, key in (
-            ("torchpool_worker_cpu_seconds", "counter", "CPU time (user and system) of the worker process",
-             "cpu_s"),
-            ("torchpool_worker_rss_bytes", "gauge", "Resident memory of the worker process (pages it shares "
-                                                     "with other workers counted whole)", "rss_bytes"),
-            ("torchpool_worker_pss_bytes", "gauge", "Proportional set size of the worker process (its share "
-                                                     "of each page it maps): what adds up across workers",
-             "pss_bytes")):
+    for name, kind, doc, key in _USAGE_FAMILIES:
         out.family(name, kind, doc)
         for labels, row in rows:
-            if row[key] is not None:
-                out.sample(name, labels, row[key])
+            value = row[key]
+            if value is not None:
+                out.sample(name, labels, value)
     out.family("torchpool_shm_bytes", "gauge", "Broker shared memory")
     for state, value in snap.shm.items():
         out.sample("torchpool_shm_bytes", (("state", state),), value)
+
+
+# the families of a worker's usage: (name, kind, help, its InstanceRow field)
+_USAGE_FAMILIES: tuple[tuple[str, str, str, Literal["cpu_s", "rss_bytes", "pss_bytes"]], ...] = (
+    ("torchpool_worker_cpu_seconds", "counter", "CPU time (user and system) of the worker process", "cpu_s"),
+    ("torchpool_worker_rss_bytes", "gauge", "Resident memory of the worker process (pages it shares "
+                                             "with other workers counted whole)", "rss_bytes"),
+    ("torchpool_worker_pss_bytes", "gauge", "Proportional set size of the worker process (its share "
+                                             "of each page it maps): what adds up across workers", "pss_bytes"),
+)
 
 
 def _instance_labels(model: str, version: int, instance: str) -> Labels:
@@ -323,7 +337,7 @@ def _instance_labels(model: str, version: int, instance: str) -> Labels:
     return (("model", model), ("model_instance", instance), ("version", str(version)))
 
 
-def _histogram(out: Exposition, name: str, doc: str, keyed: list, kind: str) -> None:
+def _histogram(out: Exposition, name: str, doc: str, keyed: Sequence[Keyed], kind: str) -> None:
     """One histogram family: cumulative buckets (`le` in ms), _sum (ms) and
     _count, from one copy of each version's counts."""
     out.family(name, "histogram", doc)
@@ -342,7 +356,7 @@ def _histogram(out: Exposition, name: str, doc: str, keyed: list, kind: str) -> 
         out.sample(f"{name}_count", labels, cumulative)
 
 
-def _summary(out: Exposition, name: str, doc: str, keyed: list, window: str, counter: str,
+def _summary(out: Exposition, name: str, doc: str, keyed: Sequence[Keyed], window: str, counter: str,
              quantiles: tuple[tuple[float, float], ...], now: float) -> None:
     """One summary family: quantiles over the version's recent window; _count
     and _sum are the all-time counter they match (as Triton's docs say they do)."""
@@ -361,8 +375,11 @@ def _summary(out: Exposition, name: str, doc: str, keyed: list, window: str, cou
 # ------------------------------------------------------------------ server
 
 class MetricsServer:
+    """/metrics, and Triton's health endpoints: live until the daemon stops
+    (`stopping()`), ready while it is not stopping and `ready()` says so."""
+
     def __init__(self, host: str, port: int, snapshot: Callable[[], MetricsSnapshot],
-                 live: Callable[[], bool], ready: Callable[[], bool],
+                 stopping: Callable[[], bool], ready: Callable[[], bool],
                  config: MetricsConfig = MetricsConfig()) -> None:
         def metrics() -> bytes:
             return render_metrics(snapshot(), config)
@@ -373,9 +390,9 @@ class MetricsServer:
                 if path == "/metrics":
                     self._reply(200, metrics(), CONTENT_TYPE)
                 elif path == "/v2/health/live":
-                    self._reply(200 if live() else 503, b"", "text/plain")
+                    self._reply(503 if stopping() else 200, b"", "text/plain")
                 elif path == "/v2/health/ready":
-                    self._reply(200 if ready() else 503, b"", "text/plain")
+                    self._reply(200 if not stopping() and ready() else 503, b"", "text/plain")
                 else:
                     self._reply(404, b"not found\n", "text/plain")
 
@@ -386,7 +403,7 @@ class MetricsServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, fmt: str, *args) -> None:  # keep probes out of the log
+            def log_message(self, fmt: str, *args: object) -> None:  # keep probes out of the log
                 log.debug("metrics: " + fmt, *args)
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
@@ -402,14 +419,15 @@ class MetricsServer:
         self.httpd.server_close()
 
 
-def serve_metrics(options: ServerOptions, snapshot: Callable[[], MetricsSnapshot], live: Callable[[], bool],
+def serve_metrics(options: ServerOptions, snapshot: Callable[[], MetricsSnapshot], stopping: Callable[[], bool],
                   ready: Callable[[], bool], config: MetricsConfig) -> Optional[MetricsServer]:
-    """The daemon's metrics and health server, started (None without --metrics-port)."""
+    """The daemon's metrics and health server, started (None without --metrics-port);
+    `stopping` and `ready` as MetricsServer's."""
     o = options
     if o.metrics_port is None:
         return None
     try:
-        server = MetricsServer(o.metrics_host, o.metrics_port, snapshot, live, ready, config)
+        server = MetricsServer(o.metrics_host, o.metrics_port, snapshot, stopping, ready, config)
     except OSError as exc:      # the CLI probed it: another process took it since
         raise AddressInUse(f"--metrics-port {o.metrics_port}: cannot serve metrics on "
                            f"{o.metrics_host}:{o.metrics_port}: {exc.strerror or exc}") from None

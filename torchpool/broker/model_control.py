@@ -22,7 +22,7 @@ from ..config.repository import model_names
 from ..protocol import errors, internal
 from ..protocol.errors import TorchpoolError
 from ..protocol.names import check_model_name
-from .registry import READY, UNLOADING, Generation, Model, ModelVersion, Registry, new_versions
+from .registry import READY, UNLOADING, Generation, IndexRow, Model, ModelVersion, Registry, new_versions
 
 log = logging.getLogger("torchpool.broker")
 
@@ -98,7 +98,7 @@ class ModelControl:
         for mv in gen.versions.values():
             self.start_version(mv)
 
-    def repository_index(self) -> list[dict]:
+    def repository_index(self) -> list[IndexRow]:
         """The registry's models and versions, and in explicit mode, as
         Triton lists them, every other model directory of the repository
         (by name only: never loaded)."""
@@ -192,8 +192,8 @@ class ModelControl:
         for model in self.registry.models.values():
             if model.unload_waiters and not any(v.name == model.name for v in self.registry.retiring):
                 waiters, model.unload_waiters = model.unload_waiters, []
-                for w in waiters:
-                    w(None)
+                for waiter in waiters:
+                    waiter(None)
 
     # --- poll mode ------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import posix_ipc
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
+from ..protocol.internal import SegmentRef
 from ..protocol.messages import REGION_TOKEN_MIN_BYTES, region_token_bytes
 from ..protocol.names import check_shm_key, unusable_segment
 from ..shm import guard
@@ -62,7 +63,7 @@ class Peer:
     pid: int
     uid: int
     gid: int
-    groups: frozenset = frozenset()
+    groups: frozenset[int] = frozenset()
 
     @classmethod
     def of(cls, conn: socket.socket) -> "Peer":
@@ -82,7 +83,7 @@ class Peer:
         return bool(st.st_mode & stat.S_IWOTH)
 
 
-def _supplementary_groups(pid: int) -> frozenset:
+def _supplementary_groups(pid: int) -> frozenset[int]:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -137,9 +138,14 @@ class Region:
         start = self.offset + offset
         return memoryview(self.buf)[start:start + nbytes]
 
-    def worker_ref(self) -> list:
+    def worker_ref(self) -> list[object]:
         """How a worker names it: the key plus the inode, so a re-created
-        segment under the same name is never mistaken for this one."""
+        segment under the same name is never mistaken for this one (as an
+        input's location: rules/validation.py SessionRegion)."""
+        return [self.key, self.ino]
+
+    def segment_ref(self) -> SegmentRef:
+        """The same, as a FORGET names it (protocol/internal.py)."""
         return [self.key, self.ino]
 
     def close(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypedDict
 
 from ..config import ModelConfig, ModelEntry
 from ..config.normalize import PLATFORM
@@ -12,6 +12,24 @@ from ..protocol import errors
 from ..protocol.errors import TorchpoolError
 from ..protocol.names import check_model_name
 from .stats import VersionStats
+
+
+
+class _Named(TypedDict):
+    name: str
+
+
+class IndexRow(_Named, total=False):
+    """A row of Triton's repository index: a model directory by name, with
+    the version, state and reason of each version the registry holds."""
+
+    version: str
+    state: str
+    reason: str
+
+
+# told once a load or an unload settles: None, or why it failed (model_control.Waiter)
+Waiter = Callable[[Optional[TorchpoolError]], None]
 
 log = logging.getLogger("torchpool.broker")
 
@@ -34,10 +52,10 @@ class ModelVersion:
     # What runs it, attached by the server when its workers start. The
     # registry holds records and imports neither: `scheduler` is a
     # schedulers.base.Scheduler, `workers` / `idle` are supervisor.WorkerHandles
-    # (left untyped: naming the Scheduler here would tie the registry to the modules above it).
+    # (Any: naming them here would tie the registry to the modules above it; tests/unit/test_import_graph.py).
     scheduler: Any = None
-    workers: list = field(default_factory=list)
-    idle: deque = field(default_factory=deque)
+    workers: list[Any] = field(default_factory=list)
+    idle: deque[Any] = field(default_factory=deque)
     deferred: list[tuple[str, str]] = field(default_factory=list)   # (instance, device) not yet started
     stats: VersionStats = field(default_factory=VersionStats)
     consecutive_crashes: int = 0      # worker crashes since the last successful execution
@@ -63,7 +81,7 @@ class Generation:
     entry: ModelEntry
     fingerprint: str
     versions: dict[int, ModelVersion] = field(default_factory=dict)
-    waiters: list = field(default_factory=list)     # callables(error or None), answered when settled
+    waiters: list[Waiter] = field(default_factory=list)     # answered when settled
 
     def settled(self) -> bool:
         return all(mv.state != LOADING for mv in self.versions.values())
@@ -77,10 +95,10 @@ class Model:
     pending: Optional[Generation] = None
     unloaded: bool = False
     fingerprint: str = ""
-    unload_waiters: list = field(default_factory=list)
+    unload_waiters: list[Waiter] = field(default_factory=list)
     # versions it had that a reload or an unload took away: Triton keeps them
     # (UNAVAILABLE), so a request naming one is "not at ready state", not "not found"
-    former: set = field(default_factory=set)
+    former: set[int] = field(default_factory=set)
 
     @property
     def error(self) -> Optional[str]:
@@ -198,7 +216,7 @@ class Registry:
         except TorchpoolError:
             return False
 
-    def statistics(self, name: object, version: object) -> dict:
+    def statistics(self, name: object, version: object) -> dict[str, object]:
         """Triton's statistics: {"model_stats": [...]} for one model or all."""
         if name in (None, ""):
             if parse_version(name, version) is not None:
@@ -210,8 +228,8 @@ class Registry:
             versions = [mv for v, mv in sorted(model.versions.items()) if wanted is None or v == wanted]
         return {"model_stats": [mv.stats.to_triton(mv.name, mv.version, mv.workers) for mv in versions]}
 
-    def repository_index(self) -> list[dict]:
-        index = []
+    def repository_index(self) -> list[IndexRow]:
+        index: list[IndexRow] = []
         for name in sorted(self.models):
             model = self.models[name]
             if model.error or model.unloaded or not model.versions:
@@ -222,7 +240,7 @@ class Registry:
                 index.append({"name": name, "version": str(v), "state": mv.state, "reason": mv.reason})
         return index
 
-    def metadata(self, name: object, version: object) -> dict:
+    def metadata(self, name: object, version: object) -> dict[str, object]:
         model = self.model(name)
         if model.entry.config is None:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")
@@ -240,7 +258,7 @@ class Registry:
                         for t in cfg.outputs],
         }
 
-    def config(self, name: object, version: object) -> dict:
+    def config(self, name: object, version: object) -> dict[str, object]:
         model = self.model(name)
         if model.entry.config is None:
             raise TorchpoolError(errors.UNAVAILABLE, f"model '{name}' is not available: {model.error}")

@@ -54,7 +54,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import zmq
 
@@ -63,6 +63,7 @@ from ..logs import set_process_title
 from ..config.parameters import ParameterError, model_parameters
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
+from ..protocol.internal import SegmentRef
 from ..shm import Arena, daemon_id, remove_segments_with_prefix, remove_stale_segments, segment_prefix
 from ..shm.bulkcopy import set_stream_threshold, streams
 from ..shm.reaper import Reaper
@@ -71,6 +72,7 @@ from .frontend import Frontend
 from .instances import InstanceEvents, Instances
 from .direct import DirectPaths
 from .intake import Intake
+from .lifecycle import Stopping
 from .lane import ReplySocket
 from .local_channel import LocalChannel, resolve_path
 from ..rules.validation import TensorLimits
@@ -82,7 +84,7 @@ from .options import ServerOptions
 from .deadlines import SchedulerDeadlines
 from .registry import LOADING, READY, ModelVersion, Registry
 from .schedulers import make_scheduler
-from .sessions import SessionManager
+from .sessions import Session, SessionManager
 from .signals import SignalInbox
 from .supervisor import Supervisor
 from .systemd import Notifier, ServiceStatus
@@ -103,7 +105,7 @@ class Server:
         self.daemon = daemon_id(options.listen)
         self.prefix = segment_prefix(self.daemon)
         self.loop = Loop()
-        self.ctx: Optional[zmq.Context] = None
+        self.ctx: Optional[zmq.Context[zmq.Socket[bytes]]] = None
         self.frontend: Optional[Frontend] = None
         self.arena: Optional[Arena] = None
         self.registry: Optional[Registry] = None
@@ -113,11 +115,11 @@ class Server:
         self.sessions: Optional[SessionManager] = None
         self.local_channel: Optional[LocalChannel] = None
         # bytes the broker copied vs. passed by descriptor, for benchmarks and tests
-        self.transfer: Counter = Counter()
+        self.transfer: Counter[str] = Counter()
         self.answers: Optional[Answers] = None
         self.reaper = Reaper()     # closes shared memory off the loop thread (shm/reaper.py)
         self.signals = SignalInbox((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
-        self.should_exit = False
+        self.stopping = Stopping()       # shared by the parts that refuse work once the daemon stops
         self.force_exit = False
         self._started = time.monotonic()
         self.service = ServiceStatus(Notifier(), self.loop.call_later)   # systemd's view
@@ -160,59 +162,56 @@ class Server:
                         "is an ordinary one", o.stream_copy_bytes)
         self.arena = Arena(lambda i: f"{self.prefix}in{i}", o.shm_chunk, o.shm_limit)
         self.arena.free(self.arena.alloc(1))   # first segment created and pre-faulted now
-        self.ctx = zmq.Context()
-        self.frontend = Frontend.from_options(self.ctx, o)
-        self.answers = Answers(self.frontend, self.arena, self.transfer, close_segment=self.reaper.close)
+        # The parts are made in dependency order, each given the parts it calls. Where
+        # a part calls one made after it (a session's end gives back the answers'
+        # loans, closes its local channel, has the workers forget its regions; the
+        # instances tell model control, which starts versions on them), a method of
+        # the server stands between them and calls the later part.
         local_path = resolve_path(o.local_socket, o.listen, self.daemon)
-        self.sessions = SessionManager(self.prefix, o, self.answers.end_loans,
-                                       self._forget_in_workers, local_path,
-                                       close_channel=self._close_channel,
-                                       close_segment=self.reaper.close)
-        if local_path is not None:
-            self.local_channel = LocalChannel(local_path, self.loop, self.sessions, o.local_allow_users,
-                                              o.local_allow_groups, o.max_sessions, o.max_sessions_per_peer,
-                                              self.frontend.connections, o.max_unread_replies)
-        self.answers.sessions = self.sessions
-        self.frontend.on_stalled = self.sessions.disconnected   # a connection that stopped reading
-        # a gone connection's queued requests are failed, not run: once the reply
-        # that found it gone is sent (answering them there would nest in Answers)
-        self.frontend.on_gone = lambda sock, identity: self.loop.call_later(
-            0.0, lambda: self._cancel_queued(sock, identity))
+        self.sessions = sessions = SessionManager(self.prefix, o, self._end_loans, self._forget_in_workers,
+                                                  local_path, close_channel=self._close_channel,
+                                                  close_segment=self.reaper.close)
+        self.ctx = zmq.Context()
+        # a connection that stopped reading loses its sessions; a gone one's queued requests are failed
+        self.frontend = frontend = Frontend.from_options(self.ctx, o, on_stalled=sessions.disconnected,
+                                                         on_gone=self._connection_gone)
+        self.answers = answers = Answers(frontend, self.arena, self.transfer, sessions,
+                                         close_segment=self.reaper.close)
         self.loop.call_later(max(0.2, o.client_lease / 4), self._expire_sessions)
-        # bound before any model loads: a busy port fails at once
-        self.loop.open_door()                 # the metrics server's scrapes catch up first
-        self.metrics = serve_metrics(o, self._metrics_snapshot, lambda: not self.should_exit,
-                                     lambda: not self.should_exit and self.registry is not None
-                                     and self.registry.server_ready(), metrics_config)
         entries = scan_repository(o.model_repository)
         if not entries:
             log.warning("model repository %s holds no models", o.model_repository)
         if o.model_control_mode == EXPLICIT and "*" not in o.load_models:
             entries = [e for e in entries if e.name in o.load_models]
-        self.registry = Registry(entries)
+        self.registry = registry = Registry(entries)
         self.supervisor = Supervisor(self.prefix, o.worker_shm_chunk, o.worker_shm_limit, o.log_level,
-                                     o.worker_busy_poll_us, o.log_format, self._cpu_instances,
+                                     o.worker_busy_poll_us, o.log_format, registry,
                                      o.output_capture_mib, o.stream_copy_bytes)
-        self.instances = Instances(self.loop, self.supervisor, self.answers, self.sessions, o, InstanceEvents(
-            idle=self._dispatch, settled=self._settled, drained=self._drained,
-            stopping=lambda: self.should_exit))
-        self.control = ModelControl(self.registry, o.model_repository, o.model_control_mode,
-                                    self.start_version, self.instances.version_gone)
+        self.instances = instances = Instances(self.loop, self.supervisor, answers, sessions, o, InstanceEvents(
+            idle=self._dispatch, settled=self._settled, drained=self._drained, stopping=self.stopping))
+        self.control = ModelControl(registry, o.model_repository, o.model_control_mode,
+                                    self.start_version, instances.version_gone)
         limits = TensorLimits.of(o)
-        direct = DirectPaths(self.registry, limits, self.instances.execution_timeout,
-                             lambda: self.should_exit, o.direct_spin_us) if o.direct_paths else None
-        self.intake = intake = Intake(self.frontend, self.registry, self.sessions, self.control, self.answers,
-                             self.transfer, self._dispatch, lambda: self.should_exit,
-                             remote_model_control=o.remote_model_control, limits=limits,
-                             direct=direct, catch_up=self.instances.catch_up,
-                             max_header_bytes=o.max_header_bytes)
-        for sock in self.frontend.sockets:
+        direct = DirectPaths(registry, limits, instances.execution_timeout,
+                             self.stopping, o.direct_spin_us) if o.direct_paths else None
+        self.intake = intake = Intake(frontend, registry, sessions, self.control, answers,
+                                      self.transfer, self._dispatch, self.stopping,
+                                      remote_model_control=o.remote_model_control, limits=limits,
+                                      direct=direct, catch_up=instances.catch_up,
+                                      max_header_bytes=o.max_header_bytes)
+        for sock in frontend.sockets:
             self.loop.watch(sock, functools.partial(intake.on_readable, sock))
-        self.frontend.watch_connections(self.loop)
-        if self.local_channel is not None:
-            self.local_channel.on_requests = self.intake.on_lane
-            self.local_channel.offers_direct = direct is not None
-            self.local_channel.on_lane_gone = self.frontend.on_gone
+        frontend.watch_connections(self.loop)
+        if local_path is not None:
+            self.local_channel = LocalChannel(local_path, self.loop, sessions, o.local_allow_users,
+                                              o.local_allow_groups, o.max_sessions, o.max_sessions_per_peer,
+                                              frontend.connections, o.max_unread_replies,
+                                              on_requests=intake.on_lane, on_lane_gone=self._connection_gone,
+                                              offers_direct=direct is not None)
+        # bound before any model loads: a busy port fails at once
+        self.loop.open_door()                 # the metrics server's scrapes catch up first
+        self.metrics = serve_metrics(o, self._metrics_snapshot, self.stopping, registry.server_ready,
+                                     metrics_config)
         for model in self.registry.models.values():
             model.fingerprint = fingerprint(model.entry.path)
             if model.error:
@@ -236,7 +235,16 @@ class Server:
             self.loop.call_later(1.0, self._check_gateway)
         self._announce_if_ready()
 
-    def _forget_in_workers(self, refs: list) -> None:
+    def _end_loans(self, session: Session) -> None:
+        assert self.answers is not None        # made before any session can end
+        self.answers.end_loans(session)
+
+    def _connection_gone(self, sock: ReplySocket, identity: bytes) -> None:
+        """A gone connection's (or lane's) queued requests are failed, not run: once
+        the reply that found it gone is sent (answering them there would nest in Answers)."""
+        self.loop.call_later(0.0, functools.partial(self._cancel_queued, sock, identity))
+
+    def _forget_in_workers(self, refs: Sequence[SegmentRef]) -> None:
         assert self.supervisor is not None     # made before any session can end
         self.supervisor.forget(refs)
 
@@ -258,7 +266,7 @@ class Server:
         busy_poll = self.options.busy_poll_us / 1e6
         last_activity = 0.0
         while True:
-            if self.should_exit:
+            if self.stopping():
                 if drain_deadline is None:
                     drain_deadline = time.monotonic() + self.options.grace_period
                     self.service.stop()
@@ -279,7 +287,7 @@ class Server:
             self._expire_queued()
 
     def _check_gateway(self) -> None:
-        if self.gateway is not None and not self.should_exit:
+        if self.gateway is not None and not self.stopping():
             self.gateway.check()
             self.loop.call_later(1.0, self._check_gateway)
 
@@ -339,7 +347,7 @@ class Server:
     def _on_signal(self) -> None:
         for sig in self.signals.drain():
             if sig in (signal.SIGTERM, signal.SIGINT):
-                if self.should_exit and sig == signal.SIGINT:
+                if self.stopping() and sig == signal.SIGINT:
                     log.warning("second SIGINT: stopping now")
                     self.force_exit = True
                 self._stop()
@@ -434,14 +442,6 @@ class Server:
 
     # ------------------------------------------------------- model control
 
-    def _cpu_instances(self) -> int:
-        """CPU instances of what the daemon serves or loads; a reload's new
-        generation replaces its model's current one, so each model counts once."""
-        assert self.supervisor is not None and self.registry is not None   # it asks from then on
-        count = self.supervisor.cpu_instances_of
-        return sum(max(count(m.versions.values()), count(m.pending.versions.values()) if m.pending else 0)
-                   for m in self.registry.models.values())
-
     def start_version(self, mv: ModelVersion) -> None:
         assert self.arena is not None and self.instances is not None   # made before any version starts
         if mv.scheduler is None:
@@ -476,7 +476,7 @@ class Server:
 
     def _stop(self) -> None:
         """Stop taking requests, on direct paths too (their next ones come here, refused)."""
-        self.should_exit = True
+        self.stopping.set()
         if self.intake is not None and self.intake.direct is not None:
             assert self.sessions is not None   # made before the intake
             self.intake.direct.close_all(self.sessions.sessions.values())
@@ -487,25 +487,20 @@ class Server:
         a statistics call does: a scrape after an answer counts it (else up
         to REPORTS_EVERY_S late). A loop too busy to do so within
         METRICS_CATCH_UP_S leaves the scrape as it is."""
+        assert self.arena is not None and self.sessions is not None and self.instances is not None   # made before it
+        instances = self.instances
         caught_up = threading.Event()
 
         def catch_up() -> None:
             try:
-                instances = getattr(self, "instances", None)    # (a scrape before they are made)
-                if instances is not None:
-                    instances.catch_up()
+                instances.catch_up()
             finally:
                 caught_up.set()
         self.loop.call_from_thread(catch_up)
         caught_up.wait(METRICS_CATCH_UP_S)
         # pending: accepted, not started (Triton's nv_inference_pending_request_count)
-        assert self.arena is not None and self.sessions is not None   # made before the metrics server
         shm = {"input_mapped": self.arena.mapped_bytes, "input_used": self.arena.used_bytes,
                "client_arenas": sum(s.arena_bytes for s in list(self.sessions.sessions.values()))}
-        # (the registry is made just before the instances: a scrape between sees no version)
-        instances = self.instances
-        if instances is None:
-            return take_snapshot(None, lambda mv: 0, shm)
         return take_snapshot(self.registry, instances.pending, shm)
 
     def _announce_if_ready(self) -> None:

@@ -31,16 +31,20 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union, overload
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union, overload
 
 from ..protocol import errors, messages
 from ..protocol.errors import TorchpoolError
-from ..protocol.internal import lend_ref
+from ..protocol.internal import SegmentRef, lend_ref
+from ..protocol.messages import Header
 from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_header
 from ..shm.fdpass import send_with_fds
 from ..shm.segment import Segment
 from .options import ServerOptions
 from .regions import Challenge, Peer, Region, answer_challenge, check_range, open_challenge, region_key
+
+if TYPE_CHECKING:
+    from .registry import ModelVersion
 
 log = logging.getLogger("torchpool.broker")
 
@@ -65,13 +69,15 @@ class Session:
     peer: Optional[Peer] = None   # set once it attached over the side channel
     channel: Optional[socket.socket] = None   # that side channel
     arena: dict[str, Segment] = field(default_factory=dict)
-    handed: set = field(default_factory=set)  # segments whose fds it was given
+    handed: set[str] = field(default_factory=set)  # segments whose fds it was given
     loans: int = 0                # outputs lent to it now (the answer path owns the map of them)
     regions: dict[str, Region] = field(default_factory=dict)
     challenges: dict[str, Challenge] = field(default_factory=dict)
     in_flight: int = 0
-    direct: dict = field(default_factory=dict)   # model version -> [(direct path name, worker)]: direct.py
-    direct_failed: set = field(default_factory=set)   # its paths whose instance's death is counted
+    # model version -> [(direct path name, worker)]: direct.py (a supervisor.WorkerHandle, not
+    # named: the supervisor's modules import this one)
+    direct: dict[ModelVersion, list[tuple[str, Any]]] = field(default_factory=dict)
+    direct_failed: set[str] = field(default_factory=set)   # its paths whose instance's death is counted
     lend_id: int = 0              # names its lending areas in the workers (worker/lending.py)
 
     @property
@@ -86,7 +92,7 @@ class Session:
 
 class SessionManager:
     def __init__(self, segment_prefix: str, options: ServerOptions,
-                 end_loans: Callable[["Session"], None], forget: Callable[[list], None],
+                 end_loans: Callable[["Session"], None], forget: Callable[[Sequence[SegmentRef]], None],
                  local_socket: Optional[str] = None,
                  close_channel: Callable[[socket.socket], None] = lambda conn: conn.close(),
                  close_segment: Callable[[Segment], None] = Segment.close) -> None:
@@ -109,7 +115,7 @@ class SessionManager:
 
     # --- lifecycle -------------------------------------------------------
 
-    def hello(self, header: dict, identity: bytes = b"") -> dict:
+    def hello(self, header: Header, identity: bytes = b"") -> Header:
         o = self.options
         if len(self.sessions) >= o.max_sessions and not self._forget_a_bare_session():
             raise _exhausted(f"this server already holds {len(self.sessions)} client sessions, its "
@@ -142,7 +148,7 @@ class SessionManager:
         return True
 
     def attach(self, token: object, peer: Peer, channel: socket.socket, arena: bool = True
-               ) -> tuple[dict, list[int]]:
+               ) -> tuple[Header, list[int]]:
         """A client on this host attaches to its session over the side channel:
         the session becomes local (and gets its first arena segment, unless
         the client only wants to register regions). Returns the answer and
@@ -177,7 +183,7 @@ class SessionManager:
         self.segments[seg.name] = seg
         return seg
 
-    def grow(self, session: Session, header: dict) -> dict:
+    def grow(self, session: Session, header: Header) -> Header:
         if not session.local:
             raise _bad("arena_grow needs a local session (attach over the side channel first)")
         size = header.get("size")
@@ -312,7 +318,7 @@ class SessionManager:
 
     # --- arena inputs ------------------------------------------------------------
 
-    def arena_view(self, session: Optional[Session], ref: object, what: str) -> tuple[memoryview, list]:
+    def arena_view(self, session: Optional[Session], ref: object, what: str) -> tuple[memoryview, list[object]]:
         """Check an input's `shm` descriptor; (bytes, [segment, offset, nbytes, generation])."""
         if session is None or not session.local:
             raise _bad(f"{what}: 'shm' descriptors need a local session (say hello first)")
@@ -333,7 +339,7 @@ class SessionManager:
 
     # --- regions -----------------------------------------------------------------
 
-    def register(self, session: Session, header: dict) -> Union[dict, bool]:
+    def register(self, session: Session, header: Header) -> Union[Header, bool]:
         """Triton's register, as a challenge: the first call opens the segment
         and answers {"challenge": nonce}; the client writes the nonce at the
         region's offset and calls again with "challenge": nonce; the daemon
@@ -351,7 +357,7 @@ class SessionManager:
             return self._answer_challenge(session, name, header.get("challenge"))
         return self._challenge(session, name, header)
 
-    def _challenge(self, session: Session, name: str, header: dict) -> dict:
+    def _challenge(self, session: Session, name: str, header: Header) -> Header:
         key = region_key(name, header.get("key"))
         limit = self.options.max_regions_per_session
         if len(session.regions) + len(session.challenges) >= limit:
@@ -359,7 +365,7 @@ class SessionManager:
                              f"limit (--max-regions-per-session)")
         assert session.peer is not None  # set with its channel (attach): register checked it is local
         challenge = open_challenge(session.peer, name, key, header.get("offset", 0), header.get("byte_size"),
-                                   header["key"])
+                                   str(header["key"]))     # (a str: region_key checked it)
         old = session.challenges.pop(name, None)
         if old is not None:
             os.close(old.fd)
@@ -408,10 +414,10 @@ class SessionManager:
 
     def _drop_region(self, session: Session, region: Region) -> None:
         session.regions.pop(region.name, None)
-        self.forget([region.worker_ref()])
+        self.forget([region.segment_ref()])
         region.close()
 
-    def status(self, session: Session, name: object) -> list[dict]:
+    def status(self, session: Session, name: object) -> list[Header]:
         regions = session.regions.values() if name is None else \
             [r for r in session.regions.values() if r.name == name]
         if name is not None and not regions:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Iterable, Optional, Protocol
 
-from .usage import instance_rows
+from .usage import Instance, instance_rows
 
 # Triton's failure reasons, the `reason` label of nv_inference_request_failure:
 # refused after it was queued (its timeout passed), cancelled, failed by the
@@ -37,7 +37,7 @@ class Duration:
         self.count += count
         self.ns += ns
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, int]:
         return {"count": self.count, "ns": self.ns}
 
 
@@ -205,11 +205,11 @@ class VersionStats:
     execution_count: int = 0          # model executions (batches)
     last_inference_ms: int = 0
     worker_restarts: int = 0          # of all its instances
-    restarts: Counter = field(default_factory=Counter)        # instance name -> its restarts
+    restarts: Counter[str] = field(default_factory=Counter)        # instance name -> its restarts
     loading_since: float = 0.0        # monotonic: when its instances started loading
     load_seconds: Optional[float] = None    # from then until the version was READY
     batches: dict[int, BatchStats] = field(default_factory=dict)
-    batch_sizes: Counter = field(default_factory=Counter)
+    batch_sizes: Counter[int] = field(default_factory=Counter)
     # failed requests per Triton reason (fail.count is their sum)
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
     windows: Optional[LatencyWindows] = field(default_factory=_new_windows, repr=False, compare=False)
@@ -251,7 +251,7 @@ class VersionStats:
             windows.compute_infer.observe(infer_ns // 1000, now, requests)
             windows.compute_output.observe(output_ns // 1000, now, requests)
 
-    def to_triton(self, name: str, version: int, workers: Iterable = ()) -> dict:
+    def to_triton(self, name: str, version: int, workers: Iterable[Instance] = ()) -> dict[str, object]:
         """Triton's model_stats entry, and torchpool's extensions: the restarts
         and the version's live `workers` (supervisor.WorkerHandles) as
         `instances` (usage.instance_row)."""

@@ -19,19 +19,20 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from ..config import InstanceGroup
 from ..config.devices import cpu_budget, threads_per_worker, visible_gpus
 from ..shm.cpu_ledger import CpuLedger, SlotPool
 from ..config.parameters import model_parameters
 from ..protocol import internal
+from ..protocol.internal import BlockRef, SegmentRef
 from ..shm.fdpass import DONTWAIT, FdReceiver, send_with_fds
 from ..shm.segment import Segment
 from ..worker.capture_size import DEFAULT_MIB
 from ..worker.entry import run_worker
 from ..worker.spec import WorkerSpec
-from .registry import ModelVersion
+from .registry import ModelVersion, Registry
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -146,12 +147,12 @@ class WorkerHandle:
     batch_id: int = 0
     ahead: Optional[Batch] = None     # a Batch sent to run right after it (Scheduler.take_ahead)
     ahead_id: int = 0
-    releases: list = field(default_factory=list)   # output blocks to hand back on the next RUN
+    releases: list[BlockRef] = field(default_factory=list)   # output blocks to hand back on the next RUN
     timed_out: float = 0.0            # set when killed for exceeding the execution timeout
     load_timed_out: float = 0.0       # set when killed for not loading within the load timeout
     stopping: bool = False            # asked to stop (its version was retired)
     started: float = field(default_factory=time.monotonic)
-    known: set = field(default_factory=set)   # segments whose fds it has been handed
+    known: set[str] = field(default_factory=set)   # segments whose fds it has been handed
     how_it_ended: str = ""            # once reaped: "was killed by signal SIGKILL (9)", ...
     closing_paths: bool = False       # told to close direct paths, not done yet (broker/direct.py)
     reports: Optional[ReportRing] = None   # given a direct path: its report ring (protocol/reports.py)
@@ -245,13 +246,13 @@ def instance_devices(group: InstanceGroup, gpus: list[int]) -> list[str]:
 class Supervisor:
     def __init__(self, segment_prefix: str, arena_chunk: int, arena_limit: int, log_level: int,
                  busy_poll_us: int = 0, log_format: str = "text",
-                 cpu_instances: Callable[[], int] = lambda: 1, output_capture_mib: int = DEFAULT_MIB,
+                 registry: Optional[Registry] = None, output_capture_mib: int = DEFAULT_MIB,
                  stream_copy_bytes: int = 0) -> None:
         self.segment_prefix = segment_prefix
         # the CPUs the daemon may use, shared among the CPU instances of every
-        # version it serves or loads (cpu_instances: their number, now)
+        # version it serves or loads (the registry's: cpu_instances)
         self.cpu_budget = cpu_budget()
-        self.cpu_instances = cpu_instances
+        self.registry = registry
         # which CPU workers run a batch now: they size their threads by it (shm/cpu_ledger.py)
         self.cpu_slots = SlotPool(CpuLedger.create())
         self.threads = 0              # each CPU worker's threads, as last decided
@@ -340,6 +341,16 @@ class Supervisor:
         return sum(instance_devices(group, self.gpus).count("cpu")
                    for mv in versions for group in mv.config.instance_groups)
 
+    def cpu_instances(self) -> int:
+        """CPU instances of what the daemon serves or loads (1 without a
+        registry); a reload's new generation replaces its model's current one,
+        so each model counts once."""
+        if self.registry is None:
+            return 1
+        count = self.cpu_instances_of
+        return sum(max(count(m.versions.values()), count(m.pending.versions.values()) if m.pending else 0)
+                   for m in self.registry.models.values())
+
     def cpu_threads(self) -> int:
         """A new CPU worker's threads (when its model sets none): its share
         of the daemon's CPUs; logged when the share changes."""
@@ -370,7 +381,7 @@ class Supervisor:
             self.cpu_slots.give_back(handle.spec.cpu_slot)
         return how
 
-    def forget(self, refs: list) -> None:
+    def forget(self, refs: Sequence[SegmentRef]) -> None:
         """Every live worker unmaps segments of a closed session or region."""
         names = [r for r in refs if isinstance(r, str)]
         for h in self.workers.values():

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional, Protocol
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Protocol, TypedDict
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -147,7 +147,24 @@ class Instance(Protocol):
     started: float
 
 
-def instance_row(h: Instance, restarts: int, now: float, sampler: PssSampler = PSS) -> Optional[dict]:
+class InstanceRow(TypedDict):
+    """One worker as `torchpool ps` shows it (a statistics call's `instances`)."""
+
+    name: str
+    pid: int
+    device: str
+    threads: int
+    state: str
+    restarts: int
+    started: float              # wall-clock seconds
+    uptime_s: float
+    cpu_s: Optional[float]
+    rss_bytes: Optional[int]
+    pss_bytes: Optional[int]
+    pss_age_s: Optional[float]  # how old pss_bytes is
+
+
+def instance_row(h: Instance, restarts: int, now: float, sampler: PssSampler = PSS) -> Optional[InstanceRow]:
     """One worker as `torchpool ps` shows it; None when its process has
     just been reaped (the metrics thread reads handles while the loop runs)."""
     try:
@@ -171,7 +188,8 @@ def instance_row(h: Instance, restarts: int, now: float, sampler: PssSampler = P
     }
 
 
-def instance_rows(workers: Iterable[Instance], restarts: dict, sampler: PssSampler = PSS) -> list[dict]:
+def instance_rows(workers: Iterable[Instance], restarts: Mapping[str, int],
+                  sampler: PssSampler = PSS) -> list[InstanceRow]:
     """The rows of a version's live workers, by instance name; `restarts` is
     its restarts per instance (VersionStats.restarts)."""
     now = time.monotonic()
@@ -179,5 +197,5 @@ def instance_rows(workers: Iterable[Instance], restarts: dict, sampler: PssSampl
     return sorted((row for row in rows if row is not None), key=lambda row: row["name"])
 
 
-__all__ = ["CpuMemory", "PSS", "PssSampler", "STATES", "instance_row", "instance_rows", "read_pss",
+__all__ = ["CpuMemory", "InstanceRow", "PSS", "PssSampler", "STATES", "instance_row", "instance_rows", "read_pss",
            "read_stat"]

@@ -31,11 +31,11 @@ from ...shm import Arena, MappedSegments
 from ...shm.fdpass import close_all
 from ...shm.arena import Block
 from ...shm.segment import Segment
-from ..batch import Batch, CopiedDescriptor, CopiedOutput, SegmentRef
+from ..batch import Batch, CopiedDescriptor, CopiedOutput, OutputEntry, OutputPiece, SegmentRef
 from ..frontend import Frontend
 from ..registry import ModelVersion
 from ..requests import InferRequest
-from ..schedulers.base import TIMEOUT
+from ...rules.validation import TIMEOUT
 from ..stats import BACKEND, OTHER, REJECTED
 from ..supervisor import DEAD, WorkerHandle
 from .split import check_reused_outputs, split_outputs
@@ -53,9 +53,9 @@ class Executed:
     """A batch the worker ran: its output descriptors
     `[name, datatype, shape, segment, offset, nbytes]`."""
 
-    outputs: list
+    outputs: Sequence[OutputEntry]
     worker: Optional[WorkerHandle]    # None: the bytes were copied out of a worker that died
-    reused: frozenset = frozenset()   # outputs that are views of an input block
+    reused: frozenset[str] = frozenset()   # outputs that are views of an input block
 
 
 # how a batch ended: ran, or failed with the error its requests get
@@ -89,7 +89,7 @@ class _OutBlock:
     it goes back to the worker once every send and every lend of it is done."""
 
     worker: WorkerHandle
-    block: list                       # [segment, offset, size]
+    block: list[Union[str, int]]      # [segment, offset, size]
     refs: int = 1                     # 1 while the answers are being sent
 
 
@@ -107,12 +107,12 @@ class Answers:
     """Answers requests, and keeps the shared memory their zero-copy sends and
     lends still read (worker output blocks, broker input blocks) until done."""
 
-    def __init__(self, frontend: Frontend, arena: Arena, transfer: Counter,
+    def __init__(self, frontend: Frontend, arena: Arena, transfer: Counter[str], sessions: SessionManager,
                  close_segment: Callable[[Segment], None] = Segment.close) -> None:
         self.frontend = frontend
         self.arena = arena                    # the broker's input arena (requests' blocks)
         self.transfer = transfer              # bytes copied / lent / sent, for benchmarks and tests
-        self.sessions: SessionManager         # set by the server once it exists (it takes end_loans)
+        self.sessions = sessions              # local clients: regions to release, outputs to lend
         self._orders: dict[ModelVersion, _Order] = {}
         # each worker's output segments (fds kept); a dead worker's are closed by
         # `close_segment` (the server's reaper: the last close frees their pages)
@@ -325,7 +325,8 @@ class Answers:
         if shared.refs == 0 and shared.worker.state != DEAD:
             shared.worker.releases.append(shared.block)
 
-    def _answer(self, req: InferRequest, pieces: list, owner_of: dict, reused: frozenset) -> None:
+    def _answer(self, req: InferRequest, pieces: list[OutputPiece], owner_of: dict[str, Optional[_OutBlock]],
+                reused: frozenset[str]) -> None:
         """Send one request's outputs (its own byte ranges of the worker's
         output blocks, or of its inputs when outputs are views of them): into
         the caller's region when it asked; from the input they are a view of;
@@ -345,7 +346,7 @@ class Answers:
         # input blocks of ours that outputs are views of outlive the request
         held = _take_viewed_blocks(req, pieces, reused)
         self.release(req)
-        outputs: list[dict] = []
+        outputs: list[tensors.Entry] = []
         frames: list[Union[zmq.Frame, Buffer]] = []
         trackers: list[zmq.MessageTracker] = []
         sending: list[_OutBlock] = []
@@ -360,8 +361,11 @@ class Answers:
                     region_name, region_offset = req.region_outputs[name]
                     tensors.put_region(entry, region_name, nbytes, region_offset)
                     continue
-                if name in reused:
+                if name in reused and isinstance(segment, str):
                     self._answer_view(entry, segment, offset, nbytes, held, frames, held_trackers)
+                elif not isinstance(segment, (str, CopiedOutput)):   # a region's [key, inode]
+                    raise TorchpoolError(errors.INTERNAL, f"output '{name}' was written into a region it "
+                                                          f"was not asked into")
                 else:
                     self._answer_output(entry, segment, offset, nbytes, owner_of.get(name),
                                         session if lend else None, frames, trackers, sending)
@@ -378,8 +382,8 @@ class Answers:
             if trackers:
                 self._sending.append((trackers, sending[0].worker, sending))
 
-    def _answer_view(self, entry: dict, segment: str, offset: int, nbytes: int, held: list[Block],
-                     frames: list, trackers: list) -> None:
+    def _answer_view(self, entry: tensors.Entry, segment: str, offset: int, nbytes: int, held: list[Block],
+                     frames: list[Union[zmq.Frame, Buffer]], trackers: list[zmq.MessageTracker]) -> None:
         """Fill in an output that is a view of one of the request's inputs:
         in the client's own block (it keeps the block for the output), or in
         one the broker staged (`held`), sent from there."""
@@ -393,9 +397,10 @@ class Answers:
         if isinstance(frame, zmq.Frame):      # (else inline: None)
             trackers.append(frame.tracker)
 
-    def _answer_output(self, entry: dict, segment: SegmentRef, offset: int, nbytes: int,
-                       owner: Optional[_OutBlock], lend_to: Optional[Session], frames: list,
-                       trackers: list, sending: list) -> None:
+    def _answer_output(self, entry: tensors.Entry, segment: SegmentRef, offset: int, nbytes: int,
+                       owner: Optional[_OutBlock], lend_to: Optional[Session],
+                       frames: list[Union[zmq.Frame, Buffer]], trackers: list[zmq.MessageTracker],
+                       sending: list[_OutBlock]) -> None:
         """Fill in one output of the worker's: lent in place to a local client
         (`lend_to`: its session, else None); small ones inline; large ones as
         zero-copy frames of the worker's shared memory (`owner`: its block;
@@ -456,7 +461,7 @@ def _tracked(data: memoryview) -> zmq.Frame:
     return zmq.Frame(data, copy=False, track=True)
 
 
-def _take_viewed_blocks(req: InferRequest, pieces: list, reused: frozenset) -> list[Block]:
+def _take_viewed_blocks(req: InferRequest, pieces: list[OutputPiece], reused: frozenset[str]) -> list[Block]:
     """The request's blocks in the broker's arena that reused outputs are
     views of, taken out of `req.blocks` so that releasing the request does
     not free them before the answer is sent from them."""

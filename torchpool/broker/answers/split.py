@@ -11,21 +11,25 @@ worker answered as views of an input block are checked to lie in one.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from ...config import ModelConfig, TensorSpec
 from ...protocol import datatypes, errors
 from ...protocol.errors import TorchpoolError
 from ...rules.split import row_spans
-from ..batch import Batch
+from ...protocol.internal import SegmentRef
+from ..batch import Batch, CopiedOutput, OutputEntry, OutputPiece
 
 if TYPE_CHECKING:
     from ..schedulers.base import ReadOutput
 
 SCATTER = "BATCH_SCATTER_WITH_INPUT_SHAPE"
 
+# an output's part for one request, before its name is put in front: OutputPiece less the name
+_Part = tuple[str, Sequence[int], Union[SegmentRef, CopiedOutput], int, int]
 
-def output_shape(spec: Optional[TensorSpec], shape: list[int], batching: bool) -> list[int]:
+
+def output_shape(spec: Optional[TensorSpec], shape: Sequence[int], batching: bool) -> Sequence[int]:
     """Undo an output `reshape`: the client sees the config's `dims`. (No
     spec: a sequence state output, kept as the model made it.)"""
     if spec is None or spec.reshape is None:
@@ -44,7 +48,8 @@ def scatter_sources(cfg: ModelConfig) -> dict[str, str]:
             if entry.get("kind", SCATTER) == SCATTER for t in entry["target_name"]}
 
 
-def check_reused_outputs(batch: Batch, descriptors: list, reused: frozenset, label: str) -> None:
+def check_reused_outputs(batch: Batch, descriptors: Sequence[OutputEntry], reused: frozenset[str],
+                         label: str) -> None:
     """A worker said these outputs are views of input blocks handed over for
     reuse: each must lie inside such an input of this batch (which then has
     one request), or the answer would point at memory the client did not
@@ -60,8 +65,8 @@ def check_reused_outputs(batch: Batch, descriptors: list, reused: frozenset, lab
                                                   f"of an input block it does not lie in")
 
 
-def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: list,
-                  read: ReadOutput) -> list[list[tuple]]:
+def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: Sequence[OutputEntry],
+                  read: ReadOutput) -> list[list[OutputPiece]]:
     """Each request's own part of a batch's outputs.
 
     `descriptors` are the worker's `[name, datatype, shape, segment, offset,
@@ -77,9 +82,10 @@ def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: list,
     scatter = scatter_sources(cfg)
     single = len(requests) == 1 and batch.row_starts is None
     starts = batch.starts()
-    parts: dict[str, list[tuple]] = {}
+    parts: dict[str, list[_Part]] = {}
     for name, datatype, shape, segment, offset, nbytes in descriptors:
         spec = cfg.output(name)
+        pieces: list[_Part]
         if name in scatter:
             if datatype == "BYTES" or batch.row_starts is not None:
                 what = "BYTES" if datatype == "BYTES" else "rows of no request (empty sequence slots)"
@@ -103,6 +109,9 @@ def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: list,
             spans = row_spans(model, name, shape[0] if shape else 0, [r.rows for r in requests], starts,
                               batch.rows, strings=True)
             per_row = (shape[0] // batch.rows) if batch.rows else 0
+            if not isinstance(segment, (str, CopiedOutput)):   # a region's [key, inode]: such a request runs alone
+                raise TorchpoolError(errors.INTERNAL, f"output '{name}' of model '{model}' was written into "
+                                                      f"a region by a batch of several requests")
             try:
                 bounds = datatypes.bytes_boundaries(read(segment, offset, nbytes), [per_row] * batch.rows)
             except ValueError as exc:
@@ -139,7 +148,7 @@ def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: list,
     return out
 
 
-def _classified(name: str, descriptors: list, single: bool, model: str) -> tuple:
+def _classified(name: str, descriptors: Sequence[OutputEntry], single: bool, model: str) -> OutputPiece:
     """A classified output as the worker wrote it: BYTES "score:index[:label]",
     [batch, k] or [k]. Its shape is not the config's (no `reshape` to undo),
     and it cannot be split: such a request runs alone (requests.batch_layout)."""
@@ -148,5 +157,5 @@ def _classified(name: str, descriptors: list, single: bool, model: str) -> tuple
                                               f"a batch of several requests")
     for d in descriptors:
         if d[0] == name:
-            return tuple(d)
+            return d.name, d.datatype, d.shape, d.segment, d.offset, d.nbytes
     raise TorchpoolError(errors.INTERNAL, f"output '{name}' of model '{model}' is missing")
