@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
 from ..protocol.names import check_model_name
-from .backend import InputTensor, OutputRequest, bad, check_counts, check_dims, input_value
+from .backend import InputTensor, OutputRequest, bad, check_counts, check_dims, input_bytes
 from .proto import grpc_service_pb2 as pb
 
 # The `contents` field of each datatype, and the datatype Triton names for a
@@ -117,7 +117,7 @@ def _inputs(request: pb.ModelInferRequest, raw_count: int, convert: bool = False
                           f"for '{t.name}' for model '{model}'")
             parsed.values = _typed_values(t, model)
             if convert:
-                parsed.raw, parsed.values = input_value(parsed, model).data, None
+                parsed.raw, parsed.values = input_bytes(parsed, model), None
         elif next_raw < raw_count:
             # raw entries are taken in order by the inputs that have no other data
             parsed.raw_index = next_raw

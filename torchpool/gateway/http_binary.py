@@ -31,7 +31,7 @@ from typing import Optional, Union
 
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
-from .backend import InferResponse, InputTensor, OutputRequest, bad, check_counts, check_dims, input_value
+from .backend import InferResponse, InputTensor, OutputRequest, bad, check_counts, check_dims, input_bytes
 from .chunks import CHUNK_ELEMENTS, Chunk, json_values, tensor_bytes
 from .defaults import MAX_INPUT_BYTES
 from .http_bodies import Body, body_buffer
@@ -349,7 +349,7 @@ def infer_call(document: Union[memoryview, bytes], json_end: Optional[int], size
     for i, item in enumerate(inputs):
         tensor, offset = _parse_input(_obj(item, f"inputs[{i}]"), size, offset, json_end, model)
         if convert and tensor.values is not None:
-            tensor.raw, tensor.values = input_value(tensor, model).data, None
+            tensor.raw, tensor.values = input_bytes(tensor, model), None
         call.inputs.append(tensor)
     if offset != size:
         raise bad(f"unexpected additional input data for model '{model}'")
@@ -516,7 +516,7 @@ async def encode_infer(result: InferResponse, accept_encoding: Optional[str]) ->
             out["parameters"] = {"binary_data_size": _nbytes(raw)}
             if _nbytes(raw):
                 binaries.append(raw)
-        elif t.array.size <= CHUNK_ELEMENTS:
+        elif t.data().size <= CHUNK_ELEMENTS:
             out["data"] = t.values()
         else:
             marker = f"tp-values-{secrets.token_hex(8)}"
