@@ -27,7 +27,7 @@ import secrets
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
@@ -38,10 +38,14 @@ from .http_bodies import Body, body_buffer
 from .http_messages import Response
 from .offload import OFFLOAD_BYTES, Offload
 
+# (containers, deepest, stop) of a document: json_scan
+JsonScan = Callable[[Body, int, int], tuple[int, int, int]]
 try:
     from ..protocol import _bytescan
+    # (an extension built before json_scan was added has none)
+    _json_scan_c: Optional[JsonScan] = getattr(_bytescan, "json_scan", None)
 except ImportError:         # built without a C compiler: the regular-expression walk below
-    _bytescan = None
+    _json_scan_c = None
 
 INFER_HEADER = "inference-header-content-length"
 # Triton's default --http-max-input-size for the JSON document, whatever the
@@ -132,7 +136,7 @@ def check_json_size(size: int, what: str = "request") -> None:
 Buffer = Union[bytes, bytearray, memoryview]
 
 
-def _json_scan_re(data: Buffer, max_depth: int, max_containers: int) -> tuple[int, int, int]:
+def _json_scan_re(data: Body, max_depth: int, max_containers: int) -> tuple[int, int, int]:
     """json_scan without the C extension: strings (skipped whole) and brackets
     found by a regular expression, the rest passed over by its engine (60 MiB
     of numbers in about 1.5 s, of "[]," to the limit 1.6 s, against 0.01 s
@@ -152,10 +156,9 @@ def _json_scan_re(data: Buffer, max_depth: int, max_containers: int) -> tuple[in
 
 
 _JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]', re.S)
-_json_scan_c = getattr(_bytescan, "json_scan", None)
 
 
-def json_scan(data: Buffer, max_depth: int, max_containers: int) -> tuple[int, int, int]:
+def json_scan(data: Body, max_depth: int, max_containers: int) -> tuple[int, int, int]:
     """(containers, deepest, stop): the arrays and objects of a JSON document
     and how deep they nest, counted before anything is made of it, until one
     is deeper than `max_depth` or more than `max_containers` (`stop`: the
@@ -183,7 +186,7 @@ DEEP_VALUE = b"NaN"
 DEEP_VALUES_BYTES = 1 << 20
 
 
-def _prune_deep(data: Buffer) -> bytes:
+def _prune_deep(data: Body) -> bytes:
     """The document with each array or object that opens deeper than
     MAX_JSON_DEPTH replaced, whole, by DEEP_VALUE (strings passed over)."""
     out, depth, cut = bytearray(), 0, None
@@ -265,7 +268,7 @@ RAW_INPUT = "raw_input"
 _BYTES_LENGTH = struct.Struct("<I")
 
 
-def raw_call(body: Buffer, config: dict, model: str) -> InferCall:
+def raw_call(body: Body, config: dict, model: str) -> InferCall:
     """A raw binary request: the whole body is the model's one input, its
     name, datatype and shape the config's (Triton's core, Normalize):
     batch dimension 1 when max_batch_size is not 0; one variable-size
