@@ -8,7 +8,8 @@ whole module (figures in the commit that added it).
 
 A connection serves its requests one at a time, in order. Pipelined requests
 wait parsed: once more than MAX_PIPELINED wait, reading pauses (what one
-read of SCRATCH_BYTES held is parsed whole, so that bounds the queue too).
+read of SCRATCH_BYTES held is parsed whole, so that bounds the queue too);
+between two of them the loop serves other connections.
 A body whose size is known (Content-Length) is received straight into one
 buffer of that size: the socket reads into it, nothing is copied before the
 gateway's single copy into shared memory; its memory is taken as the bytes
@@ -457,6 +458,14 @@ class HttpConnection(asyncio.BufferedProtocol):
                     return
                 if self.drained is not None:
                     await self._drain(self.drained)
+                elif self.queue:
+                    # the next request was pipelined: other connections have a
+                    # turn first. An answer made without waiting (a refusal, a
+                    # health check) would otherwise follow the one before it at
+                    # once: a client's whole queue of them in one go while every
+                    # other caller waits (e.g. 1 MiB control documents nested too
+                    # deeply, each cut and parsed in the loop)
+                    await asyncio.sleep(0)
         finally:
             self.task = None
             if not self.lingering and not self.made_transport().is_closing():
