@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 import tracemalloc
 
@@ -25,13 +26,16 @@ NO_LIMIT = 1 << 62
 def walker(request, monkeypatch):
     if request.param == "python":
         monkeypatch.setattr(http_binary, "_json_scan_c", None)
+        monkeypatch.setattr(http_binary, "_json_prune_c", None)
     return request.param
 
 
 def test_the_c_walk_is_built() -> None:
     # scripts/test builds the extension: without it the walk is a regular
-    # expression, seconds for documents of millions of brackets
+    # expression, seconds for documents of millions of brackets (and the cut
+    # of a control document's deep values 0.1-0.2 s per MiB, in the gateway's loop)
     assert http_binary._json_scan_c is not None
+    assert http_binary._json_prune_c is not None
 
 
 @pytest.mark.parametrize("doc, counts", [
@@ -85,6 +89,48 @@ def test_control_documents_read_a_value_nested_too_deeply_as_a_wrong_value(walke
     assert load_json(nested(5), deep_values=True) == json.loads(nested(5))
     with pytest.raises(TorchpoolError, match=r"nests deeper at byte 109$"):
         load_json(b'{"ready": ' + nested(250_000) + b"}")   # not a control request: refused
+
+
+PRUNED = [
+    # (document, max_depth): what is cut, the same in C and in Python
+    (b"", 0), (b"[]", 0), (b"[]", 1), (b"[[1]]", 1), (b"[[1],[2,[3]],4]", 1), (b"[[1],[2,[3]],4]", 2),
+    (b'{"a": {"b": [1]}, "c": "x"}', 1), (b'{"a": {"b": [1]}, "c": "x"}', 2),
+    (b'["[[[", [["]]]", {}]], "{"]', 1),                         # brackets in strings are text
+    (b'[["a\\"[[", [[]]], "\\\\", [[]]]', 1),                  # escaped quotes and backslashes
+    (b"[[[1]]", 1),                                             # a deep value still open at the end
+    (b'[[["unterminated [[[', 1),                               # ... and in a string that never ends
+    (b"]]][[[]]]][[", 1), (b"}{}{", 0),                         # broken: the depth never below 0
+    (b"[" * 300 + b"0" + b"]" * 300, 100),
+]
+
+
+@pytest.mark.parametrize("doc, max_depth", PRUNED)
+def test_the_cut_of_deep_values_is_the_same_in_c_and_in_python(doc: bytes, max_depth: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    c = http_binary._json_prune_c
+    assert c is not None
+    monkeypatch.setattr(http_binary, "MAX_JSON_DEPTH", max_depth)
+    expected = http_binary._prune_deep_re(doc)
+    assert c(doc, max_depth, http_binary.DEEP_VALUE) == expected
+    assert c(memoryview(bytearray(doc)), max_depth, http_binary.DEEP_VALUE) == expected
+    assert http_binary._prune_deep(doc) == expected
+
+
+def test_the_cut_of_deep_values_is_the_same_in_c_and_in_python_for_random_documents(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    c = http_binary._json_prune_c
+    assert c is not None
+    rng = random.Random(39)
+    tokens = [b"[", b"]", b"{", b"}", b'"', b"\\", b"1", b","]
+    for _ in range(2000):
+        doc = b"".join(rng.choices(tokens, weights=[6, 5, 3, 3, 2, 1, 2, 2], k=rng.randrange(0, 80)))
+        depth = rng.randrange(0, 6)
+        monkeypatch.setattr(http_binary, "MAX_JSON_DEPTH", depth)
+        assert c(doc, depth, b"NaN") == http_binary._prune_deep_re(doc), (doc, depth)
+    # large enough to be walked without the GIL, and a replacement longer than what it replaces
+    doc = b"[" + b"[[[]],[],{}]," * 20000 + b"0]"
+    monkeypatch.setattr(http_binary, "MAX_JSON_DEPTH", 2)
+    assert c(doc, 2, b'"a deep value"') == http_binary._prune_deep_re(doc).replace(b"NaN", b'"a deep value"')
 
 
 def test_a_large_control_document_nested_too_deeply_is_refused(walker: str) -> None:

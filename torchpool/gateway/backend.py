@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import numpy as np
 
-from ..client import AsyncClient, OutputRef, RawTensor, RegionOutput, SharedMemoryRef
+from ..client import AsyncClient, Classification, OutputRef, RawTensor, RegionOutput, SharedMemoryRef
 from ..client.regions import SegmentUnusable
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
@@ -29,6 +29,7 @@ from .defaults import ALLOW_CLIENT_SHM, MAX_IN_FLIGHT_PER_CALLER
 
 if TYPE_CHECKING:
     import torch
+    from typing_extensions import Buffer
 
 log = logging.getLogger("torchpool.gateway")
 
@@ -129,6 +130,12 @@ class ShmPolicy:
                       f"begin with a prefix this server allows (--allow-client-shm-prefix)")
 
 
+# An input's bytes as the gateway holds them: views of a request (HTTP body,
+# raw_input_contents), or what its values became (bytes, or an array: both
+# travel back from the helper process, where views could not).
+TensorBytes = Union[bytes, bytearray, memoryview, np.ndarray]
+
+
 @dataclass
 class InputTensor:
     """One input as a protocol parsed it: its bytes (`raw`: binary extension,
@@ -140,7 +147,7 @@ class InputTensor:
     name: str
     datatype: str
     shape: list[int]
-    raw: Union[bytes, bytearray, memoryview, np.ndarray, None] = None
+    raw: Optional[TensorBytes] = None
     values: object = None             # a JSON array (nested or flat), or typed contents' list
     region: Optional[str] = None
     byte_size: int = 0
@@ -177,16 +184,23 @@ class OutputTensor:
     byte_size: int = 0
     offset: int = 0
 
+    def data(self) -> np.ndarray:
+        """`array`: an output that was not written into a region has one."""
+        if self.array is None:
+            raise TypeError(f"output '{self.name}' was written into region '{self.region}': it has no array")
+        return self.array
+
     def raw(self) -> Union[bytes, memoryview]:
         """The tensor's bytes in Triton's layout (BYTES length-prefixed)."""
+        array = self.data()
         if self.datatype == "BYTES":
-            return datatypes.encode_bytes(self.array.reshape(-1).tolist())
-        arr = self.array if self.array.flags.c_contiguous else np.ascontiguousarray(self.array)
-        return memoryview(arr).cast("B") if arr.size else b""
+            return datatypes.encode_bytes(array.reshape(-1).tolist())
+        arr = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+        return arr.data.cast("B") if arr.size else b""
 
     def values(self) -> list:
         """The tensor's elements, flattened, as JSON values (BYTES as text)."""
-        flat = self.array.reshape(-1)
+        flat = self.data().reshape(-1)
         if self.datatype == "BYTES":
             return [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in flat]
         if self.datatype == "BF16":
@@ -225,17 +239,37 @@ def _flatten(values: object) -> list:
     return out
 
 
-def input_value(t: InputTensor, model: str) -> Union[SharedMemoryRef, RawTensor]:
-    """What `AsyncClient.infer` takes for one parsed input."""
+def _check_input(t: InputTensor, model: str) -> str:
+    """Its datatype and shape checked; the words that name it."""
     where = f"input '{t.name}' for model '{model}'"
     if t.datatype not in datatypes.WIRE_DATATYPES:
         raise bad(f"invalid datatype '{t.datatype}' of {where}")
     if any(not isinstance(d, int) or d < 0 for d in t.shape):
         raise bad(f"invalid shape {t.shape} of {where}: dimensions must be non-negative integers")
+    return where
+
+
+def _buffer(data: TensorBytes) -> Buffer:
+    # an array as a view of its bytes (`.data`, memoryview(array)): numpy's
+    # types give arrays the buffer protocol only from Python 3.12; the client
+    # takes a view of a RawTensor's data anyway
+    return data.data if isinstance(data, np.ndarray) else data
+
+
+def input_value(t: InputTensor, model: str) -> Union[SharedMemoryRef, RawTensor]:
+    """What `AsyncClient.infer` takes for one parsed input."""
     if t.region is not None:
+        _check_input(t, model)
         return SharedMemoryRef(t.region, t.byte_size, t.offset, t.datatype, tuple(t.shape))
+    return RawTensor(t.datatype, tuple(t.shape), _buffer(input_bytes(t, model)))
+
+
+def input_bytes(t: InputTensor, model: str) -> TensorBytes:
+    """The bytes of an input given in the request (not in a region): `raw`,
+    or its `values` converted to the datatype (checked as Triton does)."""
+    where = _check_input(t, model)
     if t.raw is not None:
-        return RawTensor(t.datatype, tuple(t.shape), t.raw)
+        return t.raw
     if t.values is None:
         raise bad(f"{where} has no data: give 'data', binary data or a shared-memory region")
     flat = _flatten(t.values)
@@ -250,9 +284,9 @@ def input_value(t: InputTensor, model: str) -> Union[SharedMemoryRef, RawTensor]
             if not all(isinstance(v, (str, bytes)) for v in flat):
                 raise TypeError
             items = [v.encode() if isinstance(v, str) else v for v in flat]
-            return RawTensor("BYTES", tuple(t.shape), datatypes.encode_bytes(items))
+            return datatypes.encode_bytes(items)
         if t.datatype == "BF16":
-            return RawTensor("BF16", tuple(t.shape), _float_to_bf16(np.asarray(flat, np.float32)))
+            return _float_to_bf16(np.asarray(flat, np.float32))
         if t.datatype == "BOOL" and not all(isinstance(v, bool) for v in flat):
             raise TypeError
         arr = np.asarray(flat, dtype=datatypes.numpy_dtype(t.datatype))
@@ -263,10 +297,10 @@ def input_value(t: InputTensor, model: str) -> Union[SharedMemoryRef, RawTensor]
         # numpy's own words would show Python types and reprs: say what was expected
         raise bad(f"unable to parse 'data' of {where} as {t.datatype}: expected "
                   f"{_EXPECTED_VALUES.get(t.datatype, 'numbers')}") from None
-    return RawTensor(t.datatype, tuple(t.shape), arr)
+    return arr
 
 
-def output_wanted(o: OutputRequest, model: str) -> Union[OutputRef, dict[str, object], str]:
+def output_wanted(o: OutputRequest, model: str) -> Union[OutputRef, Classification, str]:
     """What `AsyncClient.infer` takes for one requested output."""
     if o.region is not None:
         if o.classification:
@@ -278,7 +312,7 @@ def output_wanted(o: OutputRequest, model: str) -> Union[OutputRef, dict[str, ob
                 or o.classification < 0:
             raise bad(f"output '{o.name}' for model '{model}': classification must be a "
                       f"positive integer, got {o.classification!r}")
-        return {"name": o.name, "classification": o.classification}
+        return Classification(o.name, o.classification)
     return o.name
 
 

@@ -48,9 +48,10 @@ async def _by_chunks(flat: np.ndarray, convert: Callable[[np.ndarray], bytes]) -
 
 async def tensor_bytes(t: OutputTensor) -> Chunk:
     """`t.raw()`: a view for fixed-size datatypes; BYTES written a chunk at a time."""
-    if t.datatype != "BYTES" or t.array.size <= CHUNK_ELEMENTS:
+    array = t.data()
+    if t.datatype != "BYTES" or array.size <= CHUNK_ELEMENTS:
         return t.raw()
-    parts = await _by_chunks(t.array.reshape(-1), lambda c: datatypes.encode_bytes(c.tolist()))
+    parts = await _by_chunks(array.reshape(-1), lambda c: datatypes.encode_bytes(c.tolist()))
     return b"".join(parts)
 
 
@@ -67,7 +68,8 @@ def _json_chunk(datatype: str) -> Callable[[np.ndarray], bytes]:
 
 async def json_values(t: OutputTensor) -> bytes:
     """The JSON array of `t.values()`, as bytes."""
-    if t.array.size <= CHUNK_ELEMENTS:
+    array = t.data()
+    if array.size <= CHUNK_ELEMENTS:
         return json.dumps(t.values(), separators=(",", ":")).encode()
-    parts = await _by_chunks(t.array.reshape(-1), _json_chunk(t.datatype))
+    parts = await _by_chunks(array.reshape(-1), _json_chunk(t.datatype))
     return b"[" + b",".join(p for p in parts if p) + b"]"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
 from ..protocol.names import check_model_name
-from .backend import InputTensor, OutputRequest, bad, check_counts, check_dims, input_value
+from .backend import InputTensor, OutputRequest, bad, check_counts, check_dims, input_bytes
 from .proto import grpc_service_pb2 as pb
 
 # The `contents` field of each datatype, and the datatype Triton names for a
@@ -30,25 +30,46 @@ _FIELD_DATATYPE = {"bool_contents": "BOOL", "int_contents": "INT32", "int64_cont
 # --- request parameters ------------------------------------------------------------------
 
 def _param(params: Mapping[str, pb.InferParameter], key: str, kinds: tuple[str, ...],
-           where: str = "") -> Union[str, int, None]:
-    """The value of parameter `key` (None if absent), which must be set as one
-    of `kinds` (InferParameter oneof fields); Triton's error text otherwise."""
+           where: str = "") -> Optional[tuple[pb.InferParameter, str]]:
+    """Parameter `key` and which of its InferParameter oneof fields is set
+    (None if absent), which must be one of `kinds`; Triton's error text otherwise."""
     if key not in params:        # not params[key]: that would insert an entry
         return None
     value = params[key]
     which = value.WhichOneof("parameter_choice")
     if which not in kinds:
         raise bad(f"invalid value type for '{key}' parameter{where}, expected {' or '.join(kinds)}.")
-    return getattr(value, which)
+    return value, which
 
 
-def _region(tensor: pb.ModelInferRequest.InferInputTensor) -> Optional[tuple[str, int, int]]:
+def _int_param(params: Mapping[str, pb.InferParameter], key: str,
+               kinds: tuple[str, ...] = ("int64_param",), where: str = "") -> Optional[int]:
+    """`_param`'s value, of int64_param or uint64_param."""
+    found = _param(params, key, kinds, where)
+    if found is None:
+        return None
+    value, which = found
+    return value.uint64_param if which == "uint64_param" else value.int64_param
+
+
+def _str_param(params: Mapping[str, pb.InferParameter], key: str, where: str = "") -> Optional[str]:
+    found = _param(params, key, ("string_param",), where)
+    return None if found is None else found[0].string_param
+
+
+def _bool_param(params: Mapping[str, pb.InferParameter], key: str) -> Optional[bool]:
+    found = _param(params, key, ("bool_param",))
+    return None if found is None else found[0].bool_param
+
+
+def _region(tensor: Union[pb.ModelInferRequest.InferInputTensor, pb.ModelInferRequest.InferRequestedOutputTensor]
+            ) -> Optional[tuple[str, int, int]]:
     """(region, byte_size, offset) of a tensor in system shared memory, or None."""
     where = f" for tensor '{tensor.name}'"
     params = tensor.parameters
-    region = _param(params, "shared_memory_region", ("string_param",), where)
-    offset = _param(params, "shared_memory_offset", ("int64_param",), where)
-    size = _param(params, "shared_memory_byte_size", ("int64_param",), where)
+    region = _str_param(params, "shared_memory_region", where)
+    offset = _int_param(params, "shared_memory_offset", where=where)
+    size = _int_param(params, "shared_memory_byte_size", where=where)
     if region is None:
         for key, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", size)):
             if value is not None:
@@ -64,18 +85,19 @@ def _region(tensor: pb.ModelInferRequest.InferInputTensor) -> Optional[tuple[str
 def _request_options(params: Mapping[str, pb.InferParameter]) -> dict:
     """Backend.infer's keyword arguments from the request's parameters."""
     options: dict[str, object] = {}
-    sequence_id = _param(params, "sequence_id", ("int64_param", "string_param"))
-    if sequence_id is not None:
-        options["sequence_id"] = sequence_id
+    sequence = _param(params, "sequence_id", ("int64_param", "string_param"))
+    if sequence is not None:
+        value, which = sequence
+        options["sequence_id"] = value.string_param if which == "string_param" else value.int64_param
     for flag in ("sequence_start", "sequence_end"):
-        if _param(params, flag, ("bool_param",)):
+        if _bool_param(params, flag):
             options[flag] = True
-    priority = _param(params, "priority", ("int64_param", "uint64_param"))
+    priority = _int_param(params, "priority", ("int64_param", "uint64_param"))
     if priority is not None:
         if priority < 0:
             raise bad("invalid value for 'priority', expected value >= 0.")
         options["priority"] = priority
-    timeout = _param(params, "timeout", ("int64_param",))
+    timeout = _int_param(params, "timeout")
     if timeout:
         options["timeout_us"] = max(timeout, 0)
     return options
@@ -117,7 +139,7 @@ def _inputs(request: pb.ModelInferRequest, raw_count: int, convert: bool = False
                           f"for '{t.name}' for model '{model}'")
             parsed.values = _typed_values(t, model)
             if convert:
-                parsed.raw, parsed.values = input_value(parsed, model).data, None
+                parsed.raw, parsed.values = input_bytes(parsed, model), None
         elif next_raw < raw_count:
             # raw entries are taken in order by the inputs that have no other data
             parsed.raw_index = next_raw
@@ -138,7 +160,7 @@ def _outputs(request: pb.ModelInferRequest) -> Optional[list[OutputRequest]]:
     wanted = []
     for o in request.outputs:
         region = _region(o)
-        classes = _param(o.parameters, "classification", ("int64_param",))
+        classes = _int_param(o.parameters, "classification")
         if region is not None and classes is not None:
             raise bad("output can't set both 'shared_memory_region' and 'classification'")
         if classes is not None and classes <= 0:

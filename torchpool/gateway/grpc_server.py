@@ -19,7 +19,7 @@ import errno
 import functools
 import logging
 import socket
-from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeAlias, TypeVar, Union
+from typing import AsyncIterator, Awaitable, Callable, NoReturn, Optional, Sequence, TypeAlias, TypeVar, Union
 
 import grpc
 from google.protobuf import json_format
@@ -88,6 +88,12 @@ async def _answer(result: InferResponse) -> InferAnswer:
     return header, chunks
 
 
+async def _abort(context: Context, code: str, message: str) -> NoReturn:
+    """End the call with the gRPC status of error `code` (grpc's abort raises)."""
+    await context.abort(getattr(grpc.StatusCode, grpc_status_name(code)), message)
+    raise AssertionError("grpc.aio.ServicerContext.abort returned")
+
+
 def _parse(values: dict, message: _Msg) -> _Msg:
     """A daemon answer (Triton's JSON form) as `message`; fields protobuf does
     not know (torchpool's extras) are left out."""
@@ -115,7 +121,7 @@ def _rpc(method: Method[_Req, _Res]) -> Method[_Req, _Res]:
         except Exception as exc:        # a bug here must not look like the client's fault
             log.exception("gRPC %s failed", method.__name__)
             code, message = errors.INTERNAL, f"{type(exc).__name__}: {exc}"
-        await context.abort(getattr(grpc.StatusCode, grpc_status_name(code)), message)
+        await _abort(context, code, message)
     return call
 
 
@@ -211,7 +217,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await self.callers.open_stream(caller)
         except TorchpoolError as exc:
             self.callers.leave(caller)
-            await context.abort(getattr(grpc.StatusCode, grpc_status_name(exc.code)), exc.message)
+            await _abort(context, exc.code, exc.message)
         except BaseException:               # cancelled while its peer was looked up
             self.callers.leave(caller)
             raise

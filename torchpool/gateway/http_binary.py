@@ -27,21 +27,28 @@ import secrets
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
-from .backend import InferResponse, InputTensor, OutputRequest, bad, check_counts, check_dims, input_value
+from .backend import InferResponse, InputTensor, OutputRequest, bad, check_counts, check_dims, input_bytes
 from .chunks import CHUNK_ELEMENTS, Chunk, json_values, tensor_bytes
 from .defaults import MAX_INPUT_BYTES
 from .http_bodies import Body, body_buffer
 from .http_messages import Response
 from .offload import OFFLOAD_BYTES, Offload
 
+# (containers, deepest, stop) of a document: json_scan
+JsonScan = Callable[[Body, int, int], tuple[int, int, int]]
+# (document, max_depth, replacement) -> the document with what opens deeper replaced: _prune_deep
+JsonPrune = Callable[[Body, int, bytes], bytes]
 try:
     from ..protocol import _bytescan
-except ImportError:         # built without a C compiler: the regular-expression walk below
-    _bytescan = None
+    # (an extension built before these were added has none)
+    _json_scan_c: Optional[JsonScan] = getattr(_bytescan, "json_scan", None)
+    _json_prune_c: Optional[JsonPrune] = getattr(_bytescan, "json_prune", None)
+except ImportError:         # built without a C compiler: the regular-expression walks below
+    _json_scan_c = _json_prune_c = None
 
 INFER_HEADER = "inference-header-content-length"
 # Triton's default --http-max-input-size for the JSON document, whatever the
@@ -132,7 +139,7 @@ def check_json_size(size: int, what: str = "request") -> None:
 Buffer = Union[bytes, bytearray, memoryview]
 
 
-def _json_scan_re(data: Buffer, max_depth: int, max_containers: int) -> tuple[int, int, int]:
+def _json_scan_re(data: Body, max_depth: int, max_containers: int) -> tuple[int, int, int]:
     """json_scan without the C extension: strings (skipped whole) and brackets
     found by a regular expression, the rest passed over by its engine (60 MiB
     of numbers in about 1.5 s, of "[]," to the limit 1.6 s, against 0.01 s
@@ -152,10 +159,9 @@ def _json_scan_re(data: Buffer, max_depth: int, max_containers: int) -> tuple[in
 
 
 _JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{}]', re.S)
-_json_scan_c = getattr(_bytescan, "json_scan", None)
 
 
-def json_scan(data: Buffer, max_depth: int, max_containers: int) -> tuple[int, int, int]:
+def json_scan(data: Body, max_depth: int, max_containers: int) -> tuple[int, int, int]:
     """(containers, deepest, stop): the arrays and objects of a JSON document
     and how deep they nest, counted before anything is made of it, until one
     is deeper than `max_depth` or more than `max_containers` (`stop`: the
@@ -177,15 +183,24 @@ def _refuse_json_shape(containers: int, deepest: int, stop: int, what: str) -> N
 
 # what a value nested too deeply becomes in a control request's document (no
 # field of one is a container, so it is a wrong value whatever its field);
-# only in documents up to DEEP_VALUES_BYTES (the walk that cuts them out is
-# Python's, in the gateway's loop: 0.1 s for a 1 MiB one), larger ones are refused
+# only in documents up to DEEP_VALUES_BYTES, larger ones are refused. The walk
+# that cuts them out runs in the gateway's loop: in C (_bytescan.json_prune)
+# about 1 ms for a 1 MiB document; without the extension, the regular
+# expression below, 0.1-0.2 s.
 DEEP_VALUE = b"NaN"
 DEEP_VALUES_BYTES = 1 << 20
 
 
-def _prune_deep(data: Buffer) -> bytes:
+def _prune_deep(data: Body) -> bytes:
     """The document with each array or object that opens deeper than
     MAX_JSON_DEPTH replaced, whole, by DEEP_VALUE (strings passed over)."""
+    if _json_prune_c is not None:
+        return _json_prune_c(data, MAX_JSON_DEPTH, DEEP_VALUE)
+    return _prune_deep_re(data)
+
+
+def _prune_deep_re(data: Body) -> bytes:
+    """_prune_deep without the C extension."""
     out, depth, cut = bytearray(), 0, None
     kept = 0
     for m in _JSON_TOKEN.finditer(data):
@@ -215,7 +230,7 @@ def load_json(data: Body, what: str = "request", deep_values: bool = False) -> o
     # before json.loads makes a Python object of each array and object
     containers, deepest, stop = (_json_scan_c or _json_scan_re)(data, MAX_JSON_DEPTH, MAX_JSON_CONTAINERS)
     if deep_values and deepest > MAX_JSON_DEPTH and len(data) <= DEEP_VALUES_BYTES:
-        # every array and object counted first: the walk that cuts them out is Python's
+        # every array and object counted first (the limit on them holds for what is cut out too)
         containers, deepest, stop = (_json_scan_c or _json_scan_re)(data, len(data) + 1, MAX_JSON_CONTAINERS)
         if containers <= MAX_JSON_CONTAINERS:
             data = _prune_deep(data)
@@ -265,7 +280,7 @@ RAW_INPUT = "raw_input"
 _BYTES_LENGTH = struct.Struct("<I")
 
 
-def raw_call(body: Buffer, config: dict, model: str) -> InferCall:
+def raw_call(body: Body, config: dict, model: str) -> InferCall:
     """A raw binary request: the whole body is the model's one input, its
     name, datatype and shape the config's (Triton's core, Normalize):
     batch dimension 1 when max_batch_size is not 0; one variable-size
@@ -349,7 +364,7 @@ def infer_call(document: Union[memoryview, bytes], json_end: Optional[int], size
     for i, item in enumerate(inputs):
         tensor, offset = _parse_input(_obj(item, f"inputs[{i}]"), size, offset, json_end, model)
         if convert and tensor.values is not None:
-            tensor.raw, tensor.values = input_value(tensor, model).data, None
+            tensor.raw, tensor.values = input_bytes(tensor, model), None
         call.inputs.append(tensor)
     if offset != size:
         raise bad(f"unexpected additional input data for model '{model}'")
@@ -516,7 +531,7 @@ async def encode_infer(result: InferResponse, accept_encoding: Optional[str]) ->
             out["parameters"] = {"binary_data_size": _nbytes(raw)}
             if _nbytes(raw):
                 binaries.append(raw)
-        elif t.array.size <= CHUNK_ELEMENTS:
+        elif t.data().size <= CHUNK_ELEMENTS:
             out["data"] = t.values()
         else:
             marker = f"tp-values-{secrets.token_hex(8)}"

@@ -73,8 +73,12 @@ class BodyBudget:
         """Take `n` bytes, waiting in turn until they fit (`give` them back).
         A reservation larger than the whole budget waits for an empty one."""
         while self.held and self.held + n > self.limit:
-            fut = asyncio.get_running_loop().create_future()
-            wake = lambda: fut.done() or fut.set_result(None)   # noqa: E731
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+            def wake() -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
             self.wait(wake)
             try:
                 await fut

@@ -8,7 +8,8 @@ whole module (figures in the commit that added it).
 
 A connection serves its requests one at a time, in order. Pipelined requests
 wait parsed: once more than MAX_PIPELINED wait, reading pauses (what one
-read of SCRATCH_BYTES held is parsed whole, so that bounds the queue too).
+read of SCRATCH_BYTES held is parsed whole, so that bounds the queue too);
+between two of them the loop serves other connections.
 A body whose size is known (Content-Length) is received straight into one
 buffer of that size: the socket reads into it, nothing is copied before the
 gateway's single copy into shared memory; its memory is taken as the bytes
@@ -34,7 +35,7 @@ import logging
 import math
 import select
 from collections import deque
-from typing import TYPE_CHECKING, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Union, cast
 
 import httptools
 
@@ -120,28 +121,44 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.direct: Optional[memoryview] = None    # the rest of a body, read into place
         self.cur: Optional[_Partial] = None
         self.refusal: Optional[_Reject] = None      # raised by a parser callback
-        self.queue: deque = deque()                 # Request, or _Reject to answer in turn
+        self.queue: deque[Union[Request, _Reject]] = deque()    # to answer in turn
         self.queued_bytes = 0
-        self.task: Optional[asyncio.Task] = None
+        self.task: Optional[asyncio.Task[None]] = None
         self.closed = False
         self.reading = True
         self.starved = False                        # paused until the budget has room
         self.stopped = False                        # no more requests will be parsed
         self.shut = False                           # the server closes: nothing more is read
         self.lingering = False
-        self.drained: Optional[asyncio.Future] = None
+        self.drained: Optional[asyncio.Future[None]] = None
         self.deadline = math.inf
         self.turned_away: Optional[bytes] = None    # past the server's cap: sent this, then closed
 
+    def made_transport(self) -> asyncio.Transport:
+        """The connection's transport: connection_made gives it before any
+        other event (a parser callback, a request to serve, a deadline)."""
+        assert self.transport is not None
+        return self.transport
+
+    def _cur(self) -> _Partial:
+        """The request being received: the parser's callbacks for a request
+        come between on_message_begin, which makes it, and _complete."""
+        assert self.cur is not None
+        return self.cur
+
     # --- transport events -----------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
+    def connection_made(self, base: asyncio.BaseTransport) -> None:
+        # a stream's (uvloop's transports are not asyncio.Transport subclasses)
+        transport = self.transport = cast(asyncio.Transport, base)
         if self.turned_away is not None:
             # nothing it sends is read: the answer may be lost to a reset
             # if it sent a request meanwhile, but it is closed either way
             transport.write(self.turned_away)
             transport.close()
+            return
+        if self.shut:
+            transport.close()               # the server closed between its accept and now
             return
         peer = transport.get_extra_info("peername")
         ours = transport.get_extra_info("sockname")
@@ -194,10 +211,10 @@ class HttpConnection(asyncio.BufferedProtocol):
         if self.stopped:
             return
         if self.direct is not None:
-            self._direct_received(nbytes)
+            self._direct_received(self.direct, nbytes)
             self._check_budget()
             return
-        data = self.scratch[:nbytes]
+        data: Optional[memoryview] = self.scratch[:nbytes]
         while data is not None and not self.closed:
             data = self._feed(data)
         cur = self.cur
@@ -211,8 +228,10 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def _feed(self, data: memoryview) -> Optional[memoryview]:
         """Parse `data`; what is left to parse after an Upgrade request."""
+        parser = self.parser
+        assert parser is not None           # (None once closed: nothing is read then)
         try:
-            self.parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserCallbackError:
             # the callback's own exception is not reliably chained to this
             # one (httptools may chain whatever exception was last handled),
@@ -247,15 +266,18 @@ class HttpConnection(asyncio.BufferedProtocol):
         self.stopped = True
         return self.task is not None and not self.lingering
 
-    def _direct_received(self, nbytes: int) -> None:
+    def _direct_received(self, direct: memoryview, nbytes: int) -> None:
+        """`nbytes` of the body read into `direct` (self.direct), past the parser."""
+        cur = self._cur()
         self.deadline = self.loop.time() + self.limits.io_timeout
-        self._hold(self.cur, nbytes)
-        self.direct = self.direct[nbytes:]
-        if len(self.direct):
+        self._hold(cur, nbytes)
+        self.direct = direct = direct[nbytes:]
+        if len(direct):
             return
-        self.direct.release()
+        direct.release()
         self.direct = None
-        self.cur.filled = self.cur.length
+        assert cur.length is not None       # (a body is read into place only when its size is known)
+        cur.filled = cur.length
         # the parser still waits for this body: a fresh one reads the next request
         self.parser = httptools.HttpRequestParser(self)
         self._complete()
@@ -270,23 +292,25 @@ class HttpConnection(asyncio.BufferedProtocol):
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
-        self.cur.url += url
+        self._cur().url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count(len(name) + len(value) + 4)
-        self.cur.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self._cur().headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def _count(self, n: int) -> None:
-        self.cur.size += n
-        if self.cur.size > self.limits.max_header:
+        cur = self._cur()
+        cur.size += n
+        if cur.size > self.limits.max_header:
             raise self._refuse(431, f"request headers exceed {self.limits.max_header} bytes")
 
     def on_headers_complete(self) -> None:
         self.server.has_request(self)
-        cur = self.cur
-        cur.method = self.parser.get_method().decode("latin-1")
-        cur.keep_alive = self.parser.should_keep_alive()
-        cur.upgrade = self.parser.should_upgrade()
+        cur, parser = self._cur(), self.parser
+        assert parser is not None           # (the one calling)
+        cur.method = parser.get_method().decode("latin-1")
+        cur.keep_alive = parser.should_keep_alive()
+        cur.upgrade = parser.should_upgrade()
         coding = cur.headers.get("transfer-encoding")
         if coding is not None and coding.strip().lower() != "chunked":
             # llhttp frames "gzip, chunked" as chunked and leaves the gzip to us:
@@ -302,11 +326,11 @@ class HttpConnection(asyncio.BufferedProtocol):
                 raise self._refuse(413, f"request body of {cur.length} bytes exceeds the limit of "
                                    f"{self.limits.max_body} bytes (--http-max-input-size)")
         if cur.headers.get("expect", "").lower() == "100-continue":
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.made_transport().write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.deadline = self.loop.time() + self.limits.io_timeout
 
     def on_body(self, chunk: bytes) -> None:
-        cur = self.cur
+        cur = self._cur()
         self._hold(cur, len(chunk))
         if cur.length is not None:
             if cur.buf is None:
@@ -320,17 +344,20 @@ class HttpConnection(asyncio.BufferedProtocol):
         # chunked: gathered as it comes, within the limit
         if cur.buf is None:
             cur.buf = bytearray()
-        if len(cur.buf) + len(chunk) > self.limits.max_body:
+        buf = cur.buf
+        assert isinstance(buf, bytearray)   # (body_buffer's are for bodies of a known size)
+        if len(buf) + len(chunk) > self.limits.max_body:
             raise self._refuse(413, f"request body exceeds the limit of {self.limits.max_body} bytes "
                                f"(--http-max-input-size)")
-        cur.buf += chunk
+        buf += chunk
 
     def on_message_complete(self) -> None:
-        if not (self.cur.upgrade and self.cur.length):
+        cur = self._cur()
+        if not (cur.upgrade and cur.length):
             self._complete()
 
     def _complete(self) -> None:
-        cur, self.cur = self.cur, None
+        cur, self.cur = self._cur(), None
         path = cur.url.decode("latin-1")
         body = cur.body()
         self.queued_bytes += len(body)
@@ -401,9 +428,9 @@ class HttpConnection(asyncio.BufferedProtocol):
         if want != self.reading:
             self.reading = want
             if want:
-                self.transport.resume_reading()
+                self.made_transport().resume_reading()
             else:
-                self.transport.pause_reading()
+                self.made_transport().pause_reading()
 
     async def _serve(self) -> None:
         try:
@@ -430,10 +457,18 @@ class HttpConnection(asyncio.BufferedProtocol):
                 if close:
                     return
                 if self.drained is not None:
-                    await self._drain()
+                    await self._drain(self.drained)
+                elif self.queue:
+                    # the next request was pipelined: other connections have a
+                    # turn first. An answer made without waiting (a refusal, a
+                    # health check) would otherwise follow the one before it at
+                    # once: a client's whole queue of them in one go while every
+                    # other caller waits (e.g. 1 MiB control documents nested too
+                    # deeply, each cut and parsed in the loop)
+                    await asyncio.sleep(0)
         finally:
             self.task = None
-            if not self.lingering and not self.transport.is_closing():
+            if not self.lingering and not self.made_transport().is_closing():
                 if self.cur is None:
                     self._idle()
                 elif not self.cur.method:           # the next request's headers are coming
@@ -454,16 +489,17 @@ class HttpConnection(asyncio.BufferedProtocol):
             log.exception("HTTP %s %s failed", request.method, request.path)
             return error_response(500, "internal error in the HTTP gateway")
 
-    async def _drain(self) -> None:
+    async def _drain(self, drained: asyncio.Future[None]) -> None:
         try:
-            await asyncio.wait_for(asyncio.shield(self.drained), self.limits.io_timeout)
+            await asyncio.wait_for(asyncio.shield(drained), self.limits.io_timeout)
         except asyncio.TimeoutError:        # a peer that does not read its answers
-            self.transport.abort()
+            self.made_transport().abort()
 
     def _write(self, response: Response, close: bool, linger: bool = False) -> None:
         length = sum(len(c) if not isinstance(c, memoryview) else c.nbytes for c in response.chunks)
         head = head_of(response.status, response.content_type, length, response.headers, close)
-        write = self.transport.write
+        transport = self.made_transport()
+        write = transport.write
         if len(response.chunks) == 1 and length < 16384:
             write(head + bytes(response.chunks[0]))     # one send for a small answer
         else:
@@ -471,17 +507,17 @@ class HttpConnection(asyncio.BufferedProtocol):
             for chunk in response.chunks:
                 if len(chunk):
                     write(chunk)
-        if linger and self.transport.can_write_eof():
+        if linger and transport.can_write_eof():
             self._linger()
         elif close:
-            self.transport.close()
+            transport.close()
 
     def _linger(self) -> None:
         """After refusing a request whose body may still be coming: stop
         sending but read on (and drop) for up to `io_timeout`, so that the
         client reads the answer instead of a reset from closing on unread data."""
         self.lingering = True
-        self.transport.write_eof()
+        self.made_transport().write_eof()
         self._update_reading()
         self.deadline = self.loop.time() + self.limits.io_timeout
 
@@ -489,7 +525,8 @@ class HttpConnection(asyncio.BufferedProtocol):
         """The server closes: answer what was received, read nothing more."""
         self.stopped = self.shut = True
         if self.task is None:
-            self.transport.close()
+            if self.transport is not None:  # (else connection_made closes it)
+                self.transport.close()
         else:
             self._update_reading()
 
@@ -499,10 +536,11 @@ class HttpConnection(asyncio.BufferedProtocol):
         that until its deadline, holding what it received. (A client that
         closes with body bytes still unsent gets no FIN through our full
         window: that one is closed at its deadline.)"""
+        transport = self.transport
         if not self.starved or (self.cur is None and self.direct is None) or self.closed \
-                or self.transport.is_closing():
+                or transport is None or transport.is_closing():
             return False
-        sock = self.transport.get_extra_info("socket")
+        sock = transport.get_extra_info("socket")
         try:
             poll = select.poll()
             poll.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)

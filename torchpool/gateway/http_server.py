@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import re
-from typing import Awaitable, Callable, Optional
+from typing import Callable, Coroutine, Optional
 from urllib.parse import unquote
 
 from ..protocol import errors
@@ -74,6 +74,13 @@ class _ErrorWithHeaders(TorchpoolError):
 def _name(text: Optional[str]) -> str:
     """A path segment as the client meant it (tritonclient quotes names)."""
     return unquote(text) if text else ""
+
+
+def _caller(request: Request) -> Caller:
+    """Who sent `request`: its connection's caller (connection_made names it
+    before anything is read)."""
+    assert request.caller is not None
+    return request.caller
 
 
 def _body_json(request: Request) -> Optional[dict]:
@@ -182,13 +189,13 @@ class Router:
             # a raw binary request: the model's config says what the body is
             try:
                 call = raw_call(body, await self.backend.recent_config(model, version), model)
-                result = await self.backend.infer(request.caller, model, version, call.inputs, None,
+                result = await self.backend.infer(_caller(request), model, version, call.inputs, None,
                                                   binary_default=True)
             except TorchpoolError:
                 self.backend.forget_config(model)       # it may have changed: ask again next time
                 raise
             return await encode_infer(result, request.headers.get("accept-encoding"))
-        result = await self.backend.infer(request.caller, model, version, call.inputs, call.outputs,
+        result = await self.backend.infer(_caller(request), model, version, call.inputs, call.outputs,
                                           call.id, call.binary_default, **call.params)
         return await encode_infer(result, request.headers.get("accept-encoding"))
 
@@ -251,9 +258,9 @@ class Router:
         if request.method != ("GET" if action == "status" else "POST"):
             return _not_allowed()
         if action == "status":
-            return _json(await self.backend.shm_status(request.caller, region))
+            return _json(await self.backend.shm_status(_caller(request), region))
         if action == "unregister":
-            await self.backend.unregister_shm(request.caller, region)
+            await self.backend.unregister_shm(_caller(request), region)
             return Response(200, [])
         if not region:
             raise bad("'region name' is necessary to register system shared memory region")
@@ -261,7 +268,7 @@ class Router:
         if not isinstance(doc, dict):
             raise bad("failed to parse the request JSON buffer: expected an object")
         key, offset, byte_size = self._register_fields(doc)
-        await self.backend.register_shm(request.caller, region, key, offset, byte_size)
+        await self.backend.register_shm(_caller(request), region, key, offset, byte_size)
         return Response(200, [])
 
     @staticmethod
@@ -309,7 +316,7 @@ class HttpServer:
     arriving, or being answered) is never closed for another's sake."""
 
     def __init__(self, handler: Handler, limits: Limits, budget: BodyBudget,
-                 forget: Optional[Callable[[Caller], Awaitable[None]]] = None) -> None:
+                 forget: Optional[Callable[[Caller], Coroutine[object, object, None]]] = None) -> None:
         self.handler = handler
         self.limits = limits
         self.budget = budget
@@ -321,8 +328,8 @@ class HttpServer:
         self.reclaimable: dict[HttpConnection, float] = {}
         self.port = 0
         self._server: Optional[asyncio.Server] = None
-        self._sweeper: Optional[asyncio.Task] = None
-        self._forgetting: set[asyncio.Task] = set()
+        self._sweeper: Optional[asyncio.Task[None]] = None
+        self._forgetting: set[asyncio.Task[None]] = set()
         self.own_offload: Optional[Offload] = None  # closed with the server
         self.refusal = refusal(limits.max_connections)   # sent past the cap, none reclaimable
         self.refused = self.closed_early = 0        # since the last report
@@ -367,7 +374,7 @@ class HttpServer:
         """Closed early for room: it no longer counts (connection_lost follows)."""
         self.reclaimable.pop(conn, None)
         self.connections.discard(conn)
-        conn.transport.close()
+        conn.made_transport().close()       # (reclaimable: made, and idle or receiving headers)
         self.closed_early += 1
 
     async def start(self, host: str, port: int) -> "HttpServer":
@@ -386,7 +393,7 @@ class HttpServer:
             await asyncio.sleep(interval)
             now = self.loop.time()
             for conn in [c for c in self.connections if c.expired(now) or c.abandoned()]:
-                conn.transport.abort()
+                conn.made_transport().abort()   # (a deadline is set once made)
             self._relieve(now)
             self._report(now)
 
@@ -416,10 +423,11 @@ class HttpServer:
         """Stop listening and reading; the requests received are answered
         (within `grace` s, then cancelled: the daemon drains meanwhile), then
         every connection is closed."""
-        if self._server is None:
+        server, sweeper = self._server, self._sweeper
+        if server is None or sweeper is None:
             return
-        self._server.close()
-        self._sweeper.cancel()
+        server.close()
+        sweeper.cancel()
         for conn in list(self.connections):
             conn.shutdown()
         tasks = [c.task for c in self.connections if c.task is not None]
@@ -429,9 +437,10 @@ class HttpServer:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
         for conn in list(self.connections):
-            conn.transport.close()
-        await asyncio.gather(self._sweeper, *self._forgetting, return_exceptions=True)
-        await self._server.wait_closed()
+            if conn.transport is not None:  # (else connection_made closes it: shutdown above)
+                conn.transport.close()
+        await asyncio.gather(sweeper, *self._forgetting, return_exceptions=True)
+        await server.wait_closed()
         self._server = None
         if self.own_offload is not None:
             self.own_offload.close()

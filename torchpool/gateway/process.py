@@ -157,8 +157,13 @@ def _run(coro: Coroutine[object, object, int]) -> int:
         import uvloop
     except ImportError:
         return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    # Python 3.10 has no asyncio.Runner: uvloop's policy makes asyncio.run's
+    # loop (this process runs no other)
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return asyncio.run(coro)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

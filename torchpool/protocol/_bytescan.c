@@ -33,6 +33,12 @@
  *       took 1.4 GiB and 16 s to parse. It checks nothing else (json.loads
  *       does, afterwards): brackets in strings are skipped, a broken document
  *       is walked to its end.
+ *   json_prune(buf, max_depth, replacement) -> bytes
+ *       the document with each array or object that opens deeper than
+ *       max_depth replaced, whole, by `replacement` (a control request's
+ *       value nested too deeply, read as a wrong value: http_binary.load_json
+ *       with deep_values). The same walk; a Python regular expression took
+ *       0.1-0.2 s for a 1 MiB document, on the gateway's event loop.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -266,6 +272,31 @@ static inline const unsigned char *next_special(const unsigned char *p, const un
     return end;
 }
 
+/* Where a string whose opening quote is just before p ends: after its
+ * closing quote, or end (an unterminated string runs to the end). */
+static inline const unsigned char *string_end(const unsigned char *p, const unsigned char *end)
+{
+    while (p < end) {
+        /* most strings are short (names, keys, BYTES elements): a
+         * few bytes by hand before memchr's setup */
+        const unsigned char *q = p, *near = end - p > 16 ? p + 16 : end;
+        while (q < near && *q != '"')
+            q++;
+        if (q == near)
+            q = memchr(q, '"', (size_t)(end - q));
+        if (q == NULL)
+            return end;
+        /* escaped if an odd number of backslashes precede it */
+        const unsigned char *b = q;
+        while (b > p && b[-1] == '\\')
+            b--;
+        p = q + 1;
+        if (((q - b) & 1) == 0)
+            break;
+    }
+    return p;
+}
+
 static void json_walk(const unsigned char *buf, Py_ssize_t len, Py_ssize_t max_depth,
                       Py_ssize_t max_containers, struct jscan *r)
 {
@@ -274,27 +305,7 @@ static void json_walk(const unsigned char *buf, Py_ssize_t len, Py_ssize_t max_d
     while ((p = next_special(p, end)) < end) {
         unsigned char c = *p;
         if (c == '"') {                         /* a string: to its closing quote */
-            p++;
-            while (p < end) {
-                /* most strings are short (names, keys, BYTES elements): a
-                 * few bytes by hand before memchr's setup */
-                const unsigned char *q = p, *near = end - p > 16 ? p + 16 : end;
-                while (q < near && *q != '"')
-                    q++;
-                if (q == near)
-                    q = memchr(q, '"', (size_t)(end - q));
-                if (q == NULL) {
-                    p = end;
-                    break;
-                }
-                /* escaped if an odd number of backslashes precede it */
-                const unsigned char *b = q;
-                while (b > p && b[-1] == '\\')
-                    b--;
-                p = q + 1;
-                if (((q - b) & 1) == 0)
-                    break;
-            }
+            p = string_end(p + 1, end);
             continue;
         }
         if (c == '[' || c == '{') {
@@ -343,6 +354,106 @@ static PyObject *json_scan(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return Py_BuildValue("nnn", r.containers, r.deepest, r.stop);
 }
 
+/* json_prune's walk: with out NULL, the size of what it makes; else that
+ * written into out (out_len bytes), or -1 if it would not fit (the buffer
+ * changed since the walk that sized out). Strings and brackets as json_walk;
+ * kept: where the bytes not yet copied begin; cut: where the array or object
+ * that opened past max_depth began (NULL: none is open). */
+static Py_ssize_t prune_walk(const unsigned char *buf, Py_ssize_t len, Py_ssize_t max_depth,
+                             const unsigned char *repl, Py_ssize_t repl_len,
+                             unsigned char *out, Py_ssize_t out_len)
+{
+    const unsigned char *p = buf, *end = buf + len, *kept = buf, *cut = NULL;
+    Py_ssize_t depth = 0, n = 0;
+#define EMIT(src, size) do {                                        \
+        Py_ssize_t size_ = (size);                                  \
+        if (out != NULL) {                                          \
+            if (size_ > out_len - n)                                \
+                return -1;                                          \
+            memcpy(out + n, (src), (size_t)size_);                  \
+        }                                                           \
+        n += size_;                                                 \
+    } while (0)
+    while ((p = next_special(p, end)) < end) {
+        unsigned char c = *p;
+        if (c == '"') {
+            p = string_end(p + 1, end);
+            continue;
+        }
+        if (c == '[' || c == '{') {
+            depth++;
+            if (depth == max_depth + 1)
+                cut = p;
+        } else if (depth > 0) {                 /* ] or } */
+            depth--;
+            if (depth == max_depth && cut != NULL) {
+                EMIT(kept, cut - kept);
+                EMIT(repl, repl_len);
+                kept = p + 1;
+                cut = NULL;
+            }
+        }
+        p++;
+    }
+    /* an array or object still open at the end is left out, unclosed */
+    EMIT(kept, (cut != NULL ? cut : end) - kept);
+#undef EMIT
+    return n;
+}
+
+static PyObject *json_prune(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view, repl;
+    Py_ssize_t max_depth, size, written;
+    PyObject *result = NULL;
+    (void)self;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "json_prune() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    max_depth = PyLong_AsSsize_t(args[1]);
+    if (max_depth == -1 && PyErr_Occurred())
+        return NULL;
+    if (max_depth < 0) {
+        PyErr_SetString(PyExc_ValueError, "json_prune(): max_depth must not be negative");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[2], &repl, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    if (view.len >= NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        size = prune_walk(view.buf, view.len, max_depth, repl.buf, repl.len, NULL, 0);
+        Py_END_ALLOW_THREADS
+    } else {
+        size = prune_walk(view.buf, view.len, max_depth, repl.buf, repl.len, NULL, 0);
+    }
+    result = PyBytes_FromStringAndSize(NULL, size);
+    if (result == NULL)
+        goto done;
+    /* the new bytes object is ours alone until it is returned */
+    if (view.len >= NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        written = prune_walk(view.buf, view.len, max_depth, repl.buf, repl.len,
+                             (unsigned char *)PyBytes_AS_STRING(result), size);
+        Py_END_ALLOW_THREADS
+    } else {
+        written = prune_walk(view.buf, view.len, max_depth, repl.buf, repl.len,
+                             (unsigned char *)PyBytes_AS_STRING(result), size);
+    }
+    if (written != size) {
+        Py_CLEAR(result);
+        PyErr_SetString(PyExc_ValueError, "json_prune(): the buffer changed while it was walked");
+    }
+done:
+    PyBuffer_Release(&repl);
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS,
      "scan(buf, count, max_bytes) -> int: check that exactly count length-prefixed elements "
@@ -354,6 +465,9 @@ static PyMethodDef methods[] = {
     {"json_scan", (PyCFunction)(void (*)(void))json_scan, METH_FASTCALL,
      "json_scan(buf, max_depth, max_containers) -> (containers, deepest, stop): the arrays and "
      "objects of a JSON document and their deepest nesting, counted until one is over a limit."},
+    {"json_prune", (PyCFunction)(void (*)(void))json_prune, METH_FASTCALL,
+     "json_prune(buf, max_depth, replacement) -> bytes: the JSON document with each array or "
+     "object that opens deeper than max_depth replaced, whole, by replacement."},
     {NULL, NULL, 0, NULL},
 };
 
