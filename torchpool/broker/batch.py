@@ -11,19 +11,33 @@ import itertools
 import math
 from array import array
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Protocol, Sequence, Union
 
 from ..config import ModelConfig
 from ..protocol import errors
 from ..protocol import internal
 from ..protocol.internal import InputDescriptor
 from ..protocol.errors import TorchpoolError
-from ..rules.validation import WorkerOutput
+from ..rules.validation import Staged, WorkerOutput
 from ..shm.arena import Arena, ArenaFull, Block
 from .requests import InferRequest
 
 # a tensor the broker makes itself: (name, datatype, shape, bytes)
 BrokerTensor = tuple[str, str, list[int], bytes]
+
+
+class Row(Protocol):
+    """A batch's rows of one request as its inputs are laid out (InferRequest),
+    or a direct sequence batch's empty slot (schedulers/sequence_tensors.EmptyRow)."""
+
+    @property
+    def staged(self) -> list[Staged]: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def shapes(self) -> dict[str, list[int]]: ...
 
 
 class CopiedOutput:
@@ -114,7 +128,7 @@ def _accumulate(values: list[int]) -> list[int]:
     return list(itertools.accumulate(values))
 
 
-def batch_input_values(cfg: ModelConfig, requests: list[InferRequest]) -> list[BrokerTensor]:
+def batch_input_values(cfg: ModelConfig, requests: Sequence[Row]) -> list[BrokerTensor]:
     """The `batch_input` tensors of a batch: [(target name, datatype, shape, bytes)].
 
     Each kind reads its source input's shape in every request, as Triton does:

@@ -39,7 +39,7 @@ log = logging.getLogger("torchpool.broker")
 
 class Intake:
     def __init__(self, frontend: Frontend, registry: Registry, sessions: SessionManager,
-                 control: ModelControl, answers: Answers, transfer: Counter,
+                 control: ModelControl, answers: Answers, transfer: Counter[str],
                  dispatch: Callable[[ModelVersion], None], stopping: Callable[[], bool],
                  remote_model_control: bool = False, limits: TensorLimits = DEFAULT_LIMITS,
                  direct: Optional[DirectPaths] = None, catch_up: Callable[[], None] = lambda: None,
@@ -57,9 +57,9 @@ class Intake:
         self.transfer = transfer
         self.dispatch = dispatch
         self.stopping = stopping
-        self._burst: Optional[set] = None    # versions with requests accepted in this burst
+        self._burst: Optional[set[ModelVersion]] = None    # versions with requests accepted in this burst
 
-    def on_readable(self, sock: zmq.Socket) -> None:
+    def on_readable(self, sock: zmq.Socket[bytes]) -> None:
         # Drain what is there now, but give the workers' answers a turn too.
         # Batching schedulers see the whole burst before a batch goes out:
         # what is already waiting is batched together.
@@ -103,7 +103,7 @@ class Intake:
             for mv in burst_versions:
                 self.dispatch(mv)
 
-    def _handle_request(self, sock: zmq.Socket, frames: list) -> None:
+    def _handle_request(self, sock: zmq.Socket[bytes], frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
         if len(frames) == 2 and len(frames[1]) == 0 and self.frontend.notifies_disconnect:
             # ROUTER_NOTIFY: the peer disconnected (closed, crashed, killed)
@@ -118,7 +118,7 @@ class Intake:
         self._handle(sock, identity, first.buffer, [f.buffer for f in frames[2:]], first)
 
     def _handle(self, sock: ReplySocket, identity: bytes, header_buf: Union[bytes, bytearray, memoryview],
-                payload: list, came_by: Union[zmq.Frame, Lane]) -> None:
+                payload: list[memoryview], came_by: Union[zmq.Frame, Lane]) -> None:
         """One request, answered or accepted: from a frontend socket (`came_by`:
         its header frame, which knows the peer) or a lane (`came_by`: the lane)."""
         ln = came_by if came_by.__class__ is Lane else None
@@ -197,18 +197,18 @@ class Intake:
             return
         self.frontend.send(sock, identity, messages.ok_response(request_id, result=result))
 
-    def _session_of(self, header: dict, identity: bytes) -> Optional[Session]:
+    def _session_of(self, header: messages.Header, identity: bytes) -> Optional[Session]:
         """The request's client session (lease renewed), after it hands back
         the output blocks it has finished reading."""
         session = self.sessions.get(header.get("session"), identity)
         self._release_lent(session, header)
         return session
 
-    def _release_lent(self, session: Optional[Session], header: dict) -> None:
+    def _release_lent(self, session: Optional[Session], header: messages.Header) -> None:
         if session is not None and header.get("release"):
             self.answers.release_lent(session, header["release"])
 
-    def _session_control(self, op: str, header: dict, session: Optional[Session], identity: bytes) -> object:
+    def _session_control(self, op: str, header: messages.Header, session: Optional[Session], identity: bytes) -> object:
         sessions = self.sessions
         if op == messages.OP_HELLO:
             return sessions.hello(header, identity)
@@ -225,7 +225,7 @@ class Intake:
             return sessions.unregister(session, header.get("name"))
         return sessions.status(session, header.get("name"))
 
-    def _control(self, op: str, header: dict) -> object:
+    def _control(self, op: str, header: messages.Header) -> object:
         reg = self.registry
         name, version = header.get("model"), header.get("version")
         if op == messages.OP_SERVER_LIVE:
@@ -269,7 +269,7 @@ class Intake:
         return reply
 
     def _accept_infer(self, sock: ReplySocket, identity: bytes, call: InferCall,
-                      payload: list, session: Optional[Session], client: ClientKey) -> None:
+                      payload: list[memoryview], session: Optional[Session], client: ClientKey) -> None:
         if self.stopping():
             raise TorchpoolError(errors.UNAVAILABLE, "server is shutting down")
         in_flight = self.frontend.in_flight
@@ -315,7 +315,7 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
 
-def _recv_frames(sock: zmq.Socket) -> list:
+def _recv_frames(sock: zmq.Socket[bytes]) -> list[zmq.Frame]:
     """One message's frames (zmq.Frame, not copied), or zmq.Again. pyzmq's
     recv_multipart asks getsockopt(RCVMORE) after every frame, through its
     enum layer; the frame itself knows."""

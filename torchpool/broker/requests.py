@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from ..config import ModelConfig
 from ..protocol import errors
 from ..rules.batching import batch_key, batch_rows
-from ..rules.validation import Staged
+from ..rules.validation import Staged, WorkerOutput
 from ..protocol.errors import TorchpoolError
 from ..protocol.internal import InputDescriptor
 from ..shm.arena import Arena, ArenaFull, Block
@@ -23,6 +23,7 @@ from .registry import ModelVersion
 
 if TYPE_CHECKING:
     from .lane import ClientKey, ReplySocket
+    from .regions import Region
     from .sessions import Session
 
 
@@ -47,7 +48,7 @@ class InferRequest:
     request_id: object                # the client's id, echoed as it came
     version: ModelVersion
     inputs: list[InputDescriptor]     # worker descriptors
-    outputs: list                     # requested outputs for the worker: names, or
+    outputs: list[WorkerOutput]       # requested outputs for the worker: names, or
                                       # [name, region ref, offset, capacity] to write into a region
     blocks: list[Block] = field(default_factory=list)
     deadline: Optional[float] = None  # time.monotonic() after which it may not start
@@ -55,14 +56,14 @@ class InferRequest:
     batch_size: int = 1
     session: Optional[Session] = None  # the client session, if the request named one
     client: Optional[ClientKey] = None  # whom it counts against in flight (InFlight.client_of)
-    regions: list = field(default_factory=list)        # regions it uses (released when answered)
-    region_outputs: dict = field(default_factory=dict)  # output name -> (region name, offset)
+    regions: list[Region] = field(default_factory=list)   # regions it uses (released when answered)
+    region_outputs: dict[str, tuple[str, int]] = field(default_factory=dict)  # output name -> (region name, offset)
     output_shm: bool = False          # lend outputs in place instead of sending bytes
     sequence: Optional[SequenceFlags] = None  # for a model with sequence_batching
-    hidden_outputs: frozenset = frozenset()   # asked of the worker, never sent (sequence state)
+    hidden_outputs: frozenset[str] = frozenset()   # asked of the worker, never sent (sequence state)
     # --- batching (see broker/batcher.py) ---
     rows: int = 1                     # rows along dim 0 (batch_size counts a 0-row request as 1)
-    shapes: dict = field(default_factory=dict)   # input name -> shape as sent
+    shapes: dict[str, list[int]] = field(default_factory=dict)   # input name -> shape as sent
     staged: list[Staged] = field(default_factory=list)   # its checked inputs, until batched
     key: Optional[tuple[object, ...]] = None  # requests with equal keys may share a batch
     exclusive: bool = False           # runs alone (outputs into regions, or no batch dimension)

@@ -11,7 +11,7 @@ worker answered as views of an input block are checked to lie in one.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union, cast
 
 from ...config import ModelConfig, TensorSpec
 from ...protocol import datatypes, errors
@@ -137,7 +137,7 @@ def split_outputs(cfg: ModelConfig, batch: Batch, descriptors: Sequence[OutputEn
             if isinstance(o, str):
                 name = o
             else:
-                name = o[0]
+                name = cast(str, o[0])           # [name, ...] (rules/validation.WorkerOutput)
                 if len(o) == 2 and name in parts:      # [name, k]: classified
                     mine.append(_classified(name, descriptors, single, model))
                     continue

@@ -15,7 +15,7 @@ from .base import BACKLOG_DELAY_SCHEDULER, DELAY_SCHEDULER, Scheduler, Scheduler
 log = logging.getLogger("torchpool.broker")
 
 
-def make_scheduler(config: ModelConfig, model_dir: Path, arena: Arena, transfer: Counter,
+def make_scheduler(config: ModelConfig, model_dir: Path, arena: Arena, transfer: Counter[str],
                    hold: Optional[SchedulerHold] = None) -> Scheduler:
     """The scheduler the config asks for. Raises TorchpoolError when the
     config cannot be scheduled (the version then fails to load). `hold`:

@@ -27,14 +27,14 @@ import os
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from ...protocol.errors import TorchpoolError
 
 if TYPE_CHECKING:
     from ...rules.request import InferCall
     from ...config import ModelConfig
-    from ..batch import Batch, SegmentRef
+    from ..batch import Batch, OutputEntry, SegmentRef
     from ..lane import ReplySocket
     from ..requests import InferRequest
     from ..supervisor import WorkerHandle
@@ -43,9 +43,6 @@ if TYPE_CHECKING:
 ReadOutput = Callable[["SegmentRef", int, int], memoryview]
 # requests the scheduler gives up on, each with the error its client gets
 Refusals = list[tuple["InferRequest", TorchpoolError]]
-
-# what a request whose timeout passed before it started is answered (Triton's words)
-from ...rules.validation import TIMEOUT  # noqa: F401  (Triton's text; the schedulers answer it)
 
 DELAY_SCHEDULER = "TRITONSERVER_DELAY_SCHEDULER"
 BACKLOG_DELAY_SCHEDULER = "TRITONSERVER_BACKLOG_DELAY_SCHEDULER"
@@ -129,7 +126,7 @@ class Scheduler(ABC):
     def prepare(self, now: float) -> None:
         """The instances are busy: do now what the next batch will need."""
 
-    def finished(self, batch: "Batch", outputs: Optional[list], read: ReadOutput) -> None:
+    def finished(self, batch: "Batch", outputs: Optional[Sequence["OutputEntry"]], read: ReadOutput) -> None:
         """`batch` finished: `outputs` are the worker's output descriptors, or
         None when it failed (error, crash, timeout). Called before its answers
         are sent, while the outputs are still readable."""

@@ -29,7 +29,8 @@ from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch, stage_batch_inputs
 from ..requests import InferRequest, stage_inputs
-from .base import TIMEOUT, Refusals, Scheduler
+from ...rules.validation import TIMEOUT
+from .base import Refusals, Scheduler
 
 if TYPE_CHECKING:
     from ...rules.request import InferCall
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 
 class DirectScheduler(Scheduler):
-    def __init__(self, config: ModelConfig, arena: Arena, transfer: Counter) -> None:
+    def __init__(self, config: ModelConfig, arena: Arena, transfer: Counter[str]) -> None:
         self.config = config
         self.arena = arena
         self.transfer = transfer

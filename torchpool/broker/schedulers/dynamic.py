@@ -48,7 +48,8 @@ from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
 from ..batch import Batch, stage_batch_inputs
 from ..requests import InferRequest
-from .base import TIMEOUT, Refusals, Scheduler, SchedulerHold
+from ...rules.validation import TIMEOUT, WorkerOutput
+from .base import Refusals, Scheduler, SchedulerHold
 from .forming import FormingBatch
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 class DynamicBatcher(Scheduler):
     """Priority queues, queue policies and batch forming for one model version."""
 
-    def __init__(self, cfg: ModelConfig, arena: Arena, transfer: Optional[Counter] = None,
+    def __init__(self, cfg: ModelConfig, arena: Arena, transfer: Optional[Counter[str]] = None,
                  hold: Optional[SchedulerHold] = None) -> None:
         db = cfg.dynamic_batching or {}
         self.cfg = self.config = cfg
@@ -319,7 +320,7 @@ class DynamicBatcher(Scheduler):
             req.staged = []          # the inputs are in the batch now
         return batch
 
-    def _outputs(self, reqs: list[InferRequest]) -> list:
+    def _outputs(self, reqs: list[InferRequest]) -> list[WorkerOutput]:
         if len(reqs) == 1:
             return reqs[0].outputs
         wanted = {o if isinstance(o, str) else o[0] for r in reqs for o in r.outputs}

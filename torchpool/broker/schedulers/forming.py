@@ -18,7 +18,7 @@ from ...config import ModelConfig, TensorSpec
 from ...protocol.internal import InputDescriptor
 from ...shm.arena import Arena, Block
 from ...shm.bulkcopy import copy_into
-from ..requests import InferRequest
+from ..batch import Row
 
 MiB = 1 << 20
 # A forming batch reserves room for max_batch_size rows of fixed-size inputs,
@@ -80,7 +80,7 @@ class FormingBatch:
         self.arena = arena
         self.key = key
         self.max_items = max_items
-        self.requests: list[InferRequest] = []
+        self.requests: list[Row] = []                # requests (a sequence batch: and empty slots)
         self.marks: list[dict[str, int]] = []        # per request: input -> start offset
         self.buffers: dict[str, InputBuffer] = {}
         self.elements: list[dict[str, int]] = []     # per request: input -> element count
@@ -88,7 +88,7 @@ class FormingBatch:
         self.items = 0
         self.copied = 0                              # bytes written (for the transfer counters)
 
-    def _buffer(self, spec: TensorSpec, shape: list, nbytes: int, rows: int) -> InputBuffer:
+    def _buffer(self, spec: TensorSpec, shape: list[int], nbytes: int, rows: int) -> InputBuffer:
         buf = self.buffers.get(spec.name)
         if buf is None:
             fixed = spec.datatype != "BYTES" and not spec.allow_ragged_batch and rows > 0
@@ -96,7 +96,7 @@ class FormingBatch:
             buf = self.buffers[spec.name] = InputBuffer(spec, self.arena, max(reserve, nbytes))
         return buf
 
-    def append(self, req: InferRequest) -> None:
+    def append(self, req: Row) -> None:
         """Write the request's inputs after the others (may raise ArenaFull,
         leaving the batch as it was)."""
         first = not self.requests
@@ -144,7 +144,7 @@ class FormingBatch:
         del self.requests[keep:], self.marks[keep:], self.elements[keep:]
         self.items = sum(r.batch_size for r in self.requests)
 
-    def finish(self, cfg: ModelConfig) -> tuple[list, list[Block], int]:
+    def finish(self, cfg: ModelConfig) -> tuple[list[InputDescriptor], list[Block], int]:
         """The worker descriptors of the formed batch; the blocks it holds and
         the bytes passed in place. The buffers are handed over."""
         requests = self.requests

@@ -48,18 +48,19 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence as Seq, cast
 
 from ...config import ModelConfig
 from ...protocol import errors
 from ...rules.batching import limits, select_batch
+from ...rules.validation import WorkerOutput
 from ...protocol.errors import TorchpoolError
 from ...shm.arena import Arena, ArenaFull
-from ..batch import Batch
-from ..requests import CorrId, InferRequest
+from ..batch import Batch, OutputEntry
+from ..requests import CorrId, InferRequest, SequenceFlags
 from .base import ReadOutput, Refusals, Scheduler, SchedulerHold
-from .sequence_tensors import (SequenceFlags, check_corrid, layout_rows, parse_control, parse_flags,
-                               parse_state, split_state, stage_rows)
+from .sequence_tensors import (StateValue, check_corrid, layout_rows, parse_control, parse_flags, parse_state,
+                               split_state, stage_rows)
 
 if TYPE_CHECKING:
     from ...rules.request import InferCall
@@ -73,8 +74,8 @@ log = logging.getLogger("torchpool.broker")
 @dataclass(eq=False)
 class Sequence:
     corrid: CorrId
-    queue: deque = field(default_factory=deque)           # its requests not yet handed out
-    state: dict[str, tuple[tuple, bytes]] = field(default_factory=dict)   # input -> (shape, bytes)
+    queue: deque[InferRequest] = field(default_factory=deque)   # its requests not yet handed out
+    state: dict[str, StateValue] = field(default_factory=dict)   # input -> (shape, bytes)
     home: Optional["_Instance"] = None                    # the instance whose slot it holds
     slot: int = -1
     running: Optional[InferRequest] = None                # its request in a batch
@@ -92,7 +93,7 @@ class _Instance:
 class _Front:
     """A candidate sequence's front request, as the batching rules see it."""
     seq: Sequence
-    key: tuple
+    key: tuple[object, ...]
     batch_size: int = 1
 
     @property
@@ -124,7 +125,7 @@ class SequenceBatcher(Scheduler):
     """Triton's sequence batcher (`direct` and `oldest`) for one model version."""
 
     def __init__(self, config: ModelConfig, model_dir: Path, arena: Arena,
-                 transfer: Optional[Counter] = None, hold: Optional[SchedulerHold] = None) -> None:
+                 transfer: Optional[Counter[str]] = None, hold: Optional[SchedulerHold] = None) -> None:
         sb = config.sequence_batching or {}
         self.config = config
         self.model = config.name
@@ -250,12 +251,12 @@ class SequenceBatcher(Scheduler):
 
     # --- forming batches ------------------------------------------------------------
 
-    def _key(self, seq: Sequence, req: InferRequest) -> tuple:
+    def _key(self, seq: Sequence, req: InferRequest) -> tuple[object, ...]:
         """Requests with equal keys may share a batch."""
         shapes = tuple(self._state_of(seq, req)[s.spec.input_name][0][1:] for s in self.states)
         return (req.key, shapes)
 
-    def _state_of(self, seq: Sequence, req: InferRequest) -> dict:
+    def _state_of(self, seq: Sequence, req: InferRequest) -> dict[str, StateValue]:
         if _flags(req).start or not seq.state:
             return {s.spec.input_name: (s.shape, s.initial) for s in self.states}
         return seq.state
@@ -316,7 +317,7 @@ class SequenceBatcher(Scheduler):
             req = seq.queue.popleft()
             req.queued = False
             self.count -= 1
-            if req.sequence.start:
+            if cast(SequenceFlags, req.sequence).start:     # (set: admit)
                 seq.state = {}
             if not seq.state:
                 seq.state = {s.spec.input_name: (s.shape, s.initial) for s in self.states}
@@ -354,18 +355,18 @@ class SequenceBatcher(Scheduler):
         if n:
             self.transfer[key] = self.transfer.get(key, 0) + n
 
-    def _outputs(self, requests: list[InferRequest]) -> list:
+    def _outputs(self, requests: list[InferRequest]) -> list[WorkerOutput]:
         if len(requests) == 1:
             return requests[0].outputs
-        names: list[str] = []
+        names: list[WorkerOutput] = []
         for r in requests:
             for o in r.outputs:
-                name = o if isinstance(o, str) else o[0]
+                name = o if isinstance(o, str) else cast(str, o[0])   # [name, ...]
                 if name not in names:
                     names.append(name)
         return names
 
-    def finished(self, batch: Batch, outputs: Optional[list], read: ReadOutput) -> None:
+    def finished(self, batch: Batch, outputs: Optional[Seq[OutputEntry]], read: ReadOutput) -> None:
         ctx = batch.context
         if not isinstance(ctx, SequenceBatchContext):
             return

@@ -21,14 +21,16 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union, cast
 
 from ...config import ModelConfig, SequenceState
 from ...config.shapes import ControlInput
 from ...protocol import datatypes, errors
+from ...protocol.internal import InputDescriptor
 from ...protocol.errors import TorchpoolError
-from ...shm.arena import Arena, ArenaFull
-from ..batch import batch_input_values, write_tensors
+from ...rules.validation import Staged
+from ...shm.arena import Arena, ArenaFull, Block
+from ..batch import BrokerTensor, OutputEntry, SegmentRef, batch_input_values, write_tensors
 from ..requests import CorrId, InferRequest, SequenceFlags
 from .forming import FormingBatch
 
@@ -40,7 +42,9 @@ START, END, READY, CORRID = ("CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END",
 _PAIRS = {"int32_false_true": ("INT32", "<i"), "fp32_false_true": ("FP32", "<f"),
           "bool_false_true": ("BOOL", "<?")}
 _CORRID_FORMATS = {"INT32": "<i", "UINT32": "<I", "INT64": "<q", "UINT64": "<Q"}
-Tensors = list[tuple[str, str, list, bytes]]      # [(name, datatype, shape, bytes)]
+Tensors = list[BrokerTensor]                      # [(name, datatype, shape, bytes)]
+# a sequence's implicit state input: (shape, bytes)
+StateValue = tuple[tuple[int, ...], bytes]
 
 
 def parse_flags(raw: object, model: str) -> SequenceFlags:
@@ -61,7 +65,7 @@ class Control:
     kind: str
     datatype: str
     pack: str                          # struct format of one element
-    values: tuple = ()                 # (false, true); empty for CORRID
+    values: tuple[float, ...] = ()     # (false, true): ints, floats or bools; empty for CORRID
 
     def value(self, corrid: CorrId, start: bool, end: bool, ready: bool) -> bytes:
         if self.kind == CORRID:
@@ -190,18 +194,22 @@ class EmptyRow:
     __slots__ = ("staged", "rows", "batch_size", "shapes")
 
     def __init__(self, like: InferRequest) -> None:
-        self.staged = []
+        self.staged: list[Staged] = []
         for spec, shape, model_shape, payload, _location in like.staged:
             n = math.prod(shape)
             data = zero_elements(spec.datatype, n) if spec.datatype == "BYTES" else bytes(len(payload))
-            self.staged.append((spec, shape, model_shape, memoryview(data), None))
+            self.staged.append(Staged(spec, shape, model_shape, memoryview(data), None))
         self.rows = like.rows
         self.batch_size = like.batch_size
         self.shapes = like.shapes
 
 
+# a sequence batch's row: a request's, or an empty slot's
+SlotRow = Union[InferRequest, EmptyRow]
+
+
 def layout_rows(requests: list[InferRequest], slots: list[int], empty_slots: bool
-                ) -> tuple[list, Optional[list[int]]]:
+                ) -> tuple[list[SlotRow], Optional[list[int]]]:
     """A batch's rows and each request's first row (None: the requests' own
     rows, in order). `requests` run in `slots` (ascending); with
     `empty_slots` (Triton's direct layout) every slot from 0 to the highest
@@ -218,14 +226,15 @@ def layout_rows(requests: list[InferRequest], slots: list[int], empty_slots: boo
     return rows, starts
 
 
-def stage_rows(config: ModelConfig, arena: Arena, rows: list, controls: list[Control], states: list[State],
-               state_of: Callable[[InferRequest], dict], batching: bool) -> tuple[list, list, int, int]:
+def stage_rows(config: ModelConfig, arena: Arena, rows: list[SlotRow], controls: list[Control],
+               states: list[State], state_of: Callable[[InferRequest], dict[str, StateValue]],
+               batching: bool) -> tuple[list[InputDescriptor], list[Block], int, int]:
     """Write a sequence batch into the arena: the rows' inputs (contiguous),
     their controls and states, and the `batch_input`s. Returns (worker
     descriptors, blocks, bytes copied, bytes left in place); raises ArenaFull
     having freed what it took."""
     forming = FormingBatch(arena, None, len(rows))
-    blocks: list = []
+    blocks: list[Block] = []
     try:
         for r in rows:
             forming.append(r)
@@ -244,7 +253,7 @@ def stage_rows(config: ModelConfig, arena: Arena, rows: list, controls: list[Con
 
 
 
-def control_tensors(controls: list[Control], rows: list, batching: bool) -> Tensors:
+def control_tensors(controls: list[Control], rows: list[SlotRow], batching: bool) -> Tensors:
     """One value per row (`rows`: requests and EmptyRows, in batch order)."""
     out = []
     for c in controls:
@@ -253,14 +262,14 @@ def control_tensors(controls: list[Control], rows: list, batching: bool) -> Tens
             if isinstance(r, EmptyRow):
                 parts.append(c.value(0, False, False, False))
             else:
-                f = r.sequence
+                f = cast(SequenceFlags, r.sequence)     # set: admitted by SequenceBatcher.admit
                 parts.append(c.value(f.corrid, f.start, f.end, True))
         out.append((c.name, c.datatype, [len(rows), 1] if batching else [1], b"".join(parts)))
     return out
 
 
-def state_tensors(states: list[State], rows: list, state_of: Callable[[InferRequest], dict],
-                  batching: bool) -> Tensors:
+def state_tensors(states: list[State], rows: list[SlotRow],
+                  state_of: Callable[[InferRequest], dict[str, StateValue]], batching: bool) -> Tensors:
     """Each state input: the rows' states stacked (they agree on the shape
     beyond the batch dimension); an EmptyRow's is zeros."""
     out = []
@@ -277,15 +286,17 @@ def state_tensors(states: list[State], rows: list, state_of: Callable[[InferRequ
     return out
 
 
-def split_state(model: str, s: State, descriptor: Optional[list], rows: int, row_starts: list[int], batching: bool,
-                read: ReadOutput) -> list[tuple[tuple, bytes]]:
+def split_state(model: str, s: State, descriptor: Optional[OutputEntry], rows: int, row_starts: list[int],
+                batching: bool, read: ReadOutput) -> list[StateValue]:
     """A batch's state output cut per request (at `row_starts`): [(shape, bytes)].
     Raises TorchpoolError when it cannot be cut."""
     name = s.spec.output_name
     if descriptor is None:
         raise TorchpoolError(errors.INTERNAL, f"model '{model}' did not return its state output '{name}'")
     _name, datatype, shape, segment, offset, nbytes = descriptor
-    data = read(segment, offset, nbytes)
+    # a state output is asked by name (hidden_outputs), never into a client's region: the
+    # worker's arena, or bytes copied out of it (not a region's [key, inode])
+    data = read(cast(SegmentRef, segment), offset, nbytes)
     shape = [int(x) for x in shape]
     if not batching:
         return [(tuple(shape), bytes(data))]
