@@ -42,7 +42,7 @@ def test_shape_from_the_config(data_type: str, dims: list, mbs: int, body: bytes
     call = raw_call(body, config(data_type, dims, mbs), "m")
     (t,) = call.inputs
     assert (t.name, t.datatype, t.shape, bytes(t.raw)) == ("IN0", data_type[5:], shape, body)
-    assert call.outputs is None and call.binary_default and call.id == "" and call.params == {}
+    assert call.outputs is None and call.binary_default and call.id == "" and call.model == "m"
 
 
 @pytest.mark.parametrize("dims, mbs, shape", [([1], 0, [1]), ([], 8, [1]), ([1], 8, [1, 1]),

@@ -12,7 +12,7 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from torchpool.gateway import grpc_requests, grpc_server
-from torchpool.gateway.backend import Backend, InferResponse
+from torchpool.gateway.backend import Backend, InferResponse, KServeInfer
 from torchpool.gateway.grpc_peers import GrpcCallers
 from torchpool.gateway.offload import Offload
 from torchpool.gateway.proto import grpc_service_pb2 as pb
@@ -99,11 +99,13 @@ def test_request_parameters_as_triton_reads_them() -> None:
     params["priority"].uint64_param = 3
     params["timeout"].int64_param = 5000
     params["custom"].double_param = 1.0          # passed on by Triton, not torchpool's
-    assert grpc_requests._request_options(params) == {
-        "sequence_id": "abc", "sequence_start": True, "priority": 3, "timeout_us": 5000}
+    call = KServeInfer("m", "", [])
+    grpc_requests._read_parameters(params, call)
+    assert (call.sequence_id, call.sequence_start, call.sequence_end, call.priority, call.timeout_us) == (
+        "abc", True, False, 3, 5000)
     params["timeout"].string_param = "soon"
     with pytest.raises(TorchpoolError) as exc:
-        grpc_requests._request_options(params)
+        grpc_requests._read_parameters(params, KServeInfer("m", "", []))
     assert exc.value.message == "invalid value type for 'timeout' parameter, expected int64_param."
 
 
@@ -180,13 +182,12 @@ class _HeldBackend(Backend):
         self.started: list[str] = []
         self.go = asyncio.Event()
 
-    async def infer(self, caller, model, version, inputs, outputs, request_id="", binary_default=False,
-                    sent=None, **options):
-        self.started.append(request_id)
+    async def infer(self, caller, call, sent=None):
+        self.started.append(call.id)
         if sent is not None:
             sent()
         await self.go.wait()
-        return InferResponse(model, "1", request_id, [])
+        return InferResponse(call.model, "1", call.id, [])
 
 
 class _Peer:

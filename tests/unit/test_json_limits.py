@@ -173,7 +173,7 @@ def test_sixty_mib_of_empty_lists_is_refused_and_makes_nothing() -> None:
     try:
         started = time.perf_counter()
         with pytest.raises(TorchpoolError, match=f"more than {MAX_JSON_CONTAINERS} arrays and objects"):
-            http_binary.infer_call(doc, None, len(doc), "m", True)
+            http_binary.infer_call(doc, None, len(doc), "m", convert=True)
         took = time.perf_counter() - started
         _, peak = tracemalloc.get_traced_memory()
     finally:

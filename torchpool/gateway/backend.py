@@ -171,6 +171,27 @@ class OutputRequest:
 
 
 @dataclass
+class KServeInfer:
+    """One KServe v2 infer request, as a gateway parsed it: the one type both
+    parsers make (HTTP: JSON, the binary extension or a raw body,
+    http_binary.py; gRPC: a ModelInferRequest, grpc_requests.py) and
+    `Backend.infer` takes. Binary inputs say where their bytes are until
+    they are attached (`InputTensor.raw_at`, `raw_index`)."""
+
+    model: str
+    version: str                       # "" (the daemon's choice) or as the caller said
+    inputs: list[InputTensor]
+    outputs: Optional[list[OutputRequest]] = None   # None: every output
+    id: str = ""
+    binary_default: bool = False       # outputs not asked otherwise are sent binary
+    sequence_id: Union[int, str] = 0   # 0 / "": no sequence
+    sequence_start: bool = False
+    sequence_end: bool = False
+    priority: int = 0                  # 0: the model's default level
+    timeout_us: int = 0                # the request's own timeout; 0: none
+
+
+@dataclass
 class OutputTensor:
     """One output of an answer: `array` (a view of the worker's shared memory
     until the response is written), or where it was written (`region`)."""
@@ -479,18 +500,16 @@ class Backend:
 
     # --- inference ----------------------------------------------------------------
 
-    async def infer(self, caller: Caller, model: str, version: str, inputs: list[InputTensor],
-                    outputs: Optional[list[OutputRequest]], request_id: str = "",
-                    binary_default: bool = False, sequence_id: Union[int, str] = 0, sequence_start: bool = False,
-                    sequence_end: bool = False, priority: int = 0,
-                    timeout_us: int = 0, sent: Optional[Callable[[], None]] = None) -> InferResponse:
+    async def infer(self, caller: Caller, call: KServeInfer,
+                    sent: Optional[Callable[[], None]] = None) -> InferResponse:
         """Run one request of `caller`. The outputs of the answer view the
         worker's shared memory: write them out and drop the response (the
         views go back to the worker once garbage). `sent()`: as
         AsyncClient.infer's (not called when the request fails before)."""
+        model, version, outputs, binary_default = call.model, call.version, call.outputs, call.binary_default
         values = {}
         regions = False
-        for t in inputs:
+        for t in call.inputs:
             if t.name in values:
                 raise bad(f"input '{t.name}' for model '{model}' is given twice")
             values[t.name] = input_value(t, model)
@@ -498,7 +517,7 @@ class Backend:
         wanted = None if outputs is None else [output_wanted(o, model) for o in outputs]
         regions = regions or any(o.region is not None for o in outputs or ())
         binary = {o.name: (binary_default if o.binary is None else o.binary) for o in outputs or ()}
-        timeout = timeout_us / 1e6 if timeout_us else None
+        timeout = call.timeout_us / 1e6 if call.timeout_us else None
         # a request naming regions goes in its owner's session (the shared one
         # has none: the daemon then says which region it does not know)
         client = self.client
@@ -508,14 +527,14 @@ class Backend:
         await self.share.enter(caller)
         try:
             result = await client.infer(
-                model, values, wanted, version or None, timeout=timeout, priority=priority,
-                sequence_id=sequence_id, sequence_start=sequence_start, sequence_end=sequence_end,
+                model, values, wanted, version or None, timeout=timeout, priority=call.priority,
+                sequence_id=call.sequence_id, sequence_start=call.sequence_start, sequence_end=call.sequence_end,
                 sent=sent, caller=caller)
         finally:
             self.share.leave(caller)
         tensors = [output_tensor(name, value, binary.get(name, binary_default))
                    for name, value in result.items()]
-        return InferResponse(model, version or await self._version_of(model), request_id, tensors)
+        return InferResponse(model, version or await self._version_of(model), call.id, tensors)
 
     async def _version_of(self, model: str) -> str:
         """The version an unversioned request of `model` ran: the newest ready

@@ -9,11 +9,10 @@ an input: Triton's clients send one per input that has no other data.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
 from ..protocol.names import check_model_name
-from .backend import InputTensor, OutputRequest, bad, check_counts, check_dims, input_bytes
+from .backend import InputTensor, KServeInfer, OutputRequest, bad, check_counts, check_dims, input_bytes
 from .proto import grpc_service_pb2 as pb
 
 # The `contents` field of each datatype, and the datatype Triton names for a
@@ -82,25 +81,22 @@ def _region(tensor: Union[pb.ModelInferRequest.InferInputTensor, pb.ModelInferRe
     return region, size, offset or 0
 
 
-def _request_options(params: Mapping[str, pb.InferParameter]) -> dict:
-    """Backend.infer's keyword arguments from the request's parameters."""
-    options: dict[str, object] = {}
+def _read_parameters(params: Mapping[str, pb.InferParameter], call: KServeInfer) -> None:
+    """The request's parameters Triton reads (sequence, priority, timeout) into `call`."""
     sequence = _param(params, "sequence_id", ("int64_param", "string_param"))
     if sequence is not None:
         value, which = sequence
-        options["sequence_id"] = value.string_param if which == "string_param" else value.int64_param
-    for flag in ("sequence_start", "sequence_end"):
-        if _bool_param(params, flag):
-            options[flag] = True
+        call.sequence_id = value.string_param if which == "string_param" else value.int64_param
+    call.sequence_start = _bool_param(params, "sequence_start") is True
+    call.sequence_end = _bool_param(params, "sequence_end") is True
     priority = _int_param(params, "priority", ("int64_param", "uint64_param"))
     if priority is not None:
         if priority < 0:
             raise bad("invalid value for 'priority', expected value >= 0.")
-        options["priority"] = priority
+        call.priority = priority
     timeout = _int_param(params, "timeout")
     if timeout:
-        options["timeout_us"] = max(timeout, 0)
-    return options
+        call.timeout_us = max(timeout, 0)
 
 
 # --- tensors --------------------------------------------------------------------------------
@@ -172,28 +168,18 @@ def _outputs(request: pb.ModelInferRequest) -> Optional[list[OutputRequest]]:
     return wanted
 
 
-@dataclass
-class InferCall:
-    """A parsed ModelInferRequest."""
-
-    model: str
-    version: str
-    id: str
-    inputs: list[InputTensor]
-    outputs: Optional[list[OutputRequest]]
-    options: dict = field(default_factory=dict)     # Backend.infer's keyword arguments
-
-
-def infer_call(request: pb.ModelInferRequest, raw_count: int, convert: bool = False) -> InferCall:
+def infer_call(request: pb.ModelInferRequest, raw_count: int, convert: bool = False) -> KServeInfer:
     """The request (its raw_input_contents counted, not given); with
-    `convert`, typed contents become tensor bytes."""
+    `convert`, typed contents become tensor bytes. Outputs not asked
+    otherwise are sent binary (raw_output_contents)."""
     check_model_name(request.model_name)      # before any error that would name it
-    return InferCall(request.model_name, request.model_version, request.id,
-                     _inputs(request, raw_count, convert), _outputs(request),
-                     _request_options(request.parameters))
+    call = KServeInfer(request.model_name, request.model_version, _inputs(request, raw_count, convert),
+                       _outputs(request), request.id, binary_default=True)
+    _read_parameters(request.parameters, call)
+    return call
 
 
-def infer_call_of_bytes(message: bytes, raw_count: int) -> InferCall:
+def infer_call_of_bytes(message: bytes, raw_count: int) -> KServeInfer:
     """In the helper process: a request without its raw_input_contents."""
     from google.protobuf.message import DecodeError
 
@@ -204,7 +190,7 @@ def infer_call_of_bytes(message: bytes, raw_count: int) -> InferCall:
     return infer_call(request, raw_count, convert=True)
 
 
-def attach_raw(call: InferCall, raws: Sequence[Union[bytes, memoryview]]) -> InferCall:
+def attach_raw(call: KServeInfer, raws: Sequence[Union[bytes, memoryview]]) -> KServeInfer:
     for t in call.inputs:
         if t.raw_index is not None:
             t.raw, t.raw_index = raws[t.raw_index], None

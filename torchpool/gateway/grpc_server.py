@@ -27,12 +27,12 @@ from google.protobuf.message import DecodeError
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
-from .backend import Backend, InferResponse, bad, grpc_status_name
+from .backend import Backend, InferResponse, KServeInfer, bad, grpc_status_name
 from .callers import Caller, ReadAhead, StreamAhead
 from .chunks import Chunk, tensor_bytes
 from .defaults import MAX_INPUT_BYTES, MAX_STREAMS_PER_PEER
 from .grpc_peers import GrpcCallers
-from .grpc_requests import InferCall, attach_raw, infer_call, infer_call_of_bytes
+from .grpc_requests import attach_raw, infer_call, infer_call_of_bytes
 from .offload import OFFLOAD_BYTES, Offload
 from .proto import grpc_service_pb2 as pb
 from .proto import grpc_service_pb2_grpc as pb_grpc
@@ -169,7 +169,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # --- inference
 
-    async def _call(self, parsed: ParsedInfer) -> InferCall:
+    async def _call(self, parsed: ParsedInfer) -> KServeInfer:
         """A request as _parse_infer_request left it, parsed the rest of the
         way (in the helper process when its non-tensor part is large)."""
         if isinstance(parsed, Exception):
@@ -181,11 +181,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             call = await self.offload.run(infer_call_of_bytes, rest, len(raws))
         return attach_raw(call, raws)
 
-    async def infer(self, call: InferCall, caller: Caller,
+    async def infer(self, call: KServeInfer, caller: Caller,
                     sent: Optional[Callable[[], None]] = None) -> InferAnswer:
-        result = await self.backend.infer(caller, call.model, call.version, call.inputs, call.outputs,
-                                          request_id=call.id, binary_default=True, sent=sent,
-                                          **call.options)
+        result = await self.backend.infer(caller, call, sent)
         return await _answer(result)
 
     @_rpc
@@ -262,7 +260,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _stream_one(self, parsed: ParsedInfer, caller: Caller, before: Optional[asyncio.Event],
                           sent: asyncio.Event) -> pb.ModelStreamInferResponse:
-        call: Optional[InferCall] = None
+        call: Optional[KServeInfer] = None
         try:
             try:
                 call = await self._call(parsed)
@@ -412,7 +410,7 @@ def _parse_infer_request(data: bytes) -> ParsedInfer:
         return exc
 
 
-def _request_id(parsed: ParsedInfer, call: Optional[InferCall]) -> str:
+def _request_id(parsed: ParsedInfer, call: Optional[KServeInfer]) -> str:
     if call is not None:
         return call.id
     if isinstance(parsed, tuple) and parsed[0] is not None:

@@ -26,12 +26,11 @@ import re
 import secrets
 import struct
 import zlib
-from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from ..protocol import datatypes, errors
 from ..protocol.errors import TorchpoolError
-from .backend import InferResponse, InputTensor, OutputRequest, bad, check_counts, check_dims, input_bytes
+from .backend import InferResponse, InputTensor, KServeInfer, OutputRequest, bad, check_counts, check_dims, input_bytes
 from .chunks import CHUNK_ELEMENTS, Chunk, json_values, tensor_bytes
 from .defaults import MAX_INPUT_BYTES
 from .http_bodies import Body, body_buffer
@@ -70,19 +69,6 @@ _RESERVED_PREFIX = "triton_"
 # Compressed bodies, and responses to compress, from this size are
 # (de)compressed in a thread: zlib lets go of the GIL, the loop serves on.
 THREAD_BYTES = 64 << 10
-
-
-@dataclass
-class InferCall:
-    """A parsed infer request: what `Backend.infer` takes besides the model
-    and the caller. Binary inputs say where in the body they are
-    (`InputTensor.raw_at`) until `attach_binary` gives them their bytes."""
-
-    inputs: list[InputTensor]
-    outputs: Optional[list[OutputRequest]]
-    id: str = ""
-    binary_default: bool = False
-    params: dict = field(default_factory=dict)  # sequence_*, priority, timeout_us
 
 
 # --- JSON field checks (TritonJson's AsUInt / AsBool / AsString) ------------------
@@ -280,7 +266,7 @@ RAW_INPUT = "raw_input"
 _BYTES_LENGTH = struct.Struct("<I")
 
 
-def raw_call(body: Body, config: dict, model: str) -> InferCall:
+def raw_call(body: Body, config: dict, model: str, version: str = "") -> KServeInfer:
     """A raw binary request: the whole body is the model's one input, its
     name, datatype and shape the config's (Triton's core, Normalize):
     batch dimension 1 when max_batch_size is not 0; one variable-size
@@ -321,23 +307,24 @@ def raw_call(body: Body, config: dict, model: str) -> InferCall:
             raise bad(f"input byte size mismatch for input '{RAW_INPUT}' for model '{model}'. "
                       f"Expected {expected}, got {size}")
         data = memoryview(body)
-    return InferCall([InputTensor(name, datatype, shape, raw=data)], None, binary_default=True)
+    return KServeInfer(model, version, [InputTensor(name, datatype, shape, raw=data)], binary_default=True)
 
 
-def parse_infer(body: Body, headers: dict, model: str) -> InferCall:
+def parse_infer(body: Body, headers: dict, model: str, version: str = "") -> KServeInfer:
     """The whole request, parsed here (small documents, tests)."""
     document, json_end = json_document(body, headers)
-    return attach_binary(infer_call(document, json_end, len(body), model), body)
+    return attach_binary(infer_call(document, json_end, len(body), model, version), body)
 
 
-async def parse_infer_off_loop(body: Body, headers: dict, model: str, offload: Offload) -> InferCall:
+async def parse_infer_off_loop(body: Body, headers: dict, model: str, version: str,
+                               offload: Offload) -> KServeInfer:
     """The request, its JSON parsed in the helper process when it is large."""
     document, json_end = json_document(body, headers)
     if len(document) < OFFLOAD_BYTES:
-        call = infer_call(document, json_end, len(body), model)
+        call = infer_call(document, json_end, len(body), model, version)
     else:
         check_json_size(len(document))       # before the copy to the helper
-        call = await offload.run(infer_call, bytes(document), json_end, len(body), model, True)
+        call = await offload.run(infer_call, bytes(document), json_end, len(body), model, version, True)
     return attach_binary(call, body)
 
 
@@ -349,12 +336,12 @@ def json_document(body: Body, headers: dict) -> tuple[memoryview, Optional[int]]
 
 
 def infer_call(document: Union[memoryview, bytes], json_end: Optional[int], size: int, model: str,
-               convert: bool = False) -> InferCall:
-    """The request's JSON document as an InferCall; binary inputs point into
+               version: str = "", convert: bool = False) -> KServeInfer:
+    """The request's JSON document as a KServeInfer; binary inputs point into
     the body (`raw_at`); with `convert`, "data" lists become tensor bytes
     (what the helper process hands back instead of Python lists)."""
     doc = _obj(load_json(document), "request")
-    call = InferCall([], None)
+    call = KServeInfer(model, version, [])
     if "id" in doc:
         call.id = _str(doc["id"], "id")
     _parse_params(doc.get("parameters"), call)
@@ -373,7 +360,7 @@ def infer_call(document: Union[memoryview, bytes], json_end: Optional[int], size
     return call
 
 
-def attach_binary(call: InferCall, body: Body) -> InferCall:
+def attach_binary(call: KServeInfer, body: Body) -> KServeInfer:
     """Binary inputs as views of the body (no copy)."""
     view = memoryview(body)
     for t in call.inputs:
@@ -383,7 +370,7 @@ def attach_binary(call: InferCall, body: Body) -> InferCall:
     return call
 
 
-def _parse_params(params: object, call: InferCall) -> None:
+def _parse_params(params: object, call: KServeInfer) -> None:
     if params is None:
         return
     for key, value in _obj(params, "parameters").items():
@@ -391,13 +378,15 @@ def _parse_params(params: object, call: InferCall) -> None:
             if not (isinstance(value, str) or (type(value) is int and 0 <= value < 1 << 64)):
                 raise bad(f"Unable to parse 'sequence_id': expected an unsigned integer or a string, "
                           f"got {_short(value)}")
-            call.params["sequence_id"] = value
-        elif key in ("sequence_start", "sequence_end"):
-            call.params[key] = _bool(value, key)
+            call.sequence_id = value
+        elif key == "sequence_start":
+            call.sequence_start = _bool(value, key)
+        elif key == "sequence_end":
+            call.sequence_end = _bool(value, key)
         elif key == "priority":
-            call.params["priority"] = _uint(value, key)
+            call.priority = _uint(value, key)
         elif key == "timeout":
-            call.params["timeout_us"] = _uint(value, key)
+            call.timeout_us = _uint(value, key)
         elif key == "binary_data_output":
             call.binary_default = _bool(value, key)
         elif key.startswith(_RESERVED_PREFIX):

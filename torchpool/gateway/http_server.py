@@ -184,19 +184,17 @@ class Router:
             raise _ErrorWithHeaders(errors.UNSUPPORTED, "Unsupported compression type",
                                     (("Accept-Encoding", "gzip, deflate"),))
         if not is_raw(request.headers, len(body)):
-            call = await parse_infer_off_loop(body, request.headers, model, self.offload)
+            call = await parse_infer_off_loop(body, request.headers, model, version, self.offload)
         else:
             # a raw binary request: the model's config says what the body is
             try:
-                call = raw_call(body, await self.backend.recent_config(model, version), model)
-                result = await self.backend.infer(_caller(request), model, version, call.inputs, None,
-                                                  binary_default=True)
+                call = raw_call(body, await self.backend.recent_config(model, version), model, version)
+                result = await self.backend.infer(_caller(request), call)
             except TorchpoolError:
                 self.backend.forget_config(model)       # it may have changed: ask again next time
                 raise
             return await encode_infer(result, request.headers.get("accept-encoding"))
-        result = await self.backend.infer(_caller(request), model, version, call.inputs, call.outputs,
-                                          call.id, call.binary_default, **call.params)
+        result = await self.backend.infer(_caller(request), call)
         return await encode_infer(result, request.headers.get("accept-encoding"))
 
     async def _decompressed(self, request: Request, encoding: str) -> memoryview:

@@ -11,7 +11,7 @@ turns its tensor values into their bytes; the loop only copies bytes to and
 from it.
 
     loop ── pickled (function, document bytes) ──► helper process (nice 10)
-         ◄── pickled InferCall (tensor values as bytes) or (code, message) ──
+         ◄── pickled KServeInfer (tensor values as bytes) or (code, message) ──
 
 The helper is started on first use (multiprocessing "spawn": it imports
 numpy and the gateway's parsing modules, never torch or grpc), runs at a
