@@ -74,6 +74,9 @@ class Instances:
         self._batch_ids = iter(range(1, 1 << 62))
         self._reading_reports = False      # a timer reads the report rings
         self._restarted: dict[WorkerHandle, float] = {}   # a respawned worker -> when its predecessor died
+        # instances running a batch of ours: while any is, the loop expects an
+        # answer soon and may poll for it without sleeping (server.main_loop)
+        self.busy: set[WorkerHandle] = set()
 
     # ------------------------------------------------------------- start
 
@@ -125,6 +128,7 @@ class Instances:
         else:
             mv.idle.remove(worker)
             worker.state = BUSY
+            self.busy.add(worker)
             worker.batch = batch
             worker.batch_id = batch_id = next(self._batch_ids)
             self._started(mv, worker)
@@ -339,6 +343,7 @@ class Instances:
             self._started(mv, h)
         else:
             h.state = IDLE
+            self.busy.discard(h)
             mv.idle.append(h)
         if batch is not None:
             self.answers.free_batch(batch)
@@ -392,6 +397,7 @@ class Instances:
         self.loop.unwatch(h.sentinel)
         self.loop.unwatch(h.sock.fileno())
         was = h.state
+        self.busy.discard(h)
         self._restarted.pop(h, None)
         how = self.supervisor.reap(h)
         self.answers.worker_gone(h)

@@ -16,6 +16,8 @@ from typing import Callable, Optional, Union
 
 import zmq
 
+from ..rules.spin import SpinWait
+
 
 _POLLOUT = int(zmq.POLLOUT)
 
@@ -32,8 +34,11 @@ Watched = Union[int, zmq.Socket[bytes]]
 
 
 class Loop:
-    def __init__(self) -> None:
+    def __init__(self, spin_us: int = 0) -> None:
         self.poller = zmq.Poller()
+        # the wait for an answer expected soon (`wait`): the direct paths' one
+        # wait policy and window (rules/spin.py, --direct-spin-us)
+        self.answer_wait = SpinWait(spin_us)
         self._handlers: dict[Watched, Callable[[], None]] = {}
         self._writers: dict[Watched, Callable[[], None]] = {}   # fds waited on until writable
         self._timers: list[_Timer] = []
@@ -95,6 +100,15 @@ class Loop:
         now = time.monotonic()
         while self._timers and self._timers[0].when <= now:
             heapq.heappop(self._timers).action()
+
+    def wait(self, timeout_ms: Optional[int], expecting: bool) -> bool:
+        """`poll(timeout_ms)`; while `expecting` an answer (a worker runs one
+        of our batches) and recent ones came sooner than the window, polling
+        without sleeping first: the answer then costs no wake-up, while a
+        slow model or an idle daemon sleeps at once."""
+        if expecting:
+            return self.answer_wait.wait(self.poll, timeout_ms)
+        return self.poll(timeout_ms)
 
     def poll(self, timeout_ms: Optional[int]) -> bool:
         """Wait up to `timeout_ms` (None: for ever, 0: not at all) and run

@@ -32,7 +32,8 @@ class ServerOptions:
     worker_busy_poll_us: int = 0        # the same for workers, after each batch
     # A direct path's two ends poll at most this long without sleeping, while
     # the other answers sooner (rules/spin.py): on the 2-core VM it halves
-    # a tiny request's latency for about the CPU the wake-ups cost. 0: off
+    # a tiny request's latency for about the CPU the wake-ups cost. The
+    # broker waits so for a worker running one of its batches (Loop.wait). 0: off
     direct_spin_us: int = 500
     # each worker's output capture region (worker/capture.py), MiB; 0: off.
     # Default: $TORCHPOOL_OUTPUT_CAPTURE_MIB (how it was set before), else 256

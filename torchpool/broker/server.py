@@ -104,7 +104,7 @@ class Server:
         self.options = options
         self.daemon = daemon_id(options.listen)
         self.prefix = segment_prefix(self.daemon)
-        self.loop = Loop()
+        self.loop = Loop(options.direct_spin_us)
         self.ctx: Optional[zmq.Context[zmq.Socket[bytes]]] = None
         self.frontend: Optional[Frontend] = None
         self.arena: Optional[Arena] = None
@@ -265,6 +265,10 @@ class Server:
         # than the spin (off by default: options.py says why).
         busy_poll = self.options.busy_poll_us / 1e6
         last_activity = 0.0
+        # Without it, the loop still polls without sleeping while a worker runs
+        # one of its batches and answers come sooner than the direct paths'
+        # window (Loop.wait)
+        busy = self.instances.busy if self.instances is not None else set()
         while True:
             if self.stopping():
                 if drain_deadline is None:
@@ -281,7 +285,7 @@ class Server:
                     os.sched_yield()
                     continue    # an empty spin: timers and deadlines wait (at most busy_poll_us)
                 last_activity = time.perf_counter()
-            elif self.loop.poll(self._poll_timeout(drain_deadline)):
+            elif self.loop.wait(self._poll_timeout(drain_deadline), bool(busy)):
                 last_activity = time.perf_counter()
             self.loop.run_timers()
             self._expire_queued()

@@ -339,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the same for each worker after a batch; trades CPU for latency "
                             f"(default {_shown(_default('worker_busy_poll_us'))})")
     serve.add_argument("--direct-spin-us", type=int, default=_default("direct_spin_us"),
-                       help="a direct path's client and worker poll at most this long without "
+                       help="a direct path's client and worker, and the broker waiting for a "
+                            "worker's answer, poll at most this long without "
                             "sleeping, while the other answers sooner: lower latency for small "
                             f"models, CPU for wake-ups; 0 disables (default {_shown(_default('direct_spin_us'))})")
     serve.add_argument("--client-shm-size", type=_size, default=_default("client_shm_size"),
