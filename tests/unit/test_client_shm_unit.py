@@ -186,7 +186,7 @@ def test_encode_sends_empty_buffers_without_a_copy(arena) -> None:
     buf = arena.empty((2, 16), np.float32)
     buf[:] = 3.0
     plain = np.ones((2, 16), np.float32)
-    enc = st.encode_inputs({"A": buf, "B": plain, "C": buf[1:], "S": ["ab", "c"]}, arena)
+    enc = st.encoder.encode({"A": buf, "B": plain, "C": buf[1:], "S": ["ab", "c"]}, arena, st.session)
     a, b, c, s = enc.entries
     seg = arena.segments[a["shm"][0]]
     assert a["shm"][1] == arena.lookup(buf).data_offset and a["shm"][2] == buf.nbytes
@@ -196,32 +196,32 @@ def test_encode_sends_empty_buffers_without_a_copy(arena) -> None:
     got = np.frombuffer(seg.buf, np.float32, count=32, offset=b["shm"][1])
     assert np.array_equal(got, plain.reshape(-1))
     # the same buffer in flight twice: the second use is copied
-    enc2 = st.encode_inputs({"A": buf}, arena)
+    enc2 = st.encoder.encode({"A": buf}, arena, st.session)
     assert enc2.stats == [buf.nbytes, 0, 0]
-    st.finish(enc, arena, answered=True)
-    st.finish(enc2, arena, answered=True)
-    enc3 = st.encode_inputs({"A": buf}, arena)
+    st.encoder.finish(enc, arena, answered=True)
+    st.encoder.finish(enc2, arena, answered=True)
+    enc3 = st.encoder.encode({"A": buf}, arena, st.session)
     assert enc3.stats == [0, buf.nbytes, 0]
-    st.finish(enc3, arena, answered=True)
+    st.encoder.finish(enc3, arena, answered=True)
 
 
 def test_encode_copies_odd_arrays_once_in_native_order(arena) -> None:
     st = flows.ClientState("ipc:///nowhere", local=False)
     x = np.arange(32, dtype=">i4").reshape(4, 8)[:, ::2]      # big-endian and strided
-    enc = st.encode_inputs({"X": x}, arena)
+    enc = st.encoder.encode({"X": x}, arena, st.session)
     (e,) = enc.entries
     assert e["datatype"] == "INT32" and e["shape"] == [4, 4]
     seg = arena.segments[e["shm"][0]]
     got = np.frombuffer(seg.buf, "<i4", count=16, offset=e["shm"][1]).reshape(4, 4)
     assert np.array_equal(got, x)
-    st.finish(enc, arena, answered=True)
+    st.encoder.finish(enc, arena, answered=True)
 
 
 def test_encode_reports_need_room_and_frees_what_it_took(arena) -> None:
     st = flows.ClientState("ipc:///nowhere", local=False)
     free0 = arena.free_bytes
     with pytest.raises(flows.NeedRoom) as room:
-        st.encode_inputs({"A": np.zeros(8 * KiB, np.float32), "B": np.zeros(16 * KiB, np.float32)}, arena)
+        st.encoder.encode({"A": np.zeros(8 * KiB, np.float32), "B": np.zeros(16 * KiB, np.float32)}, arena, st.session)
     assert room.value.nbytes >= 64 * KiB
     assert arena.free_bytes == free0
 
@@ -230,11 +230,11 @@ def test_garbage_empty_block_in_flight_is_freed_when_the_flight_ends(arena) -> N
     st = flows.ClientState("ipc:///nowhere", local=False)
     free0 = arena.free_bytes
     buf = arena.empty((16,), np.float32)
-    enc = st.encode_inputs({"A": buf}, arena)
+    enc = st.encoder.encode({"A": buf}, arena, st.session)
     del buf
     gc.collect()
     assert arena.free_bytes < free0                       # garbage, but the daemon may read it
-    st.finish(enc, arena, answered=False, rid=7)          # no answer: quarantined
+    st.encoder.finish(enc, arena, answered=False, rid=7)          # no answer: quarantined
     assert 7 in st.quarantine and arena.free_bytes < free0
     st.arena = arena
     st.late_reply({"id": 7, "ok": True, "outputs": []})   # the late answer frees it
@@ -255,7 +255,7 @@ def test_lent_outputs_are_released_when_the_last_view_is_gone(fake_daemon, prefi
         d.push(st.session, [worker], writable=False)     # before the answer that lends in it
         header = {"outputs": [{"name": "OUT", "datatype": "FP32", "shape": [4, 4],
                                "shm": [name, 128, 64, 99]}]}
-        with st.decode_outputs(header, [], copy=False) as out:
+        with st.decoder.decode(header, [], False, st.session) as out:
             arr = out["OUT"]
             assert arr.shape == (4, 4) and not arr.flags.writeable
             assert np.array_equal(arr.reshape(-1), np.arange(16))
@@ -277,7 +277,7 @@ def test_lent_outputs_are_released_when_the_last_view_is_gone(fake_daemon, prefi
         assert st.session_fields() == {"session": st.session, "release": [[name, 128, 99]]}
         assert st.session_fields() == {"session": st.session}
         # copy=True: an ordinary array, released at once
-        out = st.decode_outputs(header, [], copy=True)
+        out = st.decoder.decode(header, [], True, st.session)
         assert out["OUT"].flags.writeable and out["OUT"].flags.owndata
         assert list(st.releases) == [(st.session, [name, 128, 99])]
         # releases of another session are dropped
@@ -285,8 +285,8 @@ def test_lent_outputs_are_released_when_the_last_view_is_gone(fake_daemon, prefi
         assert st.session_fields()["release"] == [[name, 128, 99]]
         # BYTES are decoded and released at once
         worker.buf[1024:1024 + 9] = b"\x05\x00\x00\x00hello"
-        out = st.decode_outputs({"outputs": [{"name": "T", "datatype": "BYTES", "shape": [1],
-                                              "shm": [name, 1024, 9, 5]}]}, [], copy=False)
+        out = st.decoder.decode({"outputs": [{"name": "T", "datatype": "BYTES", "shape": [1],
+                                              "shm": [name, 1024, 9, 5]}]}, [], False, st.session)
         assert out["T"].tolist() == [b"hello"]
         assert st.session_fields()["release"] == [[name, 1024, 5]]
         # the handed fd was read-only: the client's mapping cannot write the worker's memory
@@ -295,8 +295,8 @@ def test_lent_outputs_are_released_when_the_last_view_is_gone(fake_daemon, prefi
             mm[0] = 1
         # beyond the segment: refused (and still released)
         with pytest.raises(InferenceError) as exc:
-            st.decode_outputs({"outputs": [{"name": "O", "datatype": "FP32", "shape": [16],
-                                            "shm": [name, 64 * KiB - 32, 64, 6]}]}, [], copy=False)
+            st.decoder.decode({"outputs": [{"name": "O", "datatype": "FP32", "shape": [16],
+                                            "shm": [name, 64 * KiB - 32, 64, 6]}]}, [], False, st.session)
         assert exc.value.code == errors.INTERNAL and "beyond" in str(exc.value)
         assert st.session_fields()["release"] == [[name, 64 * KiB - 32, 6]]
     finally:
@@ -314,12 +314,12 @@ def test_an_output_in_memory_never_handed_is_refused(fake_daemon, prefix) -> Non
     try:
         header = {"outputs": [{"name": "O", "datatype": "FP32", "shape": [4], "shm": [named.name, 0, 16, 3]}]}
         with pytest.raises(InferenceError) as exc:
-            st.decode_outputs(header, [], copy=False)
+            st.decoder.decode(header, [], False, st.session)
         assert exc.value.code == errors.INTERNAL and "did not hand to this client" in str(exc.value)
         assert st.session_fields()["release"] == [[named.name, 0, 3]]        # handed back all the same
         st.outputs.clear()                     # a session that is not local: nothing can be mapped
         with pytest.raises(InferenceError) as exc:
-            st.decode_outputs(header, [], copy=False)
+            st.decoder.decode(header, [], False, st.session)
         assert exc.value.code == errors.INTERNAL and "without a local session" in str(exc.value)
     finally:
         st.close()
@@ -330,7 +330,7 @@ def test_an_output_in_memory_never_handed_is_refused(fake_daemon, prefix) -> Non
 def test_late_reply_releases_lent_outputs() -> None:
     st = flows.ClientState("ipc:///nowhere", local=False)
     st.session = "tok"
-    st.finish(EncodedInputs(), None, answered=False, rid=3, token="tok")      # timed out
+    st.encoder.finish(EncodedInputs(), None, answered=False, rid=3, token="tok")      # timed out
     st.late_reply({"id": 4, "ok": True, "outputs": [{"name": "O", "shm": ["seg", 0, 8, 1]}]})
     assert st.session_fields() == {"session": "tok"}                      # not a request of ours
     st.late_reply({"id": 3, "ok": True, "outputs": [{"name": "O", "shm": ["seg", 64, 8, 2]}]})
@@ -735,7 +735,7 @@ def test_register_proves_access_with_the_daemons_challenge(fake_daemon, prefix) 
         run(st.hello_flow(5), d)
         assert st.session is not None and st.link is None and not st.local
         region.buf[256:272] = b"user data: 16 B."
-        assert run(st.register_flow("r", region.name, 1024, 256, 5), d) is True
+        assert run(st.regions.register_flow("r", region.name, 1024, 256, 5), d) is True
         assert d.attaches == [{"op": "attach", "session": st.session, "arena": False}]
         assert st.link is not None and not st.local and st.arena is None
         first, second = [h for h in d.seen if h["op"] == "register_system_shared_memory"]
@@ -744,17 +744,17 @@ def test_register_proves_access_with_the_daemons_challenge(fake_daemon, prefix) 
         assert "challenge" not in first and "token" not in first
         assert len(d.proved["r"]) == 16 and second["challenge"] == d.proved["r"]   # read back from the segment
         assert bytes(region.buf[256:272]) == b"user data: 16 B."                  # put back
-        assert st.regions == {"r": (region.name, 1024, 256)}
+        assert st.regions.known == {"r": (region.name, 1024, 256)}
         # a daemon whose challenge is under 8 bytes: nothing registered, the bytes untouched
         d.hello = "short-challenge"
         with pytest.raises(InferenceError) as exc:
-            run(st.register_flow("r2", region.name, 1024, 512, 5), d)
+            run(st.regions.register_flow("r2", region.name, 1024, 512, 5), d)
         assert exc.value.code == errors.INTERNAL and "no challenge" in str(exc.value)
-        assert "r2" not in st.regions and bytes(region.buf[512:528]) == bytes(16)
+        assert "r2" not in st.regions.known and bytes(region.buf[512:528]) == bytes(16)
         # a region that does not fit its segment is refused before asking the daemon
         asked = len(d.seen)
         with pytest.raises(InferenceError) as exc:
-            run(st.register_flow("r3", region.name, 4 * KiB, 8, 5), d)
+            run(st.regions.register_flow("r3", region.name, 4 * KiB, 8, 5), d)
         assert exc.value.code == errors.INVALID_ARG and len(d.seen) == asked
     finally:
         st.close()
@@ -794,11 +794,11 @@ def test_small_inputs_stay_inline_by_default(arena, monkeypatch: pytest.MonkeyPa
     small = np.ones((2, 16), np.float32)
     big = np.ones(8192, np.float32)                  # 32 KiB
     in_place = arena.empty((2, 16), np.float32)      # built in the arena: never copied, whatever its size
-    enc = st.encode_inputs({"S": small, "B": big, "P": in_place}, arena)
+    enc = st.encoder.encode({"S": small, "B": big, "P": in_place}, arena, st.session)
     s_, b, p = enc.entries
     assert "data" in s_ and "shm" in b and "shm" in p
     assert enc.stats == [big.nbytes, in_place.nbytes, small.nbytes]
-    st.finish(enc, arena, answered=True)
+    st.encoder.finish(enc, arena, answered=True)
 
 
 def test_concurrent_requests_grow_the_arena_once(fake_daemon) -> None:
@@ -857,7 +857,7 @@ def test_many_small_inputs_go_as_frames_past_the_inline_budget() -> None:
     request. Past INLINE_BUDGET the client sends the rest as payload frames."""
     st = flows.ClientState("ipc:///nowhere", local=False)
     inputs = {f"X{i}": np.full(tensors.INLINE_LIMIT // 4, i, np.float32) for i in range(30)}
-    enc = st._encode_inline(inputs)
+    enc = st.encoder.encode_inline(inputs, st.session)
     inline = [e for e in enc.entries if isinstance(e[tensors.DATA], bytes)]
     framed = [e for e in enc.entries if isinstance(e[tensors.DATA], int)]
     assert len(inline) * tensors.INLINE_LIMIT <= messages.INLINE_BUDGET < (len(inline) + 1) * tensors.INLINE_LIMIT

@@ -16,9 +16,9 @@ from .common import (DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, Serve
                      error_of, send_goodbye_and_close)
 from .aio_lane import AsyncDirect, AsyncLane, AsyncPaths
 from .direct import DirectRequest
-from .flows import SessionLost, is_session_error, run_async, sequence_field
+from .flows import is_session_error, run_async, sequence_field
 from .regions import needs_session
-from .types import Call, Flow, Frames, NoAnswer, Reply, T
+from .types import Call, Flow, Frames, NoAnswer, Reply, SessionLost, T
 from .types import InferResult, Inputs, JSONDocument, ModelConfig, RequestedOutput, SequenceId, Version
 from .watch import Mark
 
@@ -241,7 +241,7 @@ class AsyncClient(ClientBase):
         caller's many calls do not all go before another's one."""
         seq = sequence_field(sequence_id, sequence_start, sequence_end)
         if not priority and seq is None:
-            short = self._state.direct_request(model, inputs, outputs, version, timeout)
+            short = self._state.shortcut.request(model, inputs, outputs, version, timeout)
             if short is not None:
                 result = await self._direct_infer(short, copy, timeout, sent, caller)
                 if result is not None:
@@ -258,7 +258,7 @@ class AsyncClient(ClientBase):
         wanted = st.direct.wanted
         while wanted:
             model, version = key = wanted.pop()
-            if key in self._asking or not st.direct_allowed() or not st.direct.due(model, version):
+            if key in self._asking or not st.shortcut.allowed() or not st.direct.due(model, version):
                 continue
 
             async def ask(model: str = model, version: str = version, key: tuple[str, str] = key) -> None:
@@ -295,7 +295,7 @@ class AsyncClient(ClientBase):
             answered = True
             if not header.get("ok"):
                 raise error_of(header)
-            return st.direct_answered(header, payload, copy, token, enc)
+            return st.shortcut.answered(header, payload, copy, token, enc)
         except InferenceError as exc:
             if isinstance(exc, NoAnswer) and not answered:
                 raise
@@ -306,7 +306,7 @@ class AsyncClient(ClientBase):
             return None
         finally:
             if not answered:
-                st.finish(enc, st.arena, False, rid, token)
+                st.encoder.finish(enc, st.arena, False, rid, token)
 
     async def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:
         """As `Client.empty` (a coroutine: the first call may say hello)."""
@@ -320,14 +320,15 @@ class AsyncClient(ClientBase):
 
     async def register_system_shared_memory(self, name: str, key: str, byte_size: int,
                                             offset: int = 0) -> None:
-        await self._perform(lambda: self._state.register_flow(name, key, byte_size, offset, None),
+        await self._perform(lambda: self._state.regions.register_flow(name, key, byte_size, offset, None),
                             None, True)
 
     async def unregister_system_shared_memory(self, name: Optional[str] = None) -> None:
-        await self._perform(lambda: self._state.unregister_flow(name, None), None, True)
+        await self._perform(lambda: self._state.regions.unregister_flow(name, None), None, True)
 
     async def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[JSONDocument]:
-        return cast("list[JSONDocument]", await self._perform(lambda: self._state.status_flow(name, None), None, True))
+        regions = self._state.regions
+        return cast("list[JSONDocument]", await self._perform(lambda: regions.status_flow(name, None), None, True))
 
     def _stop(self) -> None:
         for task in (self._reader, self._watcher, *self._asking.values()):

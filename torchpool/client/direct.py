@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from .arena import ClientArena
+    from .inputs import InputEncoder
     from .local import LocalLink
     from .outputs import Release, EncodedInputs
     from .types import InferResult, Version
@@ -189,7 +190,7 @@ class DirectPaths:
             fields["all"] = True             # a path to each instance (broker/direct.py)
         fds: list[int] = []
         link, make = state.link, state.direct_factory
-        assert link is not None and make is not None    # direct_allowed(): a lane and a factory
+        assert link is not None and make is not None    # DirectRequests.allowed(): a lane and a factory
         try:
             header, _ = yield from state.exchange(messages.OP_DIRECT, timeout, fields, lane=True)
             result = header["result"]
@@ -239,12 +240,9 @@ class DirectPaths:
         self.wanted.clear()
 
 
-class DirectRequests:
-    """A direct path's short way (Client.infer): the requests that need no
-    flow. Mixed into `ClientState` (flows.py): uses its arena, lane, paths,
-    encoding and decoding."""
+class DirectOwner(Protocol):
+    """What the short way uses of the client's state (flows.ClientState)."""
 
-    # ClientState's (set in its __init__; methods of flows.py and inputs.py); declared for the checker only
     local: bool
     arena: Optional[ClientArena]
     direct: DirectPaths
@@ -252,43 +250,50 @@ class DirectRequests:
     direct_factory: Optional[Callable[[socket.socket, str], DirectPath]]
     link: Optional[LocalLink]
     releases: collections.deque[Release]
+    encoder: InputEncoder
 
-    if TYPE_CHECKING:
-        def _encode_inline(self, inputs: Inputs) -> EncodedInputs: ...
+    def infer_call(self, model: str, version: Version, enc: EncodedInputs,
+                   outputs: Optional[Sequence[RequestedOutput]],
+                   timeout: Optional[float], priority: int, sequence: Optional[Header]) -> InferCall: ...
 
-        def finish(self, enc: EncodedInputs, arena: Optional[ClientArena], answered: bool,
-                   rid: Optional[int] = None, token: Optional[str] = None) -> None: ...
+    def open_lane(self) -> Optional[Lane]: ...
 
-        def _infer_call(self, model: str, version: Version, enc: EncodedInputs,
-                        outputs: Optional[Sequence[RequestedOutput]],
-                        timeout: Optional[float], priority: int, sequence: Optional[Header]) -> InferCall: ...
+    def answered(self, header: Header, payload: Sequence[Buffer], copy: bool, token: Optional[str],
+                 enc: EncodedInputs, arena: Optional[ClientArena]) -> InferResult: ...
 
-        def open_lane(self) -> Optional[Lane]: ...
 
-        def _answered(self, header: Header, payload: Sequence[Buffer], copy: bool, token: Optional[str],
-                      enc: EncodedInputs, arena: Optional[ClientArena]) -> InferResult: ...
+class DirectRequests:
+    """A direct path's short way (Client.infer): the requests that need no
+    flow. One part of `ClientState` (flows.py), whose arena, lane, paths,
+    encoding and decoding it uses."""
 
-    def direct_request(self, model: str, inputs: Inputs, outputs: Optional[Sequence[RequestedOutput]],
-                       version: Version, timeout: Optional[float] = None) -> Optional[DirectRequest]:
+    def __init__(self, owner: DirectOwner) -> None:
+        self.owner = owner
+
+    def request(self, model: str, inputs: Inputs, outputs: Optional[Sequence[RequestedOutput]],
+                version: Version, timeout: Optional[float] = None) -> Optional[DirectRequest]:
         """The request, encoded for the open direct path of its model
         as `infer_flow` encodes it; None when it needs the flow (no path open yet, inputs that go by
         shared memory, lent outputs to give back, ...). Under `lock`."""
-        if not self.local or not self.direct_allowed() or not self.inline_inputs(inputs):
+        owner = self.owner
+        if not owner.local or not self.allowed() or not self.inline_inputs(inputs):
             return None
-        arena = self.arena
-        path = self.direct.open_path(model, "" if version is None else str(version))
+        arena = owner.arena
+        path = owner.direct.open_path(model, "" if version is None else str(version))
         if path is None:
             return None
-        enc = self._encode_inline(inputs)    # what encode_inputs makes of these: nothing in the arena
-        call = self._infer_call(model, version, enc, outputs, timeout, 0, None)
+        token = owner.session
+        encoder = owner.encoder
+        enc = encoder.encode_inline(inputs, token)    # what encode() makes of these: nothing in the arena
+        call = owner.infer_call(model, version, enc, outputs, timeout, 0, None)
         if not takes_direct(call):
-            self.finish(enc, arena, answered=True)
+            encoder.finish(enc, arena, answered=True)
             return None
         header = infer_header(call)
-        token = header["session"] = self.session
+        header["session"] = token
         frames: Frames = [messages.pack(header)]
         if not lane.fits(frames):           # (many inputs) over ZeroMQ: the flow's
-            self.finish(enc, arena, answered=True)
+            encoder.finish(enc, arena, answered=True)
             return None
         return DirectRequest(path, cast(int, call.request_id), frames, enc, token)
 
@@ -296,7 +301,7 @@ class DirectRequests:
         """Do these inputs go inline for sure, as a direct path takes them?
         (small arrays not built by empty(), and small RawTensors: the
         gateways' inputs; False without an arena)"""
-        arena = self.arena
+        arena = self.owner.arena
         if arena is None:
             return False
         for value in inputs.values():
@@ -308,15 +313,16 @@ class DirectRequests:
                 return False
         return True
 
-    def direct_allowed(self) -> bool:
+    def allowed(self) -> bool:
         """May this session's requests go on direct paths now? (a lane is open,
         the daemon offers paths, and no lent outputs wait to be given back:
         those go with a request to the daemon)"""
-        link = self.link        # (not None when a lane is open)
-        return self.direct_factory is not None and self.open_lane() is not None and \
-            link is not None and link.direct_ok and not self.releases
+        owner = self.owner
+        link = owner.link        # (not None when a lane is open)
+        return owner.direct_factory is not None and owner.open_lane() is not None and \
+            link is not None and link.direct_ok and not owner.releases
 
-    def direct_answered(self, header: Header, payload: Sequence[Buffer], copy: bool, token: Optional[str],
-                        enc: EncodedInputs) -> InferResult:
-        """The outputs of a `direct_request`'s answer. Under `lock`."""
-        return self._answered(header, payload, copy, token, enc, None)
+    def answered(self, header: Header, payload: Sequence[Buffer], copy: bool, token: Optional[str],
+                 enc: EncodedInputs) -> InferResult:
+        """The outputs of a `request`'s answer. Under `lock`."""
+        return self.owner.answered(header, payload, copy, token, enc, None)

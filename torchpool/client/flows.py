@@ -33,15 +33,15 @@ from ..protocol import lane as lane_protocol
 from ..protocol.errors import InferenceError
 from ..protocol.messages import OP_ARENA_GROW, OP_GOODBYE, OP_HELLO, Header
 from .arena import DEFAULT_ARENA_CAP, ClientArena, OutputMaps, block_size, local_wanted
-from .inputs import InputEncoding, NeedRoom
+from .inputs import InputEncoder, NeedRoom
 from ..rules.request import InferCall, infer_header
 from .direct import DirectPaths, DirectRequests, takes_direct
 from .local import LocalLink
-from .outputs import OutputDecoding, Release, Quarantined, EncodedInputs
+from .outputs import OutputDecoder, Release, Quarantined, EncodedInputs
 from .regions import RegionFlows
 from .types import (
     Call, Classification, DirectPath, Flow, Frames, InferResult, Inputs, Lane, NoAnswer, OutputRef, Reply,
-    RequestedOutput, SequenceId, T, Version,
+    RequestedOutput, SequenceId, SessionLost, T, Version,
 )
 
 if TYPE_CHECKING:
@@ -53,15 +53,6 @@ def result_of(header: Header) -> Header:
     result = header.get("result")
     return result if isinstance(result, dict) else {}
 
-class SessionLost(Exception):
-    """The daemon no longer knows our session (lease expired, daemon restarted)."""
-
-    def __init__(self, token: Optional[str], error: InferenceError) -> None:
-        super().__init__(str(error))
-        self.token = token
-        self.error = error
-
-
 def is_session_error(exc: InferenceError) -> bool:
     """The daemon forgot the session we named (it says so with SESSION_LOST)."""
     return exc.code == errors.SESSION_LOST
@@ -69,9 +60,11 @@ def is_session_error(exc: InferenceError) -> bool:
 
 # --- the client state and its flows ----------------------------------------------------
 
-class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
-    """A client's session, arena, lent outputs, regions and transfer counts
-    (decoding answers: outputs.py; registered regions: regions.py)."""
+class ClientState:
+    """A client's session, arena, lent outputs and transfer counts, and its
+    parts: the input encoder (inputs.py), the output decoder (outputs.py),
+    the registered regions (regions.py) and the direct paths' short way
+    (direct.py)."""
 
     def __init__(self, url: str, local: Optional[bool] = None,
                  arena_cap: int = DEFAULT_ARENA_CAP) -> None:
@@ -100,9 +93,12 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         self.local_socket: Optional[str] = None  # where it is (regions attach without an arena)
         self.outputs = OutputMaps()
         self.releases: collections.deque[Release] = collections.deque()   # (session, [seg, off, gen])
-        self.regions: dict[str, tuple[str, int, int]] = {}      # name -> (key, byte_size, offset)
         # requests we stopped waiting for: id -> (session, arena, copy blocks, empty() blocks)
         self.quarantine: dict[object, Quarantined] = {}
+        self.encoder = InputEncoder(self.quarantine)
+        self.decoder = OutputDecoder(self.outputs, self.releases, self.quarantine)
+        self.regions = RegionFlows(self)
+        self.shortcut = DirectRequests(self)
         self.stats = {"bytes_copied": 0, "bytes_zero_copy": 0, "bytes_inline": 0}
         self.closed = False
         # A sync client may be shared by threads: the steps of its flows (and
@@ -236,13 +232,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
             self.outputs.link = link
             break
         # a session that replaced a lost one gets the caller's regions back
-        for name, (key, byte_size, offset) in list(self.regions.items()):
-            try:
-                yield from self.register_flow(name, key, byte_size, offset, timeout)
-            except SessionLost:
-                raise
-            except InferenceError:
-                self.regions.pop(name, None)
+        yield from self.regions.restore_flow(timeout)
         return True
 
     def _quiet(self, call: Call) -> Flow[None]:
@@ -290,10 +280,10 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
         and encode into it; inline if it cannot grow or they still do not fit."""
         if (yield from self._grow(arena, need, timeout)):
             try:
-                return self.encode_inputs(inputs, arena), arena
+                return self.encoder.encode(inputs, arena, self.session), arena
             except NeedRoom:
                 pass
-        return self.encode_inputs(inputs, None), None      # this request goes inline
+        return self.encoder.encode_inline(inputs, self.session), None      # this request goes inline
 
     def _grow(self, arena: ClientArena, need: int, timeout: Optional[float]) -> Flow[bool]:
         """Add an arena segment of at least `need` bytes; False if not now.
@@ -323,16 +313,16 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                    sequence: Optional[Header] = None) -> Flow[InferResult]:
         arena = self.arena if self.local else None
         if arena is None:
-            enc = self._encode_inline(inputs)
+            enc = self.encoder.encode_inline(inputs, self.session)
         else:
             try:
-                enc = self.encode_inputs(inputs, arena)
+                enc = self.encoder.encode(inputs, arena, self.session)
             except NeedRoom as room:
                 enc, arena = yield from self._encode_after_growing(inputs, arena, room.nbytes, timeout)
-        call = self._infer_call(model, version, enc, outputs, timeout, priority, sequence)
+        call = self.infer_call(model, version, enc, outputs, timeout, priority, sequence)
         header = infer_header(call)
         direct = None
-        if self.direct_allowed() and takes_direct(call):
+        if self.shortcut.allowed() and takes_direct(call):
             direct = yield from self.direct.path_flow(self, model, "" if version is None else str(version), timeout,
                                                       ask=self.direct_group is None)
         if direct is not None:
@@ -347,7 +337,7 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
             lane = direct = None
             del header["output_shm"]
             frames[0] = messages.pack(header)
-        rid, answered = cast(int, call.request_id), False     # (_infer_call's id)
+        rid, answered = cast(int, call.request_id), False     # (infer_call's id)
         try:
             try:
                 reply_header, payload = yield from self._send_infer(rid, frames, timeout, direct, lane)
@@ -359,11 +349,11 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                     raise SessionLost(token, exc) from None
                 raise
             answered = True
-            return self._answered(reply_header, payload, copy, token, enc, arena)
+            return self.answered(reply_header, payload, copy, token, enc, arena)
         finally:
-            self.finish(enc, arena, answered, rid, token)
+            self.encoder.finish(enc, arena, answered, rid, token)
 
-    def _infer_call(self, model: str, version: Version, enc: EncodedInputs,
+    def infer_call(self, model: str, version: Version, enc: EncodedInputs,
                     outputs: Optional[Sequence[RequestedOutput]],
                     timeout: Optional[float], priority: int, sequence: Optional[Header]) -> InferCall:
         wanted = None
@@ -376,14 +366,18 @@ class ClientState(InputEncoding, OutputDecoding, RegionFlows, DirectRequests):
                          int(timeout * 1e6) if timeout else 0, time.monotonic_ns() if timeout else None,
                          int(priority) if priority else 0, sequence or None, self.local)
 
-    def _answered(self, header: Header, payload: Sequence[Buffer], copy: bool, token: Optional[str], enc: EncodedInputs,
-                  arena: Optional[ClientArena]) -> InferResult:
+    def answered(self, header: Header, payload: Sequence[Buffer], copy: bool, token: Optional[str], enc: EncodedInputs,
+                 arena: Optional[ClientArena]) -> InferResult:
         s = self.stats
         s["bytes_copied"] += enc.stats[0]
         s["bytes_zero_copy"] += enc.stats[1]
         s["bytes_inline"] += enc.stats[2]
         # before finish(): outputs that point into our input blocks keep them
-        return self.decode_outputs(header, payload, copy, token, enc, arena)
+        return self.decoder.decode(header, payload, copy, token, enc, arena)
+
+    def late_reply(self, header: object) -> None:
+        """The answer of a request we stopped waiting for (outputs.py)."""
+        self.decoder.late_reply(header, self.arena)
 
     def _send_infer(self, rid: int, frames: Frames, timeout: Optional[float], direct: Optional[DirectPath],
                     lane: Optional[Lane]) -> Flow[Reply]:

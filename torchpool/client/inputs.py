@@ -1,7 +1,8 @@
 """How a request's inputs are encoded: into the client's arena (copied once,
 or passed in place when built there with `empty()`), as a registered
 region, or inline in the request; and what is given back when it is over.
-Mixed into `ClientState` (flows.py), whose `session` and `quarantine` it uses.
+One part of `ClientState` (flows.py), which gives it the quarantine of
+requests it stopped waiting for.
 """
 from __future__ import annotations
 
@@ -23,22 +24,26 @@ class NeedRoom(Exception):
         self.nbytes = nbytes
 
 
-class InputEncoding:
-    # ClientState's (set in its __init__); declared for the checker only
-    session: Optional[str]
-    quarantine: dict[object, Quarantined]
+class InputEncoder:
+    """Encodes a request's inputs, and gives back what they held once it is over."""
 
-    def encode_inputs(self, inputs: Inputs, arena: Optional[ClientArena]) -> EncodedInputs:
+    def __init__(self, quarantine: dict[object, Quarantined]) -> None:
+        # requests we stopped waiting for: what they hold until a late answer
+        # (the state's own dict: a session that ends clears it)
+        self.quarantine = quarantine
+
+    def encode(self, inputs: Inputs, arena: Optional[ClientArena], session: Optional[str]) -> EncodedInputs:
         """Entries and payload frames; inputs go to the arena when there is one.
-        Raises NeedRoom (having freed what it took) when the arena is full."""
+        Raises NeedRoom (having freed what it took) when the arena is full.
+        (`session`: the client's, if any: a registered region needs one)"""
         if arena is None:
-            return self._encode_inline(inputs)
+            return self.encode_inline(inputs, session)
         enc = EncodedInputs()
         need = 0
         try:
             for name, value in inputs.items():
                 if isinstance(value, SharedMemoryRef):
-                    if self.session is None:
+                    if session is None:
                         raise InferenceError(errors.INVALID_ARG, f"input '{name}': a region needs a "
                                                                  f"session (register the region first)")
                     enc.entries.append(value.entry(name))
@@ -79,14 +84,14 @@ class InputEncoding:
             raise NeedRoom(need)
         return enc
 
-    def _encode_inline(self, inputs: Inputs) -> EncodedInputs:
-        """`encode_inputs` without an arena: every tensor's bytes travel in the
+    def encode_inline(self, inputs: Inputs, session: Optional[str]) -> EncodedInputs:
+        """`encode` without an arena: every tensor's bytes travel in the
         request (inline or as frames); nothing to give back on failure."""
         enc = EncodedInputs()
         entries, frames, inline = enc.entries, enc.frames, 0
         for name, value in inputs.items():
             if isinstance(value, SharedMemoryRef):
-                if self.session is None:
+                if session is None:
                     raise InferenceError(errors.INVALID_ARG, f"input '{name}': a region needs a "
                                                              f"session (register the region first)")
                 entries.append(value.entry(name))

@@ -1,4 +1,4 @@
-"""Decoding an answer's outputs, for `ClientState` (flows.py).
+"""Decoding an answer's outputs: one part of `ClientState` (flows.py).
 
 An output arrives inline or as a payload frame (an array view of the
 bytes), lent in place in a worker's memory (a read-only view released to the
@@ -42,23 +42,22 @@ class EncodedInputs:
         self.stats = [0, 0, 0]                  # copied, zero-copy, inline
 
 
-class OutputDecoding:
-    """Mixed into ClientState: uses its `session`, `outputs` (OutputMaps),
-    `releases`, `quarantine` and `arena`."""
+class OutputDecoder:
+    """Turns an answer's output entries into values; gives back to the daemon
+    (by `releases`) what it lent once those values are garbage."""
 
-    # ClientState's (set in its __init__); declared for the checker only
-    session: Optional[str]
-    outputs: OutputMaps
-    releases: collections.deque[Release]
-    quarantine: dict[object, Quarantined]
-    arena: Optional[ClientArena]
+    def __init__(self, outputs: OutputMaps, releases: collections.deque[Release],
+                 quarantine: dict[object, Quarantined]) -> None:
+        # the state's own: the workers' memory mapped here, the releases its
+        # next request to the daemon carries, the requests it stopped waiting for
+        self.outputs = outputs
+        self.releases = releases
+        self.quarantine = quarantine
 
-    def decode_outputs(self, header: Header, frames: Sequence[Buffer], copy: bool,
-                       token: Optional[str] = None, enc: Optional[EncodedInputs] = None,
-                       arena: Optional[ClientArena] = None) -> InferResult:
+    def decode(self, header: Header, frames: Sequence[Buffer], copy: bool, token: Optional[str],
+               enc: Optional[EncodedInputs] = None, arena: Optional[ClientArena] = None) -> InferResult:
         """The outputs of an answer to a request sent in session `token`
         (with the input blocks `enc` holds in `arena`)."""
-        token = self.session if token is None else token
         result = InferResult()
         # the daemon's own answer: a list of output entries
         entries = cast("list[tensors.Entry]", header.get("outputs") or [])
@@ -114,16 +113,16 @@ class OutputDecoding:
             if not keep:
                 self.releases.append(rel)
 
-    def late_reply(self, header: object) -> None:
-        """The answer of a request we stopped waiting for: free its blocks and
-        hand back any outputs it was lent."""
+    def late_reply(self, header: object, current: Optional[ClientArena]) -> None:
+        """The answer of a request we stopped waiting for: free its blocks (if
+        they are of the `current` arena) and hand back any outputs it was lent."""
         if not isinstance(header, dict):
             return
         held = self.quarantine.pop(header.get("id"), None)
         if held is None:
             return            # not ours, or of a session that is gone
         token, arena, blocks, lent = held
-        if arena is not None and arena is self.arena:
+        if arena is not None and arena is current:
             for block in blocks:
                 arena.free(block)
             for block in lent:

@@ -1,4 +1,4 @@
-"""Triton-style registered regions, for `ClientState` (flows.py).
+"""Triton-style registered regions: one part of `ClientState` (flows.py).
 
 Registering proves access with a challenge: the daemon opens the segment and
 answers a fresh nonce; the client writes it at the region's offset and asks
@@ -8,7 +8,7 @@ afterwards. Regions need a local session (the daemon must know who we are).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Iterable, Optional, Protocol
 
 from ..protocol import errors
 from ..protocol.errors import InferenceError, TorchpoolError
@@ -16,7 +16,7 @@ from ..protocol.messages import (OP_REGISTER, OP_SHM_STATUS, OP_UNREGISTER, REGI
                                  REGION_TOKEN_MIN_BYTES)
 from ..protocol.names import check_shm_key
 from .local import LocalLink
-from .types import Flow, Inputs, OutputRef, Reply, RequestedOutput, SharedMemoryRef
+from .types import Flow, Inputs, OutputRef, Reply, RequestedOutput, SessionLost, SharedMemoryRef
 
 
 def _shm_key(key: str) -> str:
@@ -43,20 +43,25 @@ class SegmentUnusable(InferenceError):
     /dev/shm through it."""
 
 
-class RegionFlows:
-    """Mixed into ClientState: uses its `exchange`, `control_flow` and `regions`."""
+class RegionSession(Protocol):
+    """What the regions use of the client's session (flows.ClientState)."""
 
-    # ClientState's (set in its __init__, defined in flows.py); declared for the checker only
-    link: Optional[LocalLink]
+    link: Optional[LocalLink]            # its side channel: attached here when it has none
     local_socket: Optional[str]
     session: Optional[str]
-    regions: dict[str, tuple[str, int, int]]     # name -> (key, byte_size, offset)
 
-    if TYPE_CHECKING:
-        def exchange(self, op: str, timeout: Optional[float], fields: dict[str, object],
-                     lane: bool = False) -> Flow[Reply]: ...
+    def exchange(self, op: str, timeout: Optional[float], fields: dict[str, object],
+                 lane: bool = False) -> Flow[Reply]: ...
 
-        def control_flow(self, op: str, timeout: Optional[float], fields: dict[str, object]) -> Flow[object]: ...
+    def control_flow(self, op: str, timeout: Optional[float], fields: dict[str, object]) -> Flow[object]: ...
+
+
+class RegionFlows:
+    """The regions a client registered, and the flows that (un)register them."""
+
+    def __init__(self, owner: RegionSession) -> None:
+        self.owner = owner
+        self.known: dict[str, tuple[str, int, int]] = {}     # name -> (key, byte_size, offset)
 
     def register_flow(self, name: str, key: str, byte_size: int, offset: int,
                       timeout: Optional[float]) -> Flow[bool]:
@@ -82,17 +87,18 @@ class RegionFlows:
                 raise SegmentUnusable(errors.INVALID_ARG,
                                       f"region '{name}': offset {offset} + byte size {byte_size} does "
                                       f"not fit the segment's {size} bytes")
-            if self.link is None and self.local_socket is not None and self.session is not None:
+            owner = self.owner
+            if owner.link is None and owner.local_socket is not None and owner.session is not None:
                 # the daemon must know who we are: attach without an arena
                 try:
-                    self.link = LocalLink.attach(self.local_socket, self.session, timeout, arena=False)
+                    owner.link = LocalLink.attach(owner.local_socket, owner.session, timeout, arena=False)
                 except OSError as exc:
                     raise InferenceError(errors.UNAVAILABLE, f"region '{name}': registered regions need "
                                                              f"a client on the daemon's host (its side "
                                                              f"channel cannot be reached: {exc.strerror})"
                                          ) from None
             fields = {"name": name, "key": key, "byte_size": byte_size, "offset": offset}
-            header, _ = yield from self.exchange(OP_REGISTER, timeout, fields)
+            header, _ = yield from owner.exchange(OP_REGISTER, timeout, fields)
             result = header.get("result")
             nonce = result.get("challenge") if isinstance(result, dict) else None
             if not isinstance(nonce, bytes) or not REGION_TOKEN_MIN_BYTES <= len(nonce) <= REGION_TOKEN_BYTES:
@@ -100,21 +106,32 @@ class RegionFlows:
             saved = os.pread(fd, len(nonce), offset)
             os.pwrite(fd, nonce, offset)
             try:
-                yield from self.exchange(OP_REGISTER, timeout, {**fields, "challenge": nonce})
+                yield from owner.exchange(OP_REGISTER, timeout, {**fields, "challenge": nonce})
             finally:
                 os.pwrite(fd, saved, offset)
         finally:
             os.close(fd)
-        self.regions[name] = (key, byte_size, offset)
+        self.known[name] = (key, byte_size, offset)
         return True
 
+    def restore_flow(self, timeout: Optional[float]) -> Flow[None]:
+        """A session that replaced a lost one gets the caller's regions back
+        (one that can no longer be registered is forgotten)."""
+        for name, (key, byte_size, offset) in list(self.known.items()):
+            try:
+                yield from self.register_flow(name, key, byte_size, offset, timeout)
+            except SessionLost:
+                raise
+            except InferenceError:
+                self.known.pop(name, None)
+
     def unregister_flow(self, name: Optional[str], timeout: Optional[float]) -> Flow[object]:
-        result = yield from self.control_flow(OP_UNREGISTER, timeout, {"name": name})
+        result = yield from self.owner.control_flow(OP_UNREGISTER, timeout, {"name": name})
         if name is None:
-            self.regions.clear()
+            self.known.clear()
         else:
-            self.regions.pop(name, None)
+            self.known.pop(name, None)
         return result
 
     def status_flow(self, name: Optional[str], timeout: Optional[float]) -> Flow[object]:
-        return (yield from self.control_flow(OP_SHM_STATUS, timeout, {"name": name}))
+        return (yield from self.owner.control_flow(OP_SHM_STATUS, timeout, {"name": name}))

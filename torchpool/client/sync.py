@@ -16,9 +16,9 @@ from .channel import SharedSocket
 from .direct import DirectRequest, DirectSocket
 from .lane import LaneSocket
 from .common import DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control, error_of
-from .flows import ClientState, SessionLost, is_session_error, run_sync, sequence_field
+from .flows import ClientState, is_session_error, run_sync, sequence_field
 from .regions import needs_session
-from .types import Call, Flow, Frames, NoAnswer, Reply, T
+from .types import Call, Flow, Frames, NoAnswer, Reply, SessionLost, T
 from .types import InferResult, Inputs, JSONDocument, ModelConfig, RequestedOutput, SequenceId, Version
 
 
@@ -217,7 +217,7 @@ class Client(ClientBase):
         if not priority and seq is None:
             st = self._state
             with st.lock:
-                short = st.direct_request(model, inputs, outputs, version, timeout)
+                short = st.shortcut.request(model, inputs, outputs, version, timeout)
             if short is not None:
                 result = self._direct_infer(short, copy, timeout)
                 if result is not None:
@@ -249,7 +249,7 @@ class Client(ClientBase):
             if not header.get("ok"):
                 raise error_of(header)
             with st.lock:
-                return st.direct_answered(header, payload, copy, token, enc)
+                return st.shortcut.answered(header, payload, copy, token, enc)
         except InferenceError as exc:
             if isinstance(exc, NoAnswer) and not answered:
                 raise
@@ -262,7 +262,7 @@ class Client(ClientBase):
         finally:
             if not answered:
                 with st.lock:
-                    st.finish(enc, st.arena, False, rid, token)
+                    st.encoder.finish(enc, st.arena, False, rid, token)
 
     def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:
         """A writable array in this client's shared-memory arena: fill it and
@@ -274,15 +274,16 @@ class Client(ClientBase):
     def register_system_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
         """Register `byte_size` bytes at `offset` of the POSIX shm segment `key`
         (which this client must be able to open and write) under `name`."""
-        self._perform(lambda: self._state.register_flow(name, key, byte_size, offset, None), None, True)
+        self._perform(lambda: self._state.regions.register_flow(name, key, byte_size, offset, None), None, True)
 
     def unregister_system_shared_memory(self, name: Optional[str] = None) -> None:
         """Unregister `name` (None: every region of this client)."""
-        self._perform(lambda: self._state.unregister_flow(name, None), None, True)
+        self._perform(lambda: self._state.regions.unregister_flow(name, None), None, True)
 
     def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[JSONDocument]:
         """[{name, key, offset, byte_size, in_use}] of this client's regions."""
-        return cast("list[JSONDocument]", self._perform(lambda: self._state.status_flow(name, None), None, True))
+        regions = self._state.regions
+        return cast("list[JSONDocument]", self._perform(lambda: regions.status_flow(name, None), None, True))
 
     # -- lifetime
     def close(self, wait: float = GOODBYE_WAIT) -> None:

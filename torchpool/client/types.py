@@ -165,6 +165,15 @@ class NoAnswer(InferenceError):
         self.path: Optional[DirectPath] = None
 
 
+class SessionLost(Exception):
+    """The daemon no longer knows our session (lease expired, daemon restarted)."""
+
+    def __init__(self, token: Optional[str], error: InferenceError) -> None:
+        super().__init__(str(error))
+        self.token = token
+        self.error = error
+
+
 class Path(Protocol):
     """The channel a `Call` goes on, other than ZeroMQ: a session's lane or a
     direct path. The sync client's are lane.LaneSocket and direct.DirectSocket,
