@@ -11,6 +11,7 @@ Both clients speak the same wire format (docs/protocol.md); the encoding,
 decoding, session and shared-memory logic is shared, only the transport
 differs. The package, one module per job:
 
+    api.py     the API, declared once: what each client answers (Protocols)
     sync.py    Client: calls from any thread           } thin drivers: send,
     aio.py     AsyncClient: many calls, one socket     } wait, run a flow
     channel.py one socket shared by threads: replies routed to their callers

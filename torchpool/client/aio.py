@@ -11,6 +11,7 @@ import zmq.asyncio
 
 from ..protocol import errors, messages
 from ..protocol.errors import InferenceError
+from .api import AsyncSessionCalls
 from .arena import DEFAULT_ARENA_CAP
 from .common import (DEFAULT_TIMEOUT, GOODBYE_WAIT, ClientBase, ClientKey, ServerKey, encode_control,
                      error_of, send_goodbye_and_close)
@@ -39,7 +40,7 @@ def _expire(fut: asyncio.Future[Reply]) -> None:
         fut.set_exception(asyncio.TimeoutError())
 
 
-class AsyncClient(ClientBase):
+class AsyncClient(ClientBase, AsyncSessionCalls):
     """An asyncio client: many concurrent calls over one socket. The same
     features as `Client`; `empty()` and the region calls are coroutines.
     `server_key` / `client_key`: CURVE over tcp://, as for `Client`; the

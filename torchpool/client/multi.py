@@ -44,6 +44,7 @@ import numpy as np
 
 from ..protocol import datatypes, errors
 from ..protocol.errors import InferenceError
+from .api import DaemonCalls
 from .arena import DEFAULT_ARENA_CAP
 from .common import DEFAULT_TIMEOUT, ClientKey, ServerKey
 from .sync import Client, register_several_daemons
@@ -77,7 +78,7 @@ def _went_away(exc: BaseException) -> TypeGuard[NoAnswer]:
     return isinstance(exc, NoAnswer) and exc.code == errors.UNAVAILABLE
 
 
-class MultiClient:
+class MultiClient(DaemonCalls):
     """A client of several torchpool daemons; see the module doc. Thread-safe.
 
     `urls`: the daemons' addresses. `retries`: how many other daemons a

@@ -11,6 +11,7 @@ import zmq
 
 from ..protocol import messages
 from ..protocol.errors import InferenceError
+from .api import SessionCalls
 from .arena import DEFAULT_ARENA_CAP
 from .channel import SharedSocket
 from .direct import DirectRequest, DirectSocket
@@ -40,7 +41,7 @@ def _late_answers(state: ClientState) -> Callable[[object], None]:
     return late
 
 
-class Client(ClientBase):
+class Client(ClientBase, SessionCalls):
     """A synchronous client, safe to share between threads.
 
     `url`: the daemon's address (ipc://PATH or tcp://HOST:PORT). A list of
@@ -176,19 +177,14 @@ class Client(ClientBase):
         return cast(JSONDocument, self._control(messages.OP_SERVER_METADATA))
 
     def statistics(self, model: Optional[str] = None, version: Version = None) -> JSONDocument:
-        """Triton's statistics: {"model_stats": [{name, version, inference_count,
-        execution_count, inference_stats: {success, fail, queue, compute_*}, batch_stats}]}."""
         return cast(JSONDocument, self._control(messages.OP_STATISTICS, model=model or "",
                                         version=self._version_field(version)))
 
     def load(self, name: str, config: ModelConfig = None, timeout: Optional[float] = None) -> None:
-        """Load or reload a model (--model-control-mode explicit); returns once
-        it serves. `config` (dict or JSON text) overrides its config file."""
         self._control(messages.OP_LOAD, timeout, model=name,
                       config=json.dumps(config) if isinstance(config, dict) else config)
 
     def unload(self, name: str, timeout: Optional[float] = None) -> None:
-        """Unload a model; returns once its in-flight requests have finished."""
         self._control(messages.OP_UNLOAD, timeout, model=name)
 
     # -- inference
@@ -281,7 +277,6 @@ class Client(ClientBase):
         self._perform(lambda: self._state.regions.unregister_flow(name, None), None, True)
 
     def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[JSONDocument]:
-        """[{name, key, offset, byte_size, in_use}] of this client's regions."""
         regions = self._state.regions
         return cast("list[JSONDocument]", self._perform(lambda: regions.status_flow(name, None), None, True))
 
