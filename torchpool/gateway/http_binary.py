@@ -316,6 +316,39 @@ def parse_infer(body: Body, headers: dict, model: str, version: str = "") -> KSe
     return attach_binary(infer_call(document, json_end, len(body), model, version), body)
 
 
+# A control request's arrays and objects of more entries than this come back
+# from the helper as NaN (control_document)
+CONTROL_ITEMS = 4096
+
+
+def control_document(data: Body, deep_values: bool = False) -> object:
+    """A control request's JSON document (load_json), with each array and
+    object of more than CONTROL_ITEMS entries read as NaN, as a value nested
+    too deeply is: no control field takes one (a field that expects a
+    boolean, a string or an object of a few parameters answers that it got
+    a wrong value), and such a value parsed in the helper process (up to
+    64 MiB of numbers) would come back as millions of objects for the event
+    loop to unpickle."""
+    return _bounded(load_json(data, deep_values=deep_values))
+
+
+def _bounded(value: object) -> object:
+    if isinstance(value, list):
+        return math.nan if len(value) > CONTROL_ITEMS else [_bounded(v) for v in value]
+    if isinstance(value, dict):
+        return math.nan if len(value) > CONTROL_ITEMS else {k: _bounded(v) for k, v in value.items()}
+    return value
+
+
+async def control_document_off_loop(body: Body, offload: Offload, deep_values: bool = False) -> object:
+    """`control_document`, in the helper process when the body is large
+    (json.loads of 64 MiB of numbers holds the event loop for about 1.5 s)."""
+    if len(body) < OFFLOAD_BYTES:
+        return control_document(body, deep_values)
+    check_json_size(len(body))               # before the copy to the helper
+    return await offload.run(control_document, bytes(body), deep_values)
+
+
 async def parse_infer_off_loop(body: Body, headers: dict, model: str, version: str,
                                offload: Offload) -> KServeInfer:
     """The request, its JSON parsed in the helper process when it is large."""

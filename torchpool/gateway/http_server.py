@@ -30,8 +30,8 @@ from ..protocol.errors import TorchpoolError
 from ..protocol.names import check_model_name
 from .backend import Backend, bad, http_status
 from .callers import Caller
-from .http_binary import (decompress_off_loop, decompressed_bound, encode_infer, is_raw, load_json,
-                          parse_infer_off_loop, raw_call)
+from .http_binary import (control_document_off_loop, decompress_off_loop, decompressed_bound, encode_infer,
+                          is_raw, parse_infer_off_loop, raw_call)
 from .http_bodies import BodyBudget
 from .http_messages import Handler, Limits, Request, Response, error_response, head
 from .http_protocol import SCRATCH_BYTES, HttpConnection
@@ -83,11 +83,11 @@ def _caller(request: Request) -> Caller:
     return request.caller
 
 
-def _body_json(request: Request) -> Optional[dict]:
+async def _body_json(request: Request, offload: Offload) -> Optional[dict]:
     """The body of a control call: None when empty (Triton allows that)."""
     if not len(request.body):
         return None
-    doc = load_json(request.body, deep_values=True)
+    doc = await control_document_off_loop(request.body, offload, deep_values=True)
     if not isinstance(doc, dict):
         raise bad("failed to parse the request JSON buffer: expected an object")
     return doc
@@ -215,7 +215,7 @@ class Router:
                           model: str, action: Optional[str]) -> Response:
         if request.method != "POST":
             return _not_allowed()
-        doc = _body_json(request)
+        doc = await _body_json(request, self.offload)
         if kind == "index":
             ready = (doc or {}).get("ready", False)
             if not isinstance(ready, bool):
@@ -262,7 +262,7 @@ class Router:
             return Response(200, [])
         if not region:
             raise bad("'region name' is necessary to register system shared memory region")
-        doc = load_json(request.body)
+        doc = await control_document_off_loop(request.body, self.offload)
         if not isinstance(doc, dict):
             raise bad("failed to parse the request JSON buffer: expected an object")
         key, offset, byte_size = self._register_fields(doc)

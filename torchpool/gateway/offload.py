@@ -8,7 +8,8 @@ during which no other caller was answered; a thread would not help (it
 would hold the same GIL). So a request whose JSON (HTTP) or non-tensor part
 (gRPC) is `OFFLOAD_BYTES` or more is parsed in a helper process, which also
 turns its tensor values into their bytes; the loop only copies bytes to and
-from it.
+from it. So is an HTTP control document (repository index / load, a
+shared-memory registration) of that size (http_binary.control_document).
 
     loop ── pickled (function, document bytes) ──► helper process (nice 10)
          ◄── pickled KServeInfer (tensor values as bytes) or (code, message) ──
