@@ -423,7 +423,11 @@ class Server:
             return
         now = time.monotonic()
         try:
-            for instance in list(mv.idle):
+            # the instance idle for the shortest time first: its caches (the
+            # model's weights) and its thread pool are still warm. In turn, two
+            # CPU instances of a ResNet-18 ran 0.87x one (one caller, the same
+            # threads: each ran every other request, its caches cold).
+            for instance in list(reversed(mv.idle)):
                 batch = scheduler.take(instance, now)
                 while batch is not None and batch.error is not None:
                     self.answers.fail_batch(batch, batch.error)
