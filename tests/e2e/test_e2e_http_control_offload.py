@@ -5,8 +5,8 @@ json.loads of a large control body (a repository index or load request, a
 shared-memory registration) held the event loop, and with it every other
 HTTP caller, for as long as it took: about 1.5 s for 64 MiB of numbers.
 The helper starts on first use, so whether it exists tells where a
-document was parsed: not for a small one, yes for a large one. Arrays of
-more entries than CONTROL_ITEMS come back from it as a wrong value (no
+document was parsed: not for a small one, yes for a large one. An array
+past CONTROL_ITEMS entries in all comes back from it as a wrong value (no
 control field takes one): each large request gets the answer a small one
 of the same kind gets, and a large legitimate one (a load request whose
 config is a long string) loads the model.

@@ -15,7 +15,8 @@ import tracemalloc
 import pytest
 
 from torchpool.gateway import http_binary
-from torchpool.gateway.http_binary import MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, json_scan, load_json
+from torchpool.gateway.http_binary import (CONTROL_ITEMS, MAX_JSON_CONTAINERS, MAX_JSON_DEPTH, control_document,
+                                          json_scan, load_json)
 from torchpool.protocol.errors import TorchpoolError
 
 MiB = 1 << 20
@@ -235,3 +236,27 @@ def test_a_zero_dimension_or_a_byte_sized_type_stops_no_request() -> None:
                             ([4, (1 << 60) + 2], "BYTES")):
         call = http_binary.parse_infer(infer_doc(shape, datatype), {}, "m")
         assert call.inputs[0].shape == shape
+
+
+def _entries(value: object) -> int:
+    """Array and object entries in a parsed document, nested ones included."""
+    if isinstance(value, list):
+        return len(value) + sum(_entries(v) for v in value)
+    if isinstance(value, dict):
+        return len(value) + sum(_entries(v) for v in value.values())
+    return 0
+
+
+def test_a_control_document_comes_back_with_a_bounded_number_of_entries() -> None:
+    """What the helper hands back for the event loop to unpickle is bounded in
+    total, not only per array: 4,096 keys each holding 4,096 numbers (32 MiB,
+    every container at the limit) came back whole, 16 million objects."""
+    per = CONTROL_ITEMS
+    body = b'{"parameters": {' + b",".join(b'"k%d": [%s1]' % (i, b"1," * (per - 1)) for i in range(per)) + b"}}"
+    assert len(body) < 64 << 20
+    doc = control_document(body, deep_values=True)
+    assert isinstance(doc, dict)
+    assert _entries(doc) <= CONTROL_ITEMS
+    # a small control document comes back whole
+    small = {"parameters": {"config": "{}", "file:1/model.pt": "AAAA"}, "ready": True}
+    assert control_document(json.dumps(small).encode(), deep_values=True) == small

@@ -316,28 +316,34 @@ def parse_infer(body: Body, headers: dict, model: str, version: str = "") -> KSe
     return attach_binary(infer_call(document, json_end, len(body), model, version), body)
 
 
-# A control request's arrays and objects of more entries than this come back
-# from the helper as NaN (control_document)
+# A control document comes back from the helper with at most this many array
+# and object entries in all (control_document)
 CONTROL_ITEMS = 4096
 
 
 def control_document(data: Body, deep_values: bool = False) -> object:
-    """A control request's JSON document (load_json), with each array and
-    object of more than CONTROL_ITEMS entries read as NaN, as a value nested
-    too deeply is: no control field takes one (a field that expects a
-    boolean, a string or an object of a few parameters answers that it got
-    a wrong value), and such a value parsed in the helper process (up to
-    64 MiB of numbers) would come back as millions of objects for the event
-    loop to unpickle."""
-    return _bounded(load_json(data, deep_values=deep_values))
+    """A control request's JSON document (load_json), with at most
+    CONTROL_ITEMS array and object entries in all: an array or object that
+    would take it past that is read as NaN, as a value nested too deeply is.
+    No control field takes one (a field that expects a boolean, a string or
+    an object of a few parameters answers that it got a wrong value), and
+    parsed in the helper process, such a document (up to 64 MiB of numbers,
+    in one array or in thousands of arrays each short) would come back as
+    millions of objects for the event loop to unpickle."""
+    left = CONTROL_ITEMS
 
+    def bounded(value: object) -> object:
+        nonlocal left
+        if not isinstance(value, (list, dict)):
+            return value
+        if len(value) > left:
+            return math.nan
+        left -= len(value)
+        if isinstance(value, list):
+            return [bounded(v) for v in value]
+        return {k: bounded(v) for k, v in value.items()}
 
-def _bounded(value: object) -> object:
-    if isinstance(value, list):
-        return math.nan if len(value) > CONTROL_ITEMS else [_bounded(v) for v in value]
-    if isinstance(value, dict):
-        return math.nan if len(value) > CONTROL_ITEMS else {k: _bounded(v) for k, v in value.items()}
-    return value
+    return bounded(load_json(data, deep_values=deep_values))
 
 
 async def control_document_off_loop(body: Body, offload: Offload, deep_values: bool = False) -> object:
