@@ -268,7 +268,8 @@ class Server:
         # Without it, the loop still polls without sleeping while a worker runs
         # one of its batches and answers come sooner than the direct paths'
         # window (Loop.wait)
-        busy = self.instances.busy if self.instances is not None else set()
+        assert self.instances is not None      # startup() made it before the loop runs
+        busy = self.instances.busy
         while True:
             if self.stopping():
                 if drain_deadline is None:

@@ -84,12 +84,13 @@ class SessionCalls(DaemonCalls, Protocol):
         ...
 
     def register_system_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
-        """Register a POSIX shared-memory region (Triton's call): the client
-        proves it can write it, then inputs and outputs may name it."""
+        """Register `byte_size` bytes at `offset` of the POSIX shm segment `key`
+        under `name` (Triton's call): this client must be able to open and
+        write it, and proves so; then inputs and outputs may name it."""
         ...
 
     def unregister_system_shared_memory(self, name: Optional[str] = None) -> None:
-        """Unregister one region (all of this client's with no name)."""
+        """Unregister `name` (None: every region of this client)."""
         ...
 
     def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[JSONDocument]:

@@ -261,19 +261,13 @@ class Client(ClientBase, SessionCalls):
                     st.encoder.finish(enc, st.arena, False, rid, token)
 
     def empty(self, shape: Sequence[int], datatype: str = "FP32") -> np.ndarray:
-        """A writable array in this client's shared-memory arena: fill it and
-        pass it to `infer` and its bytes are not copied (see module doc).
-        Without a local session it is an ordinary array."""
         return self._perform(lambda: self._state.empty_flow(shape, datatype, None), None)
 
     # -- registered regions (Triton's system shared memory)
     def register_system_shared_memory(self, name: str, key: str, byte_size: int, offset: int = 0) -> None:
-        """Register `byte_size` bytes at `offset` of the POSIX shm segment `key`
-        (which this client must be able to open and write) under `name`."""
         self._perform(lambda: self._state.regions.register_flow(name, key, byte_size, offset, None), None, True)
 
     def unregister_system_shared_memory(self, name: Optional[str] = None) -> None:
-        """Unregister `name` (None: every region of this client)."""
         self._perform(lambda: self._state.regions.unregister_flow(name, None), None, True)
 
     def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[JSONDocument]:
