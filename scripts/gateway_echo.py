@@ -63,6 +63,28 @@ async def serve_grpc(port: int, ready: Callable[[int], None], stop: asyncio.Even
             answer.raw_output_contents.extend((out0, out1))
             return answer
 
+        # what perf_analyzer asks before it sends (fixed answers: addsub's)
+        async def ModelMetadata(self, request: Any, context: Any) -> Any:
+            tensor = pb.ModelMetadataResponse.TensorMetadata
+            return pb.ModelMetadataResponse(
+                name=MODEL, versions=["1"], platform="pytorch_libtorch",
+                inputs=[tensor(name=n, datatype="FP32", shape=[-1, 16]) for n in ("INPUT0", "INPUT1")],
+                outputs=[tensor(name=n, datatype="FP32", shape=[-1, 16]) for n in ("OUTPUT0", "OUTPUT1")])
+
+        async def ModelConfig(self, request: Any, context: Any) -> Any:
+            from torchpool.gateway.proto import model_config_pb2 as mc
+            fp32 = mc.DataType.Value("TYPE_FP32")
+            return pb.ModelConfigResponse(config=mc.ModelConfig(
+                name=MODEL, platform="pytorch_libtorch", max_batch_size=8,
+                input=[mc.ModelInput(name=n, data_type=fp32, dims=[16]) for n in ("INPUT0", "INPUT1")],
+                output=[mc.ModelOutput(name=n, data_type=fp32, dims=[16]) for n in ("OUTPUT0", "OUTPUT1")]))
+
+        async def ServerMetadata(self, request: Any, context: Any) -> Any:
+            return pb.ServerMetadataResponse(name="echo", version="0")
+
+        async def ModelStatistics(self, request: Any, context: Any) -> Any:
+            return pb.ModelStatisticsResponse(model_stats=[pb.ModelStatistics(name=MODEL, version="1")])
+
     server = grpc.aio.server()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Echo(), server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
@@ -78,6 +100,28 @@ PATH = f"/v2/models/{MODEL}/infer".encode()
 _MISSING = b'{"error":"only POST /v2/models/addsub/infer is served"}'
 NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" \
             % (len(_MISSING), _MISSING)
+
+
+def _json_answer(value: object) -> bytes:
+    body = json.dumps(value, separators=(",", ":")).encode()
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body), body)
+
+
+# what perf_analyzer asks before it sends (fixed answers: addsub's)
+_TENSORS = {"inputs": ["INPUT0", "INPUT1"], "outputs": ["OUTPUT0", "OUTPUT1"]}
+FIXED_ANSWERS = {
+    b"/v2": _json_answer({"name": "echo", "version": "0", "extensions": []}),
+    f"/v2/models/{MODEL}".encode(): _json_answer({
+        "name": MODEL, "versions": ["1"], "platform": "pytorch_libtorch",
+        **{kind: [{"name": n, "datatype": "FP32", "shape": [-1, 16]} for n in names]
+           for kind, names in _TENSORS.items()}}),
+    f"/v2/models/{MODEL}/config".encode(): _json_answer({
+        "name": MODEL, "platform": "pytorch_libtorch", "max_batch_size": 8,
+        **{kind[:-1]: [{"name": n, "data_type": "TYPE_FP32", "dims": [16]} for n in names]
+           for kind, names in _TENSORS.items()}}),
+    f"/v2/models/{MODEL}/stats".encode(): _json_answer({"model_stats": [{"name": MODEL, "version": "1"}]}),
+}
 
 
 class EchoHttp(asyncio.Protocol):
@@ -117,7 +161,10 @@ class EchoHttp(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        if self.parser.get_method() != b"POST" or self.url != PATH:
+        fixed = FIXED_ANSWERS.get(self.url) if self.parser.get_method() == b"GET" else None
+        if fixed is not None:
+            self.transport.write(fixed)
+        elif self.parser.get_method() != b"POST" or self.url != PATH:
             self.transport.write(NOT_FOUND)
         else:
             self.transport.write(self.answer(b"".join(self.body)))
