@@ -164,6 +164,11 @@ def daemon_round_trips(device: str, quick: bool) -> dict:
             out["mlp_batched_c8_rps"] = round(done[0] / seconds, 1)
             if cuda:
                 out["worker_gpu_memory_MiB"] = worker_gpu_memory([r["pid"] for rs in rows.values() for r in rs])
+                # the daemon's own figure (NVML, broker/nvml.py), beside nvidia-smi's
+                with Client(d.url, timeout=120) as c:
+                    out["worker_gpu_memory_MiB_daemon"] = {
+                        str(r["pid"]): None if r.get("gpu_memory_bytes") is None else r["gpu_memory_bytes"] >> 20
+                        for m in rows for r in c.statistics(m)["model_stats"][0]["instances"]}
         finally:
             d.stop()
     for key in [k for k in out if k.endswith("_p50_s")]:

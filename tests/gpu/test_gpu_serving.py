@@ -2,7 +2,8 @@
 device; skipped everywhere else. `scripts/gpu-check` runs these there.
 
 - A KIND_GPU instance loads on its GPU, says so (`torchpool ps`'s device,
-  the model's config), and answers with the right values: small inputs,
+  the model's config), reports the GPU memory its process holds, and
+  answers with the right values: small inputs,
   16 MiB, and a batching MLP whose answers match the same module run
   in-process on the GPU.
 - A device-side assert in one model (an index out of range on the GPU)
@@ -88,6 +89,12 @@ def test_a_gpu_instance_loads_on_its_gpu_and_answers(gpu_daemon: Daemon) -> None
         big = np.random.default_rng(0).standard_normal(16 * MiB // 4).astype(np.float32)
         np.testing.assert_array_equal(c.infer("identity_gpu", {"INPUT__0": big})["OUTPUT__0"], big)
         assert instance_row(c, "identity_gpu")["device"] == "cuda:0"      # as `torchpool ps` shows it
+        # its GPU memory as NVML reports it (a CUDA context alone is tens of MiB or more); the
+        # broker reads NVML on a thread, so the first rows may come before its first reading
+        held = wait_for(lambda: instance_row(c, "identity_gpu")["gpu_memory_bytes"], 15,
+                        "the worker's GPU memory in its statistics (None: NVML named no pid of the "
+                        "daemon's workers; a container with its own pid namespace?)")
+        assert held > 16 * MiB, held
 
 
 def test_the_batching_mlp_on_the_gpu_answers_as_in_process(gpu_daemon: Daemon) -> None:

@@ -18,7 +18,7 @@ def exported_names() -> set[str]:
     stats.windows = LatencyWindows(60.0, now=0.0, histogram_bounds=tuple(round(ms * 1000)
                                                                          for ms in HISTOGRAM_BUCKETS_MS))
     stats.load_seconds = 1.0
-    worker = {"name": "m_0", "pid": 1, "cpu_s": 1.0, "rss_bytes": 1, "pss_bytes": 1}
+    worker = {"name": "m_0", "pid": 1, "cpu_s": 1.0, "rss_bytes": 1, "pss_bytes": 1, "gpu_memory_bytes": 1}
     snap = MetricsSnapshot([("m", 1, stats, 0)], {"input_mapped": 0}, states=[("m", "1", "READY")],
                            instances=[("m", 1, worker)], restarts=[("m", 1, {"m_0": 0})])
     page = render_metrics(snap, MetricsConfig(summary_latencies=True, histogram_latencies=True),

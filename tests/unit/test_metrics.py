@@ -217,7 +217,8 @@ def test_model_state_gauge_load_time_and_workers() -> None:
     loaded = VersionStats()
     loaded.load_seconds = 1.25
     loaded.count_restart("addsub_1")
-    row = {"name": "addsub_0", "pid": 4242, "cpu_s": 1.5, "rss_bytes": 300 << 20, "pss_bytes": 120 << 20}
+    row = {"name": "addsub_0", "pid": 4242, "cpu_s": 1.5, "rss_bytes": 300 << 20, "pss_bytes": 120 << 20,
+           "gpu_memory_bytes": None}
     snap = MetricsSnapshot([("addsub", 1, loaded, 0), ("mlp", 2, VersionStats(), 0)], {},
                            states=[("addsub", "1", "READY"), ("mlp", "2", "LOADING"), ("broken", "", "UNAVAILABLE")],
                            instances=[("addsub", 1, row), ("addsub", 1, {**row, "name": "addsub_1",
@@ -239,5 +240,6 @@ def test_model_state_gauge_load_time_and_workers() -> None:
     assert f"torchpool_worker_cpu_seconds{{{one}}} 1.5" in text
     assert f"torchpool_worker_rss_bytes{{{one}}} {300 << 20}" in text
     assert f"torchpool_worker_pss_bytes{{{one}}} {120 << 20}" in text
-    # a PSS not read yet is no sample, not a 0
+    # a PSS not read yet is no sample, not a 0; nor is the GPU memory of a worker on the CPU
     assert not [line for line in text if line.startswith("torchpool_worker_pss_bytes") and "addsub_1" in line]
+    assert not [line for line in text if line.startswith("torchpool_worker_gpu_memory_bytes{")]

@@ -31,6 +31,7 @@ from .options import ServerOptions
 from .registry import LOADING, READY, UNAVAILABLE, UNLOADING
 from .stats import (FAILURE_REASONS, Duration, LatencyHistogram, LatencyWindow, VersionStats,
                     keep_latency_histograms, keep_latency_windows)
+from .nvml import NVML, GpuReading, NvmlSampler
 from .usage import InstanceRow, instance_rows
 
 if TYPE_CHECKING:
@@ -212,15 +213,16 @@ class MetricsSnapshot:
     # model, version, usage.instance_row, and the version's restarts per instance
     instances: list[tuple[str, int, InstanceRow]] = field(default_factory=list)
     restarts: list[tuple[str, int, dict[str, int]]] = field(default_factory=list)
+    gpus: tuple[GpuReading, ...] = ()              # NVML's latest reading (none on a CPU host)
 
 
 def take_snapshot(registry: Optional["Registry"], pending: Callable[[ModelVersion], int],
-                  shm: dict[str, int]) -> MetricsSnapshot:
+                  shm: dict[str, int], gpus: NvmlSampler = NVML) -> MetricsSnapshot:
     """The broker's state for a scrape. The loop runs meanwhile: every list is
     copied before it is walked. A version loading or retiring beside the
     serving one of the same number is left out (its series would repeat the
     serving one's labels)."""
-    snap = MetricsSnapshot([], shm)
+    snap = MetricsSnapshot([], shm, gpus=gpus.reading().gpus)
     if registry is None:
         return snap
     seen = set()
@@ -287,6 +289,7 @@ def render_metrics(snap: MetricsSnapshot, config: MetricsConfig, now: Optional[f
     for labels, stats, _ in keyed:
         if stats.load_seconds is not None:
             out.sample("nv_model_load_duration_secs", labels, round(stats.load_seconds, 6))
+    _gpu_families(out, snap.gpus)
     _torchpool_families(out, snap)
     return out.render()
 
@@ -294,6 +297,23 @@ def render_metrics(snap: MetricsSnapshot, config: MetricsConfig, now: Optional[f
 def _duration_us(counter: str) -> Callable[[VersionStats, int], float]:
     """The value of a duration counter of VersionStats (its name), in us."""
     return lambda s, _: getattr(s, counter).ns // 1000
+
+
+def _gpu_families(out: Exposition, gpus: Sequence[GpuReading]) -> None:
+    """Triton's per-GPU families (label gpu_uuid), for every GPU NVML sees;
+    none where it sees none, as Triton's CPU-only build exports none."""
+    if not gpus:
+        return
+    out.family("nv_gpu_utilization", "gauge", "GPU utilization rate [0.0 - 1.0)")
+    for gpu in gpus:
+        if gpu.utilization is not None:
+            out.sample("nv_gpu_utilization", (("gpu_uuid", gpu.uuid),), gpu.utilization)
+    out.family("nv_gpu_memory_total_bytes", "gauge", "GPU total memory, in bytes")
+    for gpu in gpus:
+        out.sample("nv_gpu_memory_total_bytes", (("gpu_uuid", gpu.uuid),), gpu.total_bytes)
+    out.family("nv_gpu_memory_used_bytes", "gauge", "GPU used memory, in bytes")
+    for gpu in gpus:
+        out.sample("nv_gpu_memory_used_bytes", (("gpu_uuid", gpu.uuid),), gpu.used_bytes)
 
 
 def _torchpool_families(out: Exposition, snap: MetricsSnapshot) -> None:
@@ -322,12 +342,16 @@ def _torchpool_families(out: Exposition, snap: MetricsSnapshot) -> None:
 
 
 # the families of a worker's usage: (name, kind, help, its InstanceRow field)
-_USAGE_FAMILIES: tuple[tuple[str, str, str, Literal["cpu_s", "rss_bytes", "pss_bytes"]], ...] = (
+_USAGE_FAMILIES: tuple[tuple[str, str, str, Literal["cpu_s", "rss_bytes", "pss_bytes", "gpu_memory_bytes"]],
+                       ...] = (
     ("torchpool_worker_cpu_seconds", "counter", "CPU time (user and system) of the worker process", "cpu_s"),
     ("torchpool_worker_rss_bytes", "gauge", "Resident memory of the worker process (pages it shares "
                                              "with other workers counted whole)", "rss_bytes"),
     ("torchpool_worker_pss_bytes", "gauge", "Proportional set size of the worker process (its share "
                                              "of each page it maps): what adds up across workers", "pss_bytes"),
+    ("torchpool_worker_gpu_memory_bytes", "gauge", "GPU memory the worker process holds, as NVML reports it "
+                                                   "(its CUDA context, modules and allocator; workers on a "
+                                                   "GPU only)", "gpu_memory_bytes"),
 )
 
 

@@ -3,6 +3,8 @@ statistics' `instances` extension and of the per-worker metrics.
 
     /proc/PID/stat          CPU time and resident memory: tens of us to read,
                             read whenever asked
+    NVML (nvml.py)          GPU memory of a worker on a GPU: read on its own
+                            thread, at most every 2 s
     /proc/PID/smaps_rollup  PSS, the process's share of the memory it maps
                             (torch's pages and shared weights split among the
                             processes that map them): the kernel walks every
@@ -20,6 +22,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Protocol, TypedDict
+
+from .nvml import NVML, NvmlSampler
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -162,9 +166,11 @@ class InstanceRow(TypedDict):
     rss_bytes: Optional[int]
     pss_bytes: Optional[int]
     pss_age_s: Optional[float]  # how old pss_bytes is
+    gpu_memory_bytes: Optional[int]     # what NVML says the process holds on GPUs (None on the CPU)
 
 
-def instance_row(h: Instance, restarts: int, now: float, sampler: PssSampler = PSS) -> Optional[InstanceRow]:
+def instance_row(h: Instance, restarts: int, now: float, sampler: PssSampler = PSS,
+                 gpus: NvmlSampler = NVML) -> Optional[InstanceRow]:
     """One worker as `torchpool ps` shows it; None when its process has
     just been reaped (the metrics thread reads handles while the loop runs)."""
     try:
@@ -175,9 +181,11 @@ def instance_row(h: Instance, restarts: int, now: float, sampler: PssSampler = P
         return None
     usage = read_stat(pid)
     pss, pss_age = sampler.reading(pid)
+    device = h.spec.device
+    gpu_memory = None if device == "cpu" else gpus.reading().process_bytes.get(pid)
     uptime = now - h.started
     return {
-        "name": h.spec.instance, "pid": pid, "device": h.spec.device, "threads": h.spec.threads,
+        "name": h.spec.instance, "pid": pid, "device": device, "threads": h.spec.threads,
         "state": "STOPPING" if h.stopping else STATES.get(h.state, h.state),
         "restarts": restarts,
         "started": round(time.time() - uptime, 3), "uptime_s": round(uptime, 3),
@@ -185,6 +193,7 @@ def instance_row(h: Instance, restarts: int, now: float, sampler: PssSampler = P
         "rss_bytes": None if usage is None else usage.rss_bytes,
         "pss_bytes": pss,
         "pss_age_s": None if pss_age is None else round(pss_age, 3),   # how old pss_bytes is
+        "gpu_memory_bytes": gpu_memory,
     }
 
 

@@ -155,12 +155,15 @@ def run_ps(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    # GPU memory (NVML's figure per process) only where a worker has one
+    gpu = any(r.get("gpu_memory_bytes") is not None for r in rows)
     print(table(("MODEL", "VERSION", "INSTANCE", "PID", "DEVICE", "THREADS", "STATE", "RESTARTS", "UPTIME", "CPU",
-                 "PSS"),
+                 "PSS") + (("GPU MEM",) if gpu else ()),
                 [(r["model"], r["version"], r["name"], r["pid"], r["device"], r.get("threads") or "-", r["state"],
                   r["restarts"],
                   duration(r["uptime_s"]), "-" if r["cpu_s"] is None else f"{r['cpu_s']:.2f} s",
-                  size(r["pss_bytes"])) for r in rows]))
+                  size(r["pss_bytes"])) + ((size(r.get("gpu_memory_bytes")),) if gpu else ())
+                 for r in rows]))
     return 0
 
 
