@@ -202,6 +202,33 @@ def test_system_shared_memory_is_off_for_remote_callers(plain: Daemon, segments)
     assert victim.read() == SECRET
 
 
+def test_cuda_shared_memory_calls_follow_the_client_shm_policy(plain: Daemon) -> None:
+    """CUDA shared memory, as Triton built without GPU support answers it:
+    with client shared memory off, HTTP's register and both protocols'
+    unregister are UNSUPPORTED in Triton's words; gRPC's register is its
+    INVALID_ARGUMENT 'GPUs not supported' whatever the policy; status lists
+    nothing."""
+    expected = "Client shared memory is disabled. Start the server with '--allow-client-shm=true' to enable."
+    refused = "failed to register CUDA shared memory region: 'gpu', GPUs not supported"
+    client = http_client(plain)
+    try:
+        exc = fails(client.register_cuda_shared_memory, "gpu", b"\0" * 64, 0, 64)
+        assert (exc.status(), exc.message()) == ("501", expected)
+        for name in ("gpu", ""):
+            exc = fails(client.unregister_cuda_shared_memory, name)
+            assert (exc.status(), exc.message()) == ("501", expected)
+        assert client.get_cuda_shared_memory_status() == []
+    finally:
+        client.close()
+    with grpc_client(plain) as g:
+        exc = fails(g.register_cuda_shared_memory, "gpu", b"\0" * 64, 0, 64)
+        assert exc.status() == "StatusCode.INVALID_ARGUMENT" and exc.message().startswith(refused)
+        for name in ("gpu", ""):
+            exc = fails(g.unregister_cuda_shared_memory, name)
+            assert (exc.status(), exc.message()) == ("StatusCode.UNIMPLEMENTED", expected)
+        assert not g.get_cuda_shared_memory_status().regions
+
+
 def test_only_allowed_key_prefixes_are_registered(shm_on: Daemon, segments) -> None:
     """With --allow-client-shm=true and --allow-client-shm-prefix, a key
     outside the prefixes is refused (leading slashes do not get round it),

@@ -130,6 +130,13 @@ class ShmPolicy:
                       f"begin with a prefix this server allows (--allow-client-shm-prefix)")
 
 
+def cuda_shm_refusal(name: str) -> TorchpoolError:
+    """A CUDA shared-memory registration, which torchpool does not serve:
+    the words of Triton built without GPU support, then what to do."""
+    return bad(f"failed to register CUDA shared memory region: '{name}', GPUs not supported (torchpool "
+               f"takes no CUDA shared memory; register the region as system shared memory)")
+
+
 # An input's bytes as the gateway holds them: views of a request (HTTP body,
 # raw_input_contents), or what its values became (bytes, or an array: both
 # travel back from the helper process, where views could not).

@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
-from .backend import Backend, InferResponse, KServeInfer, bad, grpc_status_name
+from .backend import Backend, InferResponse, KServeInfer, bad, cuda_shm_refusal, grpc_status_name
 from .callers import Caller, ReadAhead, StreamAhead
 from .chunks import Chunk, tensor_bytes
 from .defaults import MAX_INPUT_BYTES, MAX_STREAMS_PER_PEER
@@ -375,13 +375,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_rpc
     async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest,
                                        context: Context) -> pb.CudaSharedMemoryRegisterResponse:
-        raise _unimplemented(f"failed to register CUDA shared memory region: '{request.name}', "
-                             f"torchpool does not support CUDA shared memory: register the "
-                             f"region as system shared memory")
+        # as Triton built without GPU support: INVALID_ARGUMENT, whatever the policy
+        raise cuda_shm_refusal(request.name)
 
     @_rpc
     async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
                                          context: Context) -> pb.CudaSharedMemoryUnregisterResponse:
+        self.backend.shm.check_allowed()
         return pb.CudaSharedMemoryUnregisterResponse()
 
     @_rpc

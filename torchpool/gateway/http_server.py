@@ -28,7 +28,7 @@ from urllib.parse import unquote
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
 from ..protocol.names import check_model_name
-from .backend import Backend, bad, http_status
+from .backend import Backend, bad, cuda_shm_refusal, http_status
 from .callers import Caller
 from .http_binary import (control_document_off_loop, decompress_off_loop, decompressed_bound, encode_infer,
                           is_raw, parse_infer_off_loop, raw_call)
@@ -283,19 +283,22 @@ class Router:
                 raise bad(f"Unable to parse '{what}': expected an unsigned integer")
         return key, offset, byte_size
 
-    @staticmethod
-    def _cuda_shm(request: Request, region: str, action: str) -> Response:
+    def _cuda_shm(self, request: Request, region: str, action: str) -> Response:
+        """Triton's CUDA shared-memory API as its build without GPU support
+        answers it (in its order: the method, then whether client shared
+        memory is allowed, then the name): no regions, none registered."""
         if request.method != ("GET" if action == "status" else "POST"):
             return _not_allowed()
         if action == "status":
             if region:
                 raise TorchpoolError(errors.NOT_FOUND, f"Unable to find cuda shared memory region: '{region}'")
             return _json([])
+        self.backend.shm.check_allowed()
         if action == "unregister":
             return Response(200, [])
         if not region:
             raise bad("'region name' is necessary to register cuda shared memory region")
-        raise bad(f"failed to register CUDA shared memory region: '{region}', GPUs not supported")
+        raise cuda_shm_refusal(region)
 
 
 class HttpServer:
