@@ -6,6 +6,8 @@ tritonclient's helpers, sequences, streaming, repository control and
 statistics, and the errors with Triton's texts and gRPC status codes."""
 from __future__ import annotations
 
+import base64
+
 import asyncio
 import json
 import queue
@@ -311,8 +313,8 @@ def test_errors_have_tritons_texts_and_codes(client, stub) -> None:
         (lambda: client.get_trace_settings(), "StatusCode.UNIMPLEMENTED", "the server does not support trace"),
         (lambda: client.update_log_settings({"log_verbose_level": 1}), "StatusCode.UNIMPLEMENTED",
          "the server does not support dynamic logging"),
-        (lambda: client.register_cuda_shared_memory("gpu", b"\0" * 64, 0, 64), "StatusCode.INVALID_ARGUMENT",
-         "failed to register CUDA shared memory region: 'gpu', GPUs not supported"),
+        (lambda: client.register_cuda_shared_memory("gpu", base64.b64encode(b"\0" * 64), 0, 64),
+         "StatusCode.INVALID_ARGUMENT", "failed to register CUDA shared memory region: 'gpu', GPUs not supported"),
     ]
     for call, status, text in cases:
         error = failure(call)

@@ -4,6 +4,8 @@ binary tensors, Triton's error texts and status codes, system shared memory
 through tritonclient's helpers, sequences, statistics, model control."""
 from __future__ import annotations
 
+import base64
+
 import json
 import uuid
 from pathlib import Path
@@ -444,16 +446,27 @@ def test_shared_memory_keys_and_bounds_in_tritons_words(client, regions) -> None
         client.unregister_system_shared_memory("http_bounds")
 
 
-def test_cuda_shared_memory_is_not_supported(client) -> None:
+def test_cuda_shared_memory_on_a_host_without_gpus(client, http_port: int) -> None:
+    """The body is read as Triton reads it, in its words; a well-formed
+    registration is refused as Triton without GPU support refuses it."""
     assert client.get_cuda_shared_memory_status() == []
     client.unregister_cuda_shared_memory()
     client.unregister_cuda_shared_memory("anything")
-    exc = fails(client.register_cuda_shared_memory, "gpu_region", b"aGFuZGxl", 0, 64)
-    assert exc.status() == "400"
-    # Triton's words (its build without GPU support), then torchpool's advice
-    assert exc.message().startswith("failed to register CUDA shared memory region: 'gpu_region', GPUs not "
-                                    "supported (torchpool takes no CUDA shared memory; register the region "
-                                    "as system shared memory)")
+    exc = fails(client.get_cuda_shared_memory_status, "anything")
+    assert (exc.status(), exc.message()) == ("404", "Unable to find cuda shared memory region: 'anything'")
+    handle = base64.b64encode(bytes(range(64)))
+    for raw, text in ((b"aGFuZGxl", "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"),
+                      (b"not base64!", "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"),
+                      (handle, "failed to register CUDA shared memory region: 'gpu_region', GPUs not supported")):
+        exc = fails(client.register_cuda_shared_memory, "gpu_region", raw, 0, 64)
+        assert (exc.status(), exc.message()) == ("400", text)
+    path = "/v2/cudasharedmemory/region/r/register"
+    status, _, body = request(http_port, "POST", path, b'{"device_id": 0, "byte_size": 64}')
+    assert (status, error_of(body)) == (400, "Shared memory register request has no 'raw_handle' field")
+    doc = {"raw_handle": {"b64": handle.decode()}, "device_id": -1, "byte_size": 64}
+    status, _, body = request(http_port, "POST", path, json.dumps(doc).encode())
+    assert (status, error_of(body)) == (400, "Unable to parse 'device_id': expected an unsigned integer")
+    assert client.get_cuda_shared_memory_status() == []
 
 
 # --- what torchpool does not have, paths, methods ---------------------------------------------

@@ -8,6 +8,8 @@ fallbacks, and what happens to a client's shared memory when it goes away.
 """
 from __future__ import annotations
 
+import base64
+
 import asyncio
 import gc
 import mmap
@@ -413,6 +415,36 @@ def test_regions_work_without_the_local_path(local_daemon: Daemon, region_segmen
         np.testing.assert_array_equal(out["OUTPUT1"], A - B)
         c.unregister_system_shared_memory()
         assert c.get_system_shared_memory_status() == []
+
+
+def test_cuda_regions_on_a_host_without_gpus(local_daemon: Daemon, region_segment) -> None:
+    """Triton's CUDA shared memory through the ZeroMQ client: one namespace
+    with system regions (a name taken is ALREADY_EXISTS whichever kind), a
+    handle that is not 64 bytes refused, and a host without GPUs refusing
+    in Triton's words (tests/gpu runs the rest on a GPU)."""
+    key, _mm = region_segment
+    handle = bytes(range(64))
+    with Client(local_daemon.url, timeout=30) as c:
+        meta = c.server_metadata()
+        assert "cuda_shared_memory" not in meta["extensions"]        # no GPU here
+        c.register_system_shared_memory("taken", key, 4096)
+        with pytest.raises(InferenceError) as e:
+            c.register_cuda_shared_memory("taken", handle, 0, 4096)
+        assert e.value.code == "ALREADY_EXISTS"
+        for raw, text in ((b"short", "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"),
+                          (handle, "failed to register CUDA shared memory region: 'gpu', GPUs not supported"),
+                          (base64.b64encode(handle), "failed to register CUDA shared memory region: 'gpu', "
+                                                     "GPUs not supported")):
+            with pytest.raises(InferenceError) as e:
+                c.register_cuda_shared_memory("gpu", raw, 0, 4096)
+            assert (e.value.code, e.value.message) == ("INVALID_ARG", text)
+        assert c.get_cuda_shared_memory_status() == []
+        with pytest.raises(InferenceError) as e:
+            c.get_cuda_shared_memory_status("taken")            # a system region, not a CUDA one
+        assert e.value.code == "NOT_FOUND"
+        c.unregister_cuda_shared_memory()                       # CUDA regions only: "taken" stays
+        assert [r["name"] for r in c.get_system_shared_memory_status()] == ["taken"]
+        c.unregister_system_shared_memory()
 
 
 # --- 4. the inline fallbacks -------------------------------------------------------------------

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 
 from torch import Tensor, nn  # noqa: E402
 
-from torchpool import Client, InferenceError  # noqa: E402
+from torchpool import Client, InferenceError, OutputRef, SharedMemoryRef  # noqa: E402
 
 from ..support.daemon import Daemon, wait_for  # noqa: E402
 from ..support.models.core import config, dynamic_batching, instances, serialize, tensor, write_model_dir  # noqa: E402
@@ -128,3 +128,39 @@ def test_a_device_side_assert_fails_its_request_and_other_models_keep_serving(gp
             return instance_row(c, "assert_gpu")["pid"] != before and bool((out == x[:1] + 1).all())
         wait_for(answered_by_a_new_worker, 120, "assert_gpu answering from a new worker")
         np.testing.assert_array_equal(c.infer("identity_gpu", {"INPUT__0": x})["OUTPUT__0"], x)
+
+
+def cuda_region(t: "torch.Tensor") -> tuple[bytes, int]:
+    """The CUDA IPC handle of the allocation that holds `t` (torch's caching
+    allocator exports the whole segment), and where `t` starts in it."""
+    _device, handle, _size, offset, *_ = t.untyped_storage()._share_cuda_()
+    return handle, offset
+
+
+def test_cuda_shared_memory_in_and_out(gpu_daemon: Daemon) -> None:
+    """Triton's CUDA shared memory from the ZeroMQ client: an input read
+    from the client's GPU memory, an output written into it; a region
+    registered larger than its allocation is refused before any read, and
+    the worker keeps serving (issue 30, item 6)."""
+    x = torch.arange(4096, dtype=torch.float32, device="cuda:0")
+    out = torch.zeros(4096, dtype=torch.float32, device="cuda:0")
+    torch.cuda.synchronize()
+    (h_in, off_in), (h_out, off_out) = cuda_region(x), cuda_region(out)
+    with Client(gpu_daemon.url, timeout=120) as c:
+        c.register_cuda_shared_memory("gpu_in", h_in, 0, off_in + x.nbytes)
+        c.register_cuda_shared_memory("gpu_out", h_out, 0, off_out + out.nbytes)
+        listed = {r["name"]: (r["device_id"], r["byte_size"]) for r in c.get_cuda_shared_memory_status()}
+        assert listed == {"gpu_in": (0, off_in + x.nbytes), "gpu_out": (0, off_out + out.nbytes)}
+        result = c.infer("identity_gpu", {"INPUT__0": SharedMemoryRef("gpu_in", x.nbytes, off_in, "FP32", [4096])},
+                         outputs=[OutputRef("OUTPUT__0", "gpu_out", out.nbytes, off_out)])
+        assert "OUTPUT__0" in result
+        torch.cuda.synchronize()
+        assert torch.equal(out, x)
+        c.register_cuda_shared_memory("too_big", h_in, 0, 1 << 40)
+        with pytest.raises(InferenceError) as info:
+            c.infer("identity_gpu", {"INPUT__0": SharedMemoryRef("too_big", 4096, (1 << 40) - 4096, "FP32", [1024])})
+        assert "registered larger than it is" in str(info.value), str(info.value)
+        np.testing.assert_array_equal(c.infer("identity_gpu", {"INPUT__0": np.ones(4, np.float32)})["OUTPUT__0"],
+                                      np.ones(4, np.float32))
+        c.unregister_cuda_shared_memory()
+        assert c.get_cuda_shared_memory_status() == []

@@ -29,7 +29,9 @@ def test_session_calls_extend_the_daemon_calls() -> None:
     daemon, session = calls(DaemonCalls), calls(SessionCalls)
     assert set(daemon) < set(session)
     assert set(session) - set(daemon) == {"statistics", "register_system_shared_memory",
-                                          "unregister_system_shared_memory", "get_system_shared_memory_status"}
+                                          "unregister_system_shared_memory", "get_system_shared_memory_status",
+                                          "register_cuda_shared_memory", "unregister_cuda_shared_memory",
+                                          "get_cuda_shared_memory_status"}
 
 
 @pytest.mark.parametrize("client, api", [(Client, SessionCalls), (MultiClient, DaemonCalls),

@@ -223,6 +223,12 @@ class Intake:
             return sessions.register(session, header)
         if op == messages.OP_UNREGISTER:
             return sessions.unregister(session, header.get("name"))
+        if op == messages.OP_CUDA_REGISTER:
+            return sessions.register_cuda(session, header)
+        if op == messages.OP_CUDA_UNREGISTER:
+            return sessions.unregister(session, header.get("name"), cuda=True)
+        if op == messages.OP_CUDA_STATUS:
+            return sessions.cuda_status(session, header.get("name"))
         return sessions.status(session, header.get("name"))
 
     def _control(self, op: str, header: messages.Header) -> object:
@@ -247,8 +253,9 @@ class Intake:
         if op == messages.OP_SERVER_METADATA:
             from .. import __version__
             self.catch_up()                   # its transfer counters count direct requests
+            gpus = ["cuda_shared_memory"] if self.sessions.gpus() else []     # where a region may be
             return {"name": "torchpool", "version": __version__,
-                    "extensions": ["system_shared_memory", "local_shared_memory"],
+                    "extensions": ["system_shared_memory", *gpus, "local_shared_memory"],
                     "transfer": dict(self.transfer)}
         raise TorchpoolError(errors.UNSUPPORTED, f"unknown operation {op!r}")
 

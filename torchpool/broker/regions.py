@@ -19,13 +19,13 @@ import socket
 import stat
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 import posix_ipc
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
-from ..protocol.internal import SegmentRef
-from ..protocol.messages import REGION_TOKEN_MIN_BYTES, region_token_bytes
+from ..protocol.internal import DEVICE_REF, SegmentRef
+from ..protocol.messages import CUDA_IPC_HANDLE_BYTES, REGION_TOKEN_MIN_BYTES, region_token_bytes
 from ..protocol.names import check_shm_key, unusable_segment
 from ..shm import guard
 from ..shm.naming import PREFIX
@@ -54,6 +54,20 @@ def check_range(what: str, offset: object, nbytes: object, size: int) -> None:
     if offset + nbytes > size:
         raise bad(f"{what}: offset {offset} + byte size {nbytes} = {offset + nbytes} exceeds "
                    f"the {size} bytes available")
+
+
+def check_window(name: str, byte_size: int, what: str, offset: object, nbytes: object) -> tuple[int, int]:
+    """A request's (offset, nbytes) within a region of `byte_size` bytes:
+    Triton's checks in its order and words (SharedMemoryManager::GetMemoryInfo)."""
+    offset, nbytes = check_uint64(what, offset, nbytes)
+    if offset >= byte_size:
+        raise bad(f"Invalid offset for shared memory region: '{name}'")
+    if nbytes > SIZE_MAX - offset:
+        raise bad(f"Integer overflow detected: byte_size ({nbytes}) + offset ({offset}) exceeds maximum "
+                  f"value ({SIZE_MAX}) for region '{name}'")
+    if offset + nbytes > byte_size:
+        raise bad(f"Invalid offset + byte size for shared memory region: '{name}'")
+    return offset, nbytes
 
 
 @dataclass(frozen=True)
@@ -120,14 +134,7 @@ class Region:
         """A request's (offset, nbytes) within the region and the segment now:
         Triton's checks in its order and words (SharedMemoryManager::GetMemoryInfo).
         Returns them, checked."""
-        offset, nbytes = check_uint64(what, offset, nbytes)
-        if offset >= self.byte_size:
-            raise bad(f"Invalid offset for shared memory region: '{self.name}'")
-        if nbytes > SIZE_MAX - offset:
-            raise bad(f"Integer overflow detected: byte_size ({nbytes}) + offset ({offset}) exceeds maximum "
-                      f"value ({SIZE_MAX}) for region '{self.name}'")
-        if offset + nbytes > self.byte_size:
-            raise bad(f"Invalid offset + byte size for shared memory region: '{self.name}'")
+        offset, nbytes = check_window(self.name, self.byte_size, what, offset, nbytes)
         end = self.offset + offset + nbytes
         if self.broken or end > os.fstat(self.fd).st_size or end > len(self.buf):
             raise bad(f"{what}: region '{self.name}' is smaller than registered "
@@ -156,6 +163,58 @@ class Region:
         except BufferError:
             pass
         os.close(self.fd)
+
+
+@dataclass(eq=False)
+class CudaRegion:
+    """Client GPU memory registered under a name (Triton's CUDA shared
+    memory): a CUDA IPC handle the workers open (worker/cuda_ipc.py). The
+    broker never touches CUDA, so it cannot open the handle: it checks the
+    request's window against the registered size, and the worker checks that
+    size against the allocation the handle names when it opens it."""
+
+    name: str
+    handle: bytes
+    device_id: int
+    byte_size: int
+    in_use: int = 0
+    unregistering: bool = False
+    offset = 0                    # the handle names the region's first byte
+    broken = False                # no segment a client could shrink under us
+
+    def check(self, what: str, offset: object, nbytes: object) -> tuple[int, int]:
+        return check_window(self.name, self.byte_size, what, offset, nbytes)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """What validation measures the input by: `nbytes` of an untouched
+        anonymous mapping (no memory behind it until read; nothing reads it:
+        the bytes are on the GPU, and such a request runs alone, in place)."""
+        return memoryview(mmap.mmap(-1, max(1, nbytes)))[:nbytes]
+
+    def worker_ref(self) -> list[object]:
+        return [DEVICE_REF, self.handle, self.device_id]
+
+    def segment_ref(self) -> SegmentRef:
+        return [DEVICE_REF, self.handle, self.device_id]
+
+    def close(self) -> None:
+        """Nothing of it is open in the broker (FORGET closes it in the workers)."""
+
+
+def open_cuda_region(name: str, raw_handle: object, device_id: object, byte_size: object,
+                     gpus: Sequence[int]) -> CudaRegion:
+    """A CUDA region to register, checked as far as the broker can."""
+    if not isinstance(raw_handle, bytes) or len(raw_handle) != CUDA_IPC_HANDLE_BYTES:
+        raise bad("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t")
+    if type(device_id) is not int or device_id < 0:
+        raise bad(f"region '{name}': 'device_id' must be an unsigned integer")
+    _, size = check_uint64(f"region '{name}'", 0, byte_size)
+    if not gpus:              # Triton's words where it has no GPU support
+        raise bad(f"failed to register CUDA shared memory region: '{name}', GPUs not supported")
+    if device_id not in gpus:
+        raise bad(f"failed to register CUDA shared memory region: '{name}', device {device_id} is not a "
+                  f"GPU of this server (its GPUs: {', '.join(map(str, gpus))})")
+    return CudaRegion(name, raw_handle, device_id, size)
 
 
 @dataclass(eq=False)

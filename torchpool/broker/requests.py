@@ -16,14 +16,14 @@ from ..protocol import errors
 from ..rules.batching import batch_key, batch_rows
 from ..rules.validation import Staged, WorkerOutput
 from ..protocol.errors import TorchpoolError
-from ..protocol.internal import InputDescriptor
+from ..protocol.internal import InputDescriptor, is_device_ref
 from ..shm.arena import Arena, ArenaFull, Block
 from ..shm.bulkcopy import copy_into
 from .registry import ModelVersion
 
 if TYPE_CHECKING:
     from .lane import ClientKey, ReplySocket
-    from .regions import Region
+    from .regions import CudaRegion, Region
     from .sessions import Session
 
 
@@ -56,7 +56,7 @@ class InferRequest:
     batch_size: int = 1
     session: Optional[Session] = None  # the client session, if the request named one
     client: Optional[ClientKey] = None  # whom it counts against in flight (InFlight.client_of)
-    regions: list[Region] = field(default_factory=list)   # regions it uses (released when answered)
+    regions: list[Union[Region, CudaRegion]] = field(default_factory=list)   # regions it uses (released when answered)
     region_outputs: dict[str, tuple[str, int]] = field(default_factory=dict)  # output name -> (region name, offset)
     output_shm: bool = False          # lend outputs in place instead of sending bytes
     sequence: Optional[SequenceFlags] = None  # for a model with sequence_batching
@@ -90,9 +90,15 @@ def batch_layout(req: "InferRequest", staged: list[Staged], cfg: ModelConfig) ->
     # tensor with per-item top-k strings, which requests that want the
     # tensor itself, or another k, cannot share. Computing it per request
     # after the split would put torch work in the broker's loop.
+    # So does a request with an input in a client's GPU memory (a CUDA
+    # region): the broker cannot copy it into a batch, so it runs in place.
     plain = True
     for o in req.outputs:
         if o.__class__ is not str:
+            plain = False
+            break
+    for s in staged:
+        if s.location is not None and is_device_ref(s.location[0]):
             plain = False
             break
     req.exclusive = not batching or not plain

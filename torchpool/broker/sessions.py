@@ -41,12 +41,17 @@ from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_heade
 from ..shm.fdpass import send_with_fds
 from ..shm.segment import Segment
 from .options import ServerOptions
-from .regions import Challenge, Peer, Region, answer_challenge, check_range, open_challenge, region_key
+from ..config.devices import visible_gpus
+from .regions import (Challenge, CudaRegion, Peer, Region, answer_challenge, check_range, open_challenge,
+                      open_cuda_region, region_key)
 
 if TYPE_CHECKING:
     from .registry import ModelVersion
 
 log = logging.getLogger("torchpool.broker")
+
+AnyRegion = Union[Region, CudaRegion]
+
 
 def _bad(message: str) -> TorchpoolError:
     return TorchpoolError(errors.INVALID_ARG, message)
@@ -71,7 +76,7 @@ class Session:
     arena: dict[str, Segment] = field(default_factory=dict)
     handed: set[str] = field(default_factory=set)  # segments whose fds it was given
     loans: int = 0                # outputs lent to it now (the answer path owns the map of them)
-    regions: dict[str, Region] = field(default_factory=dict)
+    regions: dict[str, AnyRegion] = field(default_factory=dict)   # both kinds: one namespace, as Triton's
     challenges: dict[str, Challenge] = field(default_factory=dict)
     in_flight: int = 0
     # model version -> [(direct path name, worker)]: direct.py (a supervisor.WorkerHandle, not
@@ -108,6 +113,7 @@ class SessionManager:
         # closes an ended session's arena segment: the server's reaper, off the
         # loop thread (the last close of a used 64 MiB arena takes 15-30 ms)
         self.close_segment = close_segment
+        self.gpus: Callable[[], list[int]] = visible_gpus     # the device ids a CUDA region may name
         self.sessions: dict[str, Session] = {}
         self.segments: dict[str, Segment] = {}    # every client arena segment, by name
         self._counter = itertools.count()
@@ -372,6 +378,25 @@ class SessionManager:
         session.challenges[name] = challenge
         return {"challenge": challenge.nonce}
 
+    def register_cuda(self, session: Session, header: Header) -> bool:
+        """Triton's CUDA register: the handle is kept (the workers open it
+        when a request names the region); the GPU must be one of ours."""
+        name = header.get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad("register_cuda_shared_memory: 'name' must be a non-empty string")
+        if not session.local:
+            raise _bad(f"region '{name}': registered regions need a local session (a client on "
+                       f"this host attached over the daemon's side channel)")
+        if name in session.regions or name in session.challenges:
+            raise TorchpoolError(errors.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
+        limit = self.options.max_regions_per_session
+        if len(session.regions) + len(session.challenges) >= limit:
+            raise _exhausted(f"region '{name}': this session already has {limit} regions, the "
+                             f"limit (--max-regions-per-session)")
+        session.regions[name] = open_cuda_region(name, header.get("raw_handle"), header.get("device_id"),
+                                                 header.get("byte_size"), self.gpus())
+        return True
+
     def _answer_challenge(self, session: Session, name: str, answer: object) -> bool:
         c = session.challenges.pop(name, None)
         if c is None:
@@ -379,7 +404,7 @@ class SessionManager:
         session.regions[name] = answer_challenge(c, name, answer)
         return True
 
-    def region(self, session: Optional[Session], ref: object, what: str) -> tuple[Region, int, int]:
+    def region(self, session: Optional[Session], ref: object, what: str) -> tuple[AnyRegion, int, int]:
         """Resolve `[name, byte_size, offset]` against the session's regions."""
         if session is None:
             raise _bad(f"{what}: 'region' references need a session (say hello first)")
@@ -393,12 +418,14 @@ class SessionManager:
         offset, nbytes = region.check(f"{what} in region '{name}'", offset, nbytes)
         return region, offset, nbytes
 
-    def unregister(self, session: Session, name: object) -> bool:
-        """Unregister one region, or all; a name not registered is no error (as in Triton)."""
+    def unregister(self, session: Session, name: object, cuda: bool = False) -> bool:
+        """Unregister one region of a kind (system, or CUDA), or all of that
+        kind; a name not registered (as that kind) is no error (as in Triton)."""
         names = list(session.regions) if name is None else [name]
         for n in names:
-            if n in session.regions:
-                self._unregister(session, n)
+            region = session.regions.get(n) if isinstance(n, str) else None
+            if region is not None and isinstance(region, CudaRegion) == cuda:
+                self._unregister(session, region.name)
         return True
 
     def _unregister(self, session: Session, name: str) -> None:
@@ -407,20 +434,28 @@ class SessionManager:
         if region.in_use == 0:
             self._drop_region(session, region)
 
-    def region_done(self, session: Session, region: Region) -> None:
+    def region_done(self, session: Session, region: AnyRegion) -> None:
         region.in_use -= 1
         if region.unregistering and region.in_use == 0:
             self._drop_region(session, region)
 
-    def _drop_region(self, session: Session, region: Region) -> None:
+    def _drop_region(self, session: Session, region: AnyRegion) -> None:
         session.regions.pop(region.name, None)
         self.forget([region.segment_ref()])
         region.close()
 
     def status(self, session: Session, name: object) -> list[Header]:
-        regions = session.regions.values() if name is None else \
-            [r for r in session.regions.values() if r.name == name]
+        regions = [r for r in session.regions.values()
+                   if isinstance(r, Region) and (name is None or r.name == name)]
         if name is not None and not regions:
             raise _no_region("system shared memory region", name)
         return [{"name": r.name, "key": r.given_key or r.key, "offset": r.offset, "byte_size": r.byte_size,
                  "in_use": r.in_use, "unregistering": r.unregistering} for r in regions]
+
+    def cuda_status(self, session: Session, name: object) -> list[Header]:
+        regions = [r for r in session.regions.values()
+                   if isinstance(r, CudaRegion) and (name is None or r.name == name)]
+        if name is not None and not regions:
+            raise _no_region("cuda shared memory region", name)
+        return [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size, "in_use": r.in_use,
+                 "unregistering": r.unregistering} for r in regions]

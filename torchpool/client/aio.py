@@ -331,6 +331,20 @@ class AsyncClient(ClientBase, AsyncSessionCalls):
         regions = self._state.regions
         return cast("list[JSONDocument]", await self._perform(lambda: regions.status_flow(name, None), None, True))
 
+    async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int,
+                                          byte_size: int) -> None:
+        regions = self._state.regions
+        await self._perform(lambda: regions.register_cuda_flow(name, raw_handle, device_id, byte_size, None),
+                            None, True)
+
+    async def unregister_cuda_shared_memory(self, name: Optional[str] = None) -> None:
+        await self._perform(lambda: self._state.regions.unregister_flow(name, None, cuda=True), None, True)
+
+    async def get_cuda_shared_memory_status(self, name: Optional[str] = None) -> list[JSONDocument]:
+        regions = self._state.regions
+        return cast("list[JSONDocument]", await self._perform(lambda: regions.status_flow(name, None, cuda=True),
+                                                              None, True))
+
     def _stop(self) -> None:
         for task in (self._reader, self._watcher, *self._asking.values()):
             if task is not None:

@@ -97,6 +97,22 @@ class SessionCalls(DaemonCalls, Protocol):
         """[{name, key, offset, byte_size, in_use}] of this client's regions."""
         ...
 
+    def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Register `byte_size` bytes of GPU memory on `device_id` under `name`
+        (Triton's call): `raw_handle` is its cudaIpcMemHandle_t, base64 as
+        tritonclient.utils.cuda_shared_memory.get_raw_handle gives it, or its
+        64 raw bytes. The daemon's workers open it; inputs and outputs may
+        then name it as they name system regions."""
+        ...
+
+    def unregister_cuda_shared_memory(self, name: Optional[str] = None) -> None:
+        """Unregister CUDA region `name` (None: every CUDA region of this client)."""
+        ...
+
+    def get_cuda_shared_memory_status(self, name: Optional[str] = None) -> list[JSONDocument]:
+        """[{name, device_id, byte_size, in_use}] of this client's CUDA regions."""
+        ...
+
 
 class AsyncSessionCalls(Protocol):
     """`SessionCalls`, awaited (the same names, parameters and defaults)."""
@@ -134,3 +150,10 @@ class AsyncSessionCalls(Protocol):
     async def unregister_system_shared_memory(self, name: Optional[str] = None) -> None: ...
 
     async def get_system_shared_memory_status(self, name: Optional[str] = None) -> list[JSONDocument]: ...
+
+    async def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int,
+                                          byte_size: int) -> None: ...
+
+    async def unregister_cuda_shared_memory(self, name: Optional[str] = None) -> None: ...
+
+    async def get_cuda_shared_memory_status(self, name: Optional[str] = None) -> list[JSONDocument]: ...

@@ -7,12 +7,15 @@ afterwards. Regions need a local session (the daemon must know who we are).
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 from typing import Iterable, Optional, Protocol
 
 from ..protocol import errors
 from ..protocol.errors import InferenceError, TorchpoolError
-from ..protocol.messages import (OP_REGISTER, OP_SHM_STATUS, OP_UNREGISTER, REGION_TOKEN_BYTES,
+from ..protocol.messages import (CUDA_IPC_HANDLE_BYTES, OP_CUDA_REGISTER, OP_CUDA_STATUS, OP_CUDA_UNREGISTER,
+                                 OP_REGISTER, OP_SHM_STATUS, OP_UNREGISTER, REGION_TOKEN_BYTES,
                                  REGION_TOKEN_MIN_BYTES)
 from ..protocol.names import check_shm_key
 from .local import LocalLink
@@ -62,6 +65,7 @@ class RegionFlows:
     def __init__(self, owner: RegionSession) -> None:
         self.owner = owner
         self.known: dict[str, tuple[str, int, int]] = {}     # name -> (key, byte_size, offset)
+        self.known_cuda: dict[str, tuple[bytes, int, int]] = {}  # name -> (raw handle, device_id, byte_size)
 
     def register_flow(self, name: str, key: str, byte_size: int, offset: int,
                       timeout: Optional[float]) -> Flow[bool]:
@@ -88,15 +92,7 @@ class RegionFlows:
                                       f"region '{name}': offset {offset} + byte size {byte_size} does "
                                       f"not fit the segment's {size} bytes")
             owner = self.owner
-            if owner.link is None and owner.local_socket is not None and owner.session is not None:
-                # the daemon must know who we are: attach without an arena
-                try:
-                    owner.link = LocalLink.attach(owner.local_socket, owner.session, timeout, arena=False)
-                except OSError as exc:
-                    raise InferenceError(errors.UNAVAILABLE, f"region '{name}': registered regions need "
-                                                             f"a client on the daemon's host (its side "
-                                                             f"channel cannot be reached: {exc.strerror})"
-                                         ) from None
+            self._attach(name, timeout)
             fields = {"name": name, "key": key, "byte_size": byte_size, "offset": offset}
             header, _ = yield from owner.exchange(OP_REGISTER, timeout, fields)
             result = header.get("result")
@@ -114,6 +110,38 @@ class RegionFlows:
         self.known[name] = (key, byte_size, offset)
         return True
 
+    def _attach(self, name: str, timeout: Optional[float]) -> None:
+        """The daemon must know who registers (its uid): attach over the side
+        channel, without an arena, when this client has not."""
+        owner = self.owner
+        if owner.link is None and owner.local_socket is not None and owner.session is not None:
+            try:
+                owner.link = LocalLink.attach(owner.local_socket, owner.session, timeout, arena=False)
+            except OSError as exc:
+                raise InferenceError(errors.UNAVAILABLE, f"region '{name}': registered regions need "
+                                                         f"a client on the daemon's host (its side "
+                                                         f"channel cannot be reached: {exc.strerror})"
+                                     ) from None
+
+    def register_cuda_flow(self, name: str, raw_handle: bytes, device_id: int, byte_size: int,
+                           timeout: Optional[float]) -> Flow[bool]:
+        """Register GPU memory by its CUDA IPC handle (base64, as tritonclient
+        gives it, or its 64 raw bytes); the daemon's workers open it."""
+        handle = raw_handle
+        if isinstance(handle, (bytes, str)) and len(handle) != CUDA_IPC_HANDLE_BYTES:
+            try:
+                handle = base64.b64decode(handle, validate=True)
+            except (binascii.Error, ValueError):
+                pass          # the daemon says what is wrong with it
+        if not isinstance(handle, bytes):
+            raise InferenceError(errors.INVALID_ARG, f"region '{name}': 'raw_handle' must be bytes (a "
+                                                     f"cudaIpcMemHandle_t, raw or base64)")
+        self._attach(name, timeout)
+        fields = {"name": name, "raw_handle": handle, "device_id": device_id, "byte_size": byte_size}
+        yield from self.owner.exchange(OP_CUDA_REGISTER, timeout, fields)
+        self.known_cuda[name] = (handle, device_id, byte_size)
+        return True
+
     def restore_flow(self, timeout: Optional[float]) -> Flow[None]:
         """A session that replaced a lost one gets the caller's regions back
         (one that can no longer be registered is forgotten)."""
@@ -124,14 +152,24 @@ class RegionFlows:
                 raise
             except InferenceError:
                 self.known.pop(name, None)
+        for name, (handle, device_id, size) in list(self.known_cuda.items()):
+            try:
+                yield from self.register_cuda_flow(name, handle, device_id, size, timeout)
+            except SessionLost:
+                raise
+            except InferenceError:
+                self.known_cuda.pop(name, None)
 
-    def unregister_flow(self, name: Optional[str], timeout: Optional[float]) -> Flow[object]:
-        result = yield from self.owner.control_flow(OP_UNREGISTER, timeout, {"name": name})
-        if name is None:
-            self.known.clear()
-        else:
-            self.known.pop(name, None)
+    def unregister_flow(self, name: Optional[str], timeout: Optional[float], cuda: bool = False) -> Flow[object]:
+        op = OP_CUDA_UNREGISTER if cuda else OP_UNREGISTER
+        result = yield from self.owner.control_flow(op, timeout, {"name": name})
+        for known in ((self.known_cuda,) if cuda else (self.known,)):
+            if name is None:
+                known.clear()
+            else:
+                known.pop(name, None)
         return result
 
-    def status_flow(self, name: Optional[str], timeout: Optional[float]) -> Flow[object]:
-        return (yield from self.owner.control_flow(OP_SHM_STATUS, timeout, {"name": name}))
+    def status_flow(self, name: Optional[str], timeout: Optional[float], cuda: bool = False) -> Flow[object]:
+        return (yield from self.owner.control_flow(OP_CUDA_STATUS if cuda else OP_SHM_STATUS, timeout,
+                                                   {"name": name}))

@@ -274,6 +274,19 @@ class Client(ClientBase, SessionCalls):
         regions = self._state.regions
         return cast("list[JSONDocument]", self._perform(lambda: regions.status_flow(name, None), None, True))
 
+    # -- registered GPU memory (Triton's CUDA shared memory)
+    def register_cuda_shared_memory(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        self._perform(lambda: self._state.regions.register_cuda_flow(name, raw_handle, device_id, byte_size, None),
+                      None, True)
+
+    def unregister_cuda_shared_memory(self, name: Optional[str] = None) -> None:
+        self._perform(lambda: self._state.regions.unregister_flow(name, None, cuda=True), None, True)
+
+    def get_cuda_shared_memory_status(self, name: Optional[str] = None) -> list[JSONDocument]:
+        regions = self._state.regions
+        return cast("list[JSONDocument]", self._perform(lambda: regions.status_flow(name, None, cuda=True),
+                                                        None, True))
+
     # -- lifetime
     def close(self, wait: float = GOODBYE_WAIT) -> None:
         """Say goodbye (returning everything lent to us) and close the socket.

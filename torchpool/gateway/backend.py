@@ -50,7 +50,8 @@ _GRPC_STATUS = {errors.INVALID_ARG: "INVALID_ARGUMENT", errors.NOT_FOUND: "NOT_F
                 errors.DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED"}
 
 # Extensions a Triton client may look for in the server metadata
-# ("system_shared_memory" too, where --allow-client-shm lets callers use it).
+# ("system_shared_memory" too, and "cuda_shared_memory" on a host with GPUs, where
+# --allow-client-shm lets callers use them).
 EXTENSIONS = ["classification", "sequence", "model_repository", "model_repository(unload_dependents)",
               "schedule_policy", "model_configuration", "binary_tensor_data", "parameters", "statistics"]
 
@@ -128,13 +129,6 @@ class ShmPolicy:
         if self.prefixes and not any(bare.startswith(p.lstrip("/")) for p in self.prefixes):
             raise bad(f"failed to register system shared memory region '{name}': its key does not "
                       f"begin with a prefix this server allows (--allow-client-shm-prefix)")
-
-
-def cuda_shm_refusal(name: str) -> TorchpoolError:
-    """A CUDA shared-memory registration, which torchpool does not serve:
-    the words of Triton built without GPU support, then what to do."""
-    return bad(f"failed to register CUDA shared memory region: '{name}', GPUs not supported (torchpool "
-               f"takes no CUDA shared memory; register the region as system shared memory)")
 
 
 # An input's bytes as the gateway holds them: views of a request (HTTP body,
@@ -447,7 +441,8 @@ class Backend:
 
     async def server_metadata(self) -> dict:
         meta = await self.client.server_metadata()
-        shm = ["system_shared_memory"] if self.shm.allowed else []
+        shm = [e for e in meta.get("extensions", ()) if e in ("system_shared_memory", "cuda_shared_memory")] \
+            if self.shm.allowed else []
         return {"name": meta.get("name", "torchpool"), "version": meta.get("version", ""),
                 "extensions": EXTENSIONS + shm}
 
@@ -588,12 +583,50 @@ class Backend:
             if owner.client is None:
                 return                      # Triton: unregistering nothing succeeds
             await owner.client.unregister_system_shared_memory(name or None)
-            if name:
+            if not name:
+                owner.names = set(owner.cuda_names)
+            elif name not in owner.cuda_names:
                 owner.names.discard(name)
-            else:
-                owner.names.clear()
             if not owner.names:
                 await self._close_regions(owner)
+
+    async def register_cuda_shm(self, caller: Caller, name: str, raw_handle: bytes, device_id: int,
+                                byte_size: int) -> None:
+        """Triton's CUDA register for a caller: its region, in its owner's
+        session (as register_shm's), opened by the workers at first use."""
+        self.shm.check_allowed()
+        owner = await self._owner_of(caller)
+        async with owner.lock:
+            if caller.gone:
+                raise TorchpoolError(errors.CANCELLED, f"region '{name}': the caller is gone")
+            if owner.client is None:
+                owner.client = AsyncClient(self.url, timeout=self.timeout, local=False)
+            try:
+                await owner.client.register_cuda_shared_memory(name, raw_handle, device_id, byte_size)
+                owner.names.add(name)
+                owner.cuda_names.add(name)
+                if owner.renewal is None:
+                    owner.renewal = asyncio.ensure_future(self._renew(owner, owner.client))
+            finally:
+                if not owner.names:
+                    await self._close_regions(owner)
+
+    async def unregister_cuda_shm(self, caller: Caller, name: str = "") -> None:
+        self.shm.check_allowed()
+        owner = await self._owner_of(caller)
+        async with owner.lock:
+            if owner.client is None:
+                return                      # Triton: unregistering nothing succeeds
+            await owner.client.unregister_cuda_shared_memory(name or None)
+            gone = {name} & owner.cuda_names if name else set(owner.cuda_names)
+            owner.names -= gone
+            owner.cuda_names -= gone
+            if not owner.names:
+                await self._close_regions(owner)
+
+    async def cuda_shm_status(self, caller: Caller, name: str = "") -> list[dict]:
+        client = (await self._owner_of(caller)).client or self.client
+        return await client.get_cuda_shared_memory_status(name or None)
 
     async def shm_status(self, caller: Caller, name: str = "") -> list[dict]:
         # an owner with no regions asks in the shared session, which holds none
@@ -616,6 +649,7 @@ class Backend:
         client, owner.client = owner.client, None
         renewal, owner.renewal = owner.renewal, None
         owner.names.clear()
+        owner.cuda_names.clear()
         if renewal is not None:
             renewal.cancel()
         if client is not None:

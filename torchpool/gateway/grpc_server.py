@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
-from .backend import Backend, InferResponse, KServeInfer, bad, cuda_shm_refusal, grpc_status_name
+from .backend import Backend, InferResponse, KServeInfer, bad, grpc_status_name
 from .callers import Caller, ReadAhead, StreamAhead
 from .chunks import Chunk, tensor_bytes
 from .defaults import MAX_INPUT_BYTES, MAX_STREAMS_PER_PEER
@@ -360,28 +360,42 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.callers.leave(caller)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    # --- what torchpool does not do. Listing and unregistering every CUDA
-    # region succeed (there are none): Triton's clients and perf_analyzer
-    # clean up both kinds before they start.
+    # --- CUDA shared memory: a caller's GPU memory, by CUDA IPC handle
 
     @_rpc
     async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest,
                                      context: Context) -> pb.CudaSharedMemoryStatusResponse:
-        if request.name:
-            raise TorchpoolError(errors.NOT_FOUND,
-                                 f"Unable to find cuda shared memory region: '{request.name}'")
-        return pb.CudaSharedMemoryStatusResponse()
+        caller = self.callers.enter(context.peer())
+        try:
+            regions = await self.backend.cuda_shm_status(caller, request.name)
+        finally:
+            self.callers.leave(caller)
+        answer = pb.CudaSharedMemoryStatusResponse()
+        for r in regions:
+            answer.regions[r["name"]].CopyFrom(pb.CudaSharedMemoryStatusResponse.RegionStatus(
+                name=r["name"], device_id=r["device_id"], byte_size=r["byte_size"]))
+        return answer
 
     @_rpc
     async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest,
                                        context: Context) -> pb.CudaSharedMemoryRegisterResponse:
-        # as Triton built without GPU support: INVALID_ARGUMENT, whatever the policy
-        raise cuda_shm_refusal(request.name)
+        caller = self.callers.enter(context.peer())
+        try:
+            await self.backend.register_cuda_shm(caller, request.name, request.raw_handle, request.device_id,
+                                                 request.byte_size)
+            await self.callers.uses_regions(caller)
+        finally:
+            self.callers.leave(caller)
+        return pb.CudaSharedMemoryRegisterResponse()
 
     @_rpc
     async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
                                          context: Context) -> pb.CudaSharedMemoryUnregisterResponse:
-        self.backend.shm.check_allowed()
+        caller = self.callers.enter(context.peer())
+        try:
+            await self.backend.unregister_cuda_shm(caller, request.name)
+        finally:
+            self.callers.leave(caller)
         return pb.CudaSharedMemoryUnregisterResponse()
 
     @_rpc

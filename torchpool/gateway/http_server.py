@@ -18,6 +18,8 @@ register refused as on a server without GPUs).
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import math
@@ -27,8 +29,9 @@ from urllib.parse import unquote
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
+from ..protocol.messages import CUDA_IPC_HANDLE_BYTES
 from ..protocol.names import check_model_name
-from .backend import Backend, bad, cuda_shm_refusal, http_status
+from .backend import Backend, bad, http_status
 from .callers import Caller
 from .http_binary import (control_document_off_loop, decompress_off_loop, decompressed_bound, encode_infer,
                           is_raw, parse_infer_off_loop, raw_call)
@@ -125,7 +128,7 @@ class Router:
         if (m := _SYSTEM_SHM.fullmatch(path)) is not None:
             return await self._system_shm(request, _name(m.group(1)), m.group(2))
         if (m := _CUDA_SHM.fullmatch(path)) is not None:
-            return self._cuda_shm(request, _name(m.group(1)), m.group(2))
+            return await self._cuda_shm(request, _name(m.group(1)), m.group(2))
         if (m := _REPOSITORY.fullmatch(path)) is not None:
             model = check_model_name(_name(m.group(3))) if m.group(3) is not None else ""
             return await self._repository(request, m.group(1), m.group(2), model, m.group(4))
@@ -283,22 +286,46 @@ class Router:
                 raise bad(f"Unable to parse '{what}': expected an unsigned integer")
         return key, offset, byte_size
 
-    def _cuda_shm(self, request: Request, region: str, action: str) -> Response:
-        """Triton's CUDA shared-memory API as its build without GPU support
-        answers it (in its order: the method, then whether client shared
-        memory is allowed, then the name): no regions, none registered."""
+    async def _cuda_shm(self, request: Request, region: str, action: str) -> Response:
+        """Triton's CUDA shared-memory API, in its order: the method, then
+        whether client shared memory is allowed, the name, the body."""
         if request.method != ("GET" if action == "status" else "POST"):
             return _not_allowed()
         if action == "status":
-            if region:
-                raise TorchpoolError(errors.NOT_FOUND, f"Unable to find cuda shared memory region: '{region}'")
-            return _json([])
+            return _json(await self.backend.cuda_shm_status(_caller(request), region))
         self.backend.shm.check_allowed()
         if action == "unregister":
+            await self.backend.unregister_cuda_shm(_caller(request), region)
             return Response(200, [])
         if not region:
             raise bad("'region name' is necessary to register cuda shared memory region")
-        raise cuda_shm_refusal(region)
+        doc = await control_document_off_loop(request.body, self.offload)
+        if not isinstance(doc, dict):
+            raise bad("failed to parse the request JSON buffer: expected an object")
+        raw_handle, device_id, byte_size = self._cuda_register_fields(doc)
+        await self.backend.register_cuda_shm(_caller(request), region, raw_handle, device_id, byte_size)
+        return Response(200, [])
+
+    @staticmethod
+    def _cuda_register_fields(doc: dict) -> tuple[bytes, int, int]:
+        """Triton's fields and checks, in its order and words."""
+        if "raw_handle" not in doc:
+            raise bad("Shared memory register request has no 'raw_handle' field")
+        handle = doc["raw_handle"]
+        b64 = handle.get("b64") if isinstance(handle, dict) else None
+        if not isinstance(b64, str):
+            raise bad("Unable to parse 'b64': expected a string in 'raw_handle'")
+        for what in ("byte_size", "device_id"):
+            value = doc.get(what)
+            if type(value) is not int or value < 0:
+                raise bad(f"Unable to parse '{what}': expected an unsigned integer")
+        try:
+            raw = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise bad("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t") from None
+        if len(raw) != CUDA_IPC_HANDLE_BYTES:
+            raise bad("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t")
+        return raw, doc["device_id"], doc["byte_size"]
 
 
 class HttpServer:

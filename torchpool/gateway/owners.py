@@ -48,14 +48,15 @@ class RegionOwner:
     """The regions of one owner: its daemon session, what it registered
     there, and the callers (connections) it is shared by."""
 
-    __slots__ = ("key", "name", "client", "renewal", "names", "lock", "callers")
+    __slots__ = ("key", "name", "client", "renewal", "names", "cuda_names", "lock", "callers")
 
     def __init__(self, key: OwnerKey, name: str) -> None:
         self.key = key
         self.name = name                         # for logs: "uid 1000", or the caller's name
         self.client: Optional[AsyncClient] = None   # an AsyncClient with its own session, while it holds regions
         self.renewal: Optional[asyncio.Task[None]] = None   # what renews that session's lease meanwhile
-        self.names: set[str] = set()             # the regions registered there
+        self.names: set[str] = set()             # the regions registered there (both kinds)
+        self.cuda_names: set[str] = set()        # ... of which CUDA regions
         self.lock = asyncio.Lock()               # one region call of an owner at a time: they are rare
         self.callers: set[object] = set()        # the callers.Caller using them (callers.py imports this)
 

@@ -109,7 +109,17 @@ class ProtocolViolation(ValueError):
 # ------------------------------------------------------------ nested values
 
 # A segment on the wire: a daemon segment's name, or [key, inode] of a client's region.
-SegmentRef = Union[str, Sequence[Union[str, int]]]
+SegmentRef = Union[str, Sequence[Union[str, int, bytes]]]
+# [DEVICE_REF, CUDA IPC handle, device id]: a client's GPU memory (Triton's CUDA
+# shared memory), which the worker opens from its handle (worker/cuda_ipc.py)
+DEVICE_REF = "cuda"
+
+
+def is_device_ref(ref: object) -> bool:
+    """Does a location name a client's GPU memory (a DEVICE_REF)?"""
+    return isinstance(ref, list) and len(ref) == 3 and ref[0] == DEVICE_REF
+
+
 # A released block, `Block` or the plain [segment, offset, size] it decodes into.
 BlockRef = Union["Block", Sequence[Union[str, int]]]
 
@@ -117,7 +127,7 @@ class InputDescriptor(NamedTuple):
     name: str
     datatype: str               # wire name: FP32, BYTES, ...
     shape: Sequence[int]
-    segment: SegmentRef         # daemon segment name, or [key, inode] of a client region
+    segment: SegmentRef         # daemon segment name, [key, inode] of a client region, or a DEVICE_REF
     offset: int
     nbytes: int
     generation: int = 0         # non-zero: checked against the client block header
@@ -336,7 +346,7 @@ def decode(raw: Union[bytes, memoryview]) -> Message:
 
 __all__ = [
     "ADOPT", "Adopt", "Block", "BlockRef", "DIRECT_PREFIX", "LEND_PREFIX", "lend_ref", "Classify", "DONE", "Done",
-    "FAILED", "FORGET", "Failed", "Forget", "InputDescriptor", "KIND_OF", "SegmentRef",
+    "DEVICE_REF", "FAILED", "FORGET", "Failed", "Forget", "is_device_ref", "InputDescriptor", "KIND_OF", "SegmentRef",
     "LOAD_FAILED", "LoadFailed", "MAX_MESSAGE", "Message", "OutputDescriptor", "OutputTarget",
     "ProtocolViolation", "READY", "RELEASE", "RUN", "Ready", "Release", "Run", "SEGMENTS",
     "SERVED", "STOP", "Segments", "Served", "Stop",

@@ -83,8 +83,13 @@ OP_DIRECT = "direct"          # a path to a model's instance (over a session's l
 OP_REGISTER = "register_system_shared_memory"
 OP_UNREGISTER = "unregister_system_shared_memory"
 OP_SHM_STATUS = "get_system_shared_memory_status"
+OP_CUDA_REGISTER = "register_cuda_shared_memory"
+CUDA_IPC_HANDLE_BYTES = 64          # a CUDA region's handle: sizeof(cudaIpcMemHandle_t)
+OP_CUDA_UNREGISTER = "unregister_cuda_shared_memory"
+OP_CUDA_STATUS = "get_cuda_shared_memory_status"
 
-SESSION_OPS = frozenset({OP_HELLO, OP_GOODBYE, OP_ARENA_GROW, OP_REGISTER, OP_UNREGISTER, OP_SHM_STATUS})
+SESSION_OPS = frozenset({OP_HELLO, OP_GOODBYE, OP_ARENA_GROW, OP_REGISTER, OP_UNREGISTER, OP_SHM_STATUS,
+                         OP_CUDA_REGISTER, OP_CUDA_UNREGISTER, OP_CUDA_STATUS})
 
 CONTROL_OPS = SESSION_OPS | frozenset({
     OP_SERVER_LIVE, OP_SERVER_READY, OP_MODEL_READY, OP_MODEL_METADATA, OP_MODEL_CONFIG,

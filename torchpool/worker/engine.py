@@ -115,6 +115,19 @@ class Engine:
             tensor = tensor.to(self.device)
         return tensor
 
+    def device_tensor(self, name: str, datatype: str, shape: Sequence[int], raw: torch.Tensor) -> Value:
+        """Input `name` from a client's GPU memory (`raw`: its bytes, a uint8
+        CUDA tensor): viewed in place on the model's device, else copied there."""
+        if datatype == "BYTES":
+            raise ExecutionError(f"{self.input_label(name)}: a BYTES input cannot be read from CUDA shared "
+                                 f"memory", errors.INVALID_ARG)
+        dtype, itemsize, _ = _tensor_type(datatype)
+        if raw.data_ptr() % itemsize:      # an unaligned offset: a typed view needs aligned storage
+            raw = raw.clone()
+        tensor = raw.view(dtype).view(shape)
+        target = torch.device(self.device or "cpu")
+        return tensor if tensor.device == target else tensor.to(target)
+
     def _strings(self, name: str, data: memoryview, count: int) -> list[str]:
         """A BYTES input as the List[str] TorchScript takes."""
         try:

@@ -43,6 +43,7 @@ from ..shm.reaper import Reaper
 from .binding import ExecutionError, ModelLoadError
 from .capture import CaptureRegion, OutputCapture, reuse_input
 from .classify import Classified, Classifier
+from .cuda_ipc import DeviceRegions, device_bytes
 from .direct import DirectClients
 from .engine import Engine, Value
 from .gpu_copies import HostPinning, cuda_pinning, lost_cuda_context
@@ -52,7 +53,7 @@ from .parent import tie_to_the_broker
 from .settings import grad_context
 from .spec import WorkerSpec
 from .texts import client_text
-from ..protocol.internal import DIRECT_PREFIX, LEND_PREFIX
+from ..protocol.internal import DIRECT_PREFIX, LEND_PREFIX, is_device_ref
 from ..protocol.tensors import BLOCK_HEADER_BYTES, BLOCK_MAGIC, read_block_header, worth_descriptor
 from ..shm.regions import RegionMaps
 
@@ -93,6 +94,7 @@ class Worker:
         self.pinning: Optional[HostPinning] = None
         self.receiver = FdReceiver(internal.MAX_MESSAGE)
         self.regions = RegionMaps()
+        self.device_regions = DeviceRegions()     # clients' GPU memory (CUDA regions), opened at first use
         self.outputs = Arena(lambda i: f"{spec.segment_prefix}{i}", spec.arena_chunk,
                              spec.arena_limit, prefault=True, announce=self.announce)
         self.engine: Engine           # built by load(): inputs to the device, the model, outputs
@@ -150,6 +152,8 @@ class Worker:
                 self.capture.close()
             self.lending.close()
             self.direct.close()
+            if not self.context_lost:
+                self.device_regions.close()
             self.engine.close()
             self.outputs.close()
             self.inputs_shm.close()
@@ -246,8 +250,10 @@ class Worker:
         close their direct paths."""
         paths = False
         for ref in refs:
-            if not isinstance(ref, str):      # [key, inode]: a region (a list, off the wire)
-                self.regions.drop(ref)
+            if is_device_ref(ref):            # [DEVICE_REF, handle, device]: a CUDA region
+                self.device_regions.drop(cast("list[Union[str, int, bytes]]", ref))
+            elif not isinstance(ref, str):    # [key, inode]: a region (a list, off the wire)
+                self.regions.drop(cast("list[Union[str, int]]", ref))
             elif ref.startswith(DIRECT_PREFIX):
                 self.direct.forget(ref)
                 paths = True
@@ -366,7 +372,7 @@ class Worker:
         refs = [d.segment for d in msg.inputs if not isinstance(d.segment, str)]
         refs += [r.region for r in msg.outputs if isinstance(r, internal.OutputTarget)]
         for ref in refs:
-            if self.regions.broken(ref):
+            if not is_device_ref(ref) and self.regions.broken(cast("list[Union[str, int]]", ref)):
                 raise ExecutionError(f"model '{self.spec.model}': a client's registered region "
                                      f"shrank while the model used it; unregister and register "
                                      f"it again", errors.INVALID_ARG)
@@ -403,7 +409,8 @@ class Worker:
         """The mapping that holds [offset, offset + nbytes) of input `name`: a
         daemon segment (named) or a client's registered region ([key, inode])."""
         if not isinstance(ref, str):       # [key, inode] (a list, off the wire)
-            return self.regions.get(ref, offset + nbytes, self.engine.input_label(name))
+            return self.regions.get(cast("list[Union[str, int]]", ref), offset + nbytes,
+                                    self.engine.input_label(name))
         seg = self.inputs_shm.find(ref)
         if seg is None:
             raise ExecutionError(f"{self.engine.input_label(name)}: segment {ref!r} was never handed to this "
@@ -419,6 +426,11 @@ class Worker:
 
     def view_input(self, d: internal.InputDescriptor) -> Value:
         name, datatype, shape, segment, offset, nbytes, generation, _ = d
+        if is_device_ref(segment):          # in a client's GPU memory: viewed there
+            label = self.engine.input_label(name)
+            mapped, device = self.device_regions.mapped(cast("list[Union[str, int, bytes]]", segment),
+                                                        offset + nbytes, label)
+            return self.engine.device_tensor(name, datatype, shape, device_bytes(mapped, device, offset, nbytes))
         buf = self._buffer(segment, offset, nbytes, generation, name)
         pinned = False
         if self.pinning is not None and segment.__class__ is str:     # a daemon or client arena segment
@@ -438,6 +450,8 @@ class Worker:
         else, when it is large enough to be lent, into the area of the session
         the batch's outputs may be lent to (`lend_to`) while it has room, else
         into this worker's arena. Returns its descriptor."""
+        if target is not None and is_device_ref(target.region):
+            return self._write_to_device(name, value, target)
         if isinstance(value, list):   # List[str], or class strings (classify.py)
             data: Union[bytes, torch.Tensor] = datatypes.encode_bytes(value)
             shape = value.shape if value.__class__ is Classified else [len(value)]
@@ -451,7 +465,8 @@ class Worker:
             if nbytes > capacity:
                 raise ExecutionError(f"output '{name}' of model '{self.spec.model}' needs {nbytes} "
                                      f"bytes but its region provides {capacity}", errors.INVALID_ARG)
-            buf = self.regions.get(ref, offset + nbytes, f"output '{name}' for model '{self.spec.model}'")
+            buf = self.regions.get(cast("list[Union[str, int]]", ref), offset + nbytes,
+                                   f"output '{name}' for model '{self.spec.model}'")
             segment: internal.SegmentRef = ref
         else:
             area = self.lending.area(lend_to) if lend_to and worth_descriptor(nbytes) else None
@@ -473,6 +488,26 @@ class Worker:
             copy_into(memoryview(buf)[offset:offset + nbytes],
                       data if isinstance(data, bytes) else data.reshape(-1).view(torch.uint8).numpy())
         return internal.OutputDescriptor(name, datatype, shape, segment, offset, nbytes)
+
+    def _write_to_device(self, name: str, value: Value, target: internal.OutputTarget) -> internal.OutputDescriptor:
+        """An output into a client's GPU memory (a CUDA region): copied there
+        from wherever the model left it, complete before the answer says so."""
+        what = f"output '{name}' for model '{self.spec.model}'"
+        if isinstance(value, list):
+            raise ExecutionError(f"{what}: a BYTES output cannot be written into CUDA shared memory",
+                                 errors.INVALID_ARG)
+        _, ref, offset, capacity = target
+        nbytes = value.nbytes
+        if nbytes > capacity:
+            raise ExecutionError(f"{what} needs {nbytes} bytes but its region provides {capacity}",
+                                 errors.INVALID_ARG)
+        if nbytes:
+            mapped, device = self.device_regions.mapped(cast("list[Union[str, int, bytes]]", ref),
+                                                        offset + nbytes, what)
+            destination = device_bytes(mapped, device, offset, nbytes)
+            destination.copy_(value.contiguous().reshape(-1).view(torch.uint8))
+            torch.cuda.synchronize(destination.device)
+        return internal.OutputDescriptor(name, _wire_name(value.dtype), list(value.shape), ref, offset, nbytes)
 
     def _arena_address(self, segment: str) -> int:
         """Where an output arena segment is mapped (it stays so until the worker exits)."""
