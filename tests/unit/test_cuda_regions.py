@@ -7,6 +7,7 @@ before any read, closed when the region goes. (The calls themselves run in
 tests/gpu and scripts/gpu-check.)"""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -97,3 +98,13 @@ def test_each_handle_is_opened_once_and_closed_when_its_region_goes() -> None:
     assert driver.calls[-1] == ("close", 0) and len([c for c in driver.calls if c[0] == "close"]) == 1
     regions.close()
     assert driver.open_now == set()
+
+
+def test_a_host_without_the_driver_fails_the_request_not_the_worker() -> None:
+    if os.path.exists("/proc/driver/nvidia"):
+        pytest.skip("this host has the NVIDIA driver")
+    with pytest.raises(ExecutionError) as e:
+        DeviceRegions().mapped([DEVICE_REF, HANDLE, 0], 16, "input 'x' for model 'm'")
+    assert e.value.code == "INVALID_ARG"
+    assert e.value.message.startswith("input 'x' for model 'm': the CUDA region cannot be opened on device 0: "
+                                      "the NVIDIA driver's libcuda.so.1 cannot be loaded")

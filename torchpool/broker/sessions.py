@@ -350,25 +350,35 @@ class SessionManager:
         and answers {"challenge": nonce}; the client writes the nonce at the
         region's offset and calls again with "challenge": nonce; the daemon
         reads it back and maps the region (true)."""
+        name = self._new_region_name(session, header, "register_system_shared_memory")
+        if "challenge" in header:
+            return self._answer_challenge(session, name, header.get("challenge"))
+        return self._challenge(session, name, header)
+
+    @staticmethod
+    def _new_region_name(session: Session, header: Header, op: str) -> str:
+        """The name a register call gives, for a local session, not taken by
+        a region of either kind (one namespace, as Triton's)."""
         name = header.get("name")
         if not isinstance(name, str) or not name:
-            raise _bad("register_system_shared_memory: 'name' must be a non-empty string")
+            raise _bad(f"{op}: 'name' must be a non-empty string")
         if not session.local:
             raise _bad(f"region '{name}': registered regions need a local session (a client on "
                        f"this host attached over the daemon's side channel)")
         if name in session.regions:
             # Triton's words (shared_memory_manager.cc), which its QA asserts
             raise TorchpoolError(errors.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
-        if "challenge" in header:
-            return self._answer_challenge(session, name, header.get("challenge"))
-        return self._challenge(session, name, header)
+        return name
 
-    def _challenge(self, session: Session, name: str, header: Header) -> Header:
-        key = region_key(name, header.get("key"))
+    def _check_room(self, session: Session, name: str) -> None:
         limit = self.options.max_regions_per_session
         if len(session.regions) + len(session.challenges) >= limit:
             raise _exhausted(f"region '{name}': this session already has {limit} regions, the "
                              f"limit (--max-regions-per-session)")
+
+    def _challenge(self, session: Session, name: str, header: Header) -> Header:
+        key = region_key(name, header.get("key"))
+        self._check_room(session, name)
         assert session.peer is not None  # set with its channel (attach): register checked it is local
         challenge = open_challenge(session.peer, name, key, header.get("offset", 0), header.get("byte_size"),
                                    str(header["key"]))     # (a str: region_key checked it)
@@ -381,18 +391,10 @@ class SessionManager:
     def register_cuda(self, session: Session, header: Header) -> bool:
         """Triton's CUDA register: the handle is kept (the workers open it
         when a request names the region); the GPU must be one of ours."""
-        name = header.get("name")
-        if not isinstance(name, str) or not name:
-            raise _bad("register_cuda_shared_memory: 'name' must be a non-empty string")
-        if not session.local:
-            raise _bad(f"region '{name}': registered regions need a local session (a client on "
-                       f"this host attached over the daemon's side channel)")
-        if name in session.regions or name in session.challenges:
+        name = self._new_region_name(session, header, "register_cuda_shared_memory")
+        if name in session.challenges:          # a system region of that name on its way
             raise TorchpoolError(errors.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
-        limit = self.options.max_regions_per_session
-        if len(session.regions) + len(session.challenges) >= limit:
-            raise _exhausted(f"region '{name}': this session already has {limit} regions, the "
-                             f"limit (--max-regions-per-session)")
+        self._check_room(session, name)
         session.regions[name] = open_cuda_region(name, header.get("raw_handle"), header.get("device_id"),
                                                  header.get("byte_size"), self.gpus())
         return True

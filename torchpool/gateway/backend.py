@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Union
 
 import numpy as np
 
@@ -554,6 +554,20 @@ class Backend:
 
     async def register_shm(self, caller: Caller, name: str, key: str, offset: int, byte_size: int) -> None:
         self.shm.check(name, key)
+        try:
+            # the daemon refuses its own segments' names (broker/regions.py region_key)
+            await self._register(caller, name, lambda client: client.register_system_shared_memory(
+                name, key, byte_size, offset))
+        except SegmentUnusable:
+            # the gateway opens the segment with the daemon's rights: why it
+            # failed (missing, forbidden, a symlink, its size) is not the
+            # caller's to learn; one answer for all, the broker's
+            raise unusable_segment(name) from None
+
+    async def _register(self, caller: Caller, name: str, register: Callable[[AsyncClient], Awaitable[None]],
+                        cuda: bool = False) -> None:
+        """Register a caller's region in its owner's session (made for it,
+        and renewed while it holds regions)."""
         owner = await self._owner_of(caller)
         async with owner.lock:             # one region call of an owner at a time: they are rare
             if caller.gone:
@@ -562,16 +576,12 @@ class Backend:
                 # not local: it attaches (without an arena) only to register regions
                 owner.client = AsyncClient(self.url, timeout=self.timeout, local=False)
             try:
-                # the daemon refuses its own segments' names (broker/regions.py region_key)
-                await owner.client.register_system_shared_memory(name, key, byte_size, offset)
+                await register(owner.client)
                 owner.names.add(name)
+                if cuda:
+                    owner.cuda_names.add(name)
                 if owner.renewal is None:           # (its hello told the lease)
                     owner.renewal = asyncio.ensure_future(self._renew(owner, owner.client))
-            except SegmentUnusable:
-                # the gateway opens the segment with the daemon's rights: why it
-                # failed (missing, forbidden, a symlink, its size) is not the
-                # caller's to learn; one answer for all, the broker's
-                raise unusable_segment(name) from None
             finally:
                 if not owner.names:
                     await self._close_regions(owner)
@@ -595,21 +605,8 @@ class Backend:
         """Triton's CUDA register for a caller: its region, in its owner's
         session (as register_shm's), opened by the workers at first use."""
         self.shm.check_allowed()
-        owner = await self._owner_of(caller)
-        async with owner.lock:
-            if caller.gone:
-                raise TorchpoolError(errors.CANCELLED, f"region '{name}': the caller is gone")
-            if owner.client is None:
-                owner.client = AsyncClient(self.url, timeout=self.timeout, local=False)
-            try:
-                await owner.client.register_cuda_shared_memory(name, raw_handle, device_id, byte_size)
-                owner.names.add(name)
-                owner.cuda_names.add(name)
-                if owner.renewal is None:
-                    owner.renewal = asyncio.ensure_future(self._renew(owner, owner.client))
-            finally:
-                if not owner.names:
-                    await self._close_regions(owner)
+        await self._register(caller, name, lambda client: client.register_cuda_shared_memory(
+            name, raw_handle, device_id, byte_size), cuda=True)
 
     async def unregister_cuda_shm(self, caller: Caller, name: str = "") -> None:
         self.shm.check_allowed()

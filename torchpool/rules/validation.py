@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, cast, Optional, Protocol,
 from ..config import ModelConfig, TensorSpec
 from ..protocol import datatypes, errors, tensors
 from ..protocol.errors import TorchpoolError
+from ..protocol.internal import is_device_ref
 from .request import InferCall
 
 if TYPE_CHECKING:
@@ -256,6 +257,9 @@ def validate_infer(call: InferCall, frames: Sequence[Buffer], mv: ModelVersionLi
                             "--max-bytes-elements")
         payload, location = _payload(e, frames, session, sessions, name, model, regions)
         if datatype == "BYTES":
+            if location is not None and is_device_ref(location[0]):
+                raise _bad(f"input '{name}' for model '{model}': a BYTES tensor cannot be read from CUDA "
+                           f"shared memory (its lengths must be read on the host)")
             if len(payload) > limits.max_bytes_tensor_bytes:
                 raise _too_much(name, model, f"{len(payload)} bytes of BYTES elements",
                                 limits.max_bytes_tensor_bytes, "--max-bytes-tensor-bytes")

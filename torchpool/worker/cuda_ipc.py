@@ -105,10 +105,13 @@ class CudaDriver:
     def open(self, handle: bytes, device: int) -> Mapped:
         lib = self._lib
 
+        raw = _IpcHandle()
+        ctypes.memmove(ctypes.addressof(raw), handle, CUDA_IPC_HANDLE_BYTES)    # every byte, NULs too
+
         def work() -> Mapping:
             pointer = ctypes.c_uint64()
             self._check("cuIpcOpenMemHandle", lib.cuIpcOpenMemHandle_v2(
-                ctypes.byref(pointer), _IpcHandle(handle), _LAZY_ENABLE_PEER_ACCESS))
+                ctypes.byref(pointer), raw, _LAZY_ENABLE_PEER_ACCESS))
             base, size = ctypes.c_uint64(), ctypes.c_size_t()
             try:
                 self._check("cuMemGetAddressRange", lib.cuMemGetAddressRange_v2(
