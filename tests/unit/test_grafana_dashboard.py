@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from torchpool.broker.metrics import HISTOGRAM_BUCKETS_MS, MetricsConfig, MetricsSnapshot, render_metrics
+from torchpool.broker.nvml import GpuReading
 from torchpool.broker.stats import LatencyWindows, VersionStats
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "torchpool-dashboard.json"
@@ -20,7 +21,8 @@ def exported_names() -> set[str]:
     stats.load_seconds = 1.0
     worker = {"name": "m_0", "pid": 1, "cpu_s": 1.0, "rss_bytes": 1, "pss_bytes": 1, "gpu_memory_bytes": 1}
     snap = MetricsSnapshot([("m", 1, stats, 0)], {"input_mapped": 0}, states=[("m", "1", "READY")],
-                           instances=[("m", 1, worker)], restarts=[("m", 1, {"m_0": 0})])
+                           instances=[("m", 1, worker)], restarts=[("m", 1, {"m_0": 0})],
+                           gpus=(GpuReading(0, "GPU-0", 1 << 30, 1 << 20, 0.5),))
     page = render_metrics(snap, MetricsConfig(summary_latencies=True, histogram_latencies=True),
                           now=0.0).decode()
     return {line.split("{", 1)[0].split(" ", 1)[0] for line in page.splitlines() if not line.startswith("#")}
@@ -51,6 +53,9 @@ def test_every_metric_the_dashboard_queries_is_exported() -> None:
     assert {"nv_inference_first_response_histogram_ms_bucket", "torchpool_inference_queue_histogram_ms_bucket",
             "torchpool_model_state", "nv_model_load_duration_secs", "torchpool_worker_cpu_seconds",
             "torchpool_worker_pss_bytes"} <= used
+    # ... and issue 30's: each worker's GPU memory, each GPU's memory and utilization
+    assert {"torchpool_worker_gpu_memory_bytes", "nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes",
+            "nv_gpu_utilization"} <= used
 
 
 def test_histogram_quantiles_add_buckets_up_and_workers_are_told_apart_by_model_instance() -> None:
