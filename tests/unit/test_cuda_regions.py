@@ -43,6 +43,13 @@ def test_a_requests_window_is_checked_in_tritons_words() -> None:
     region = CudaRegion("r", HANDLE, 0, 1024)
     assert region.check("input 'x'", 512, 512) == (512, 512)
     assert len(region.view(512, 512)) == 512          # what validation measures, never read
+    # a hostile size: 1 TiB is measured without reserving it (a plain anonymous mapping of it
+    # failed here with ENOMEM, an OSError in the broker); 2^63 is the request's error
+    huge = CudaRegion("huge", HANDLE, 0, (1 << 64) - 1)
+    assert len(huge.view(0, 1 << 40)) == 1 << 40
+    with pytest.raises(TorchpoolError) as e:
+        huge.view(0, 1 << 63)
+    assert "more than this server can take as one input" in e.value.message
     for offset, nbytes, text in ((1024, 1, "Invalid offset for shared memory region: 'r'"),
                                  (1000, 100, "Invalid offset + byte size for shared memory region: 'r'"),
                                  (8, (1 << 64) - 4, "Integer overflow detected")):

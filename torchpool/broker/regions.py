@@ -165,6 +165,9 @@ class Region:
         os.close(self.fd)
 
 
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)    # Linux's value (Python names it from 3.13)
+
+
 @dataclass(eq=False)
 class CudaRegion:
     """Client GPU memory registered under a name (Triton's CUDA shared
@@ -187,9 +190,16 @@ class CudaRegion:
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """What validation measures the input by: `nbytes` of an untouched
-        anonymous mapping (no memory behind it until read; nothing reads it:
-        the bytes are on the GPU, and such a request runs alone, in place)."""
-        return memoryview(mmap.mmap(-1, max(1, nbytes)))[:nbytes]
+        anonymous mapping, reserving nothing (no memory behind it until read;
+        nothing reads it: the bytes are on the GPU, and such a request runs
+        alone, in place). A size the kernel will not map even so is the
+        request's error, not the broker's."""
+        try:
+            space = mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        except (OSError, OverflowError, ValueError):
+            raise bad(f"CUDA shared memory region '{self.name}': {nbytes} bytes at offset {offset} are more "
+                      f"than this server can take as one input") from None
+        return memoryview(space)[:nbytes]
 
     def worker_ref(self) -> list[object]:
         return [DEVICE_REF, self.handle, self.device_id]
