@@ -113,3 +113,33 @@ def test_which_cuda_errors_lose_the_context() -> None:
     assert not lost_cuda_context(wrapped("CUDA out of memory. Tried to allocate 20.00 GiB"))
     assert not lost_cuda_context(wrapped("index 5 is out of bounds for dimension 0 with size 3"))
     assert not lost_cuda_context(ValueError("an illegal value"))
+
+
+def test_out_of_gpu_memory_is_told_apart_through_the_wrapping() -> None:
+    """A GPU out-of-memory error, as torch raises it or as its text inside a
+    TorchScript error wrapped by the worker: RESOURCE_EXHAUSTED for that
+    batch or load (process.py), never a lost context."""
+    import torch
+
+    from torchpool.worker.binding import ExecutionError
+    from torchpool.worker.gpu_copies import lost_cuda_context, out_of_gpu_memory
+
+    def wrapped(inner: Exception) -> Exception:
+        try:
+            try:
+                raise inner
+            except Exception as e:
+                raise ExecutionError("model 'm' failed") from e
+        except ExecutionError as outer:
+            return outer
+
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                                      "capacity of 79.10 GiB of which 1.02 GiB is free.")
+    assert out_of_gpu_memory(oom) and out_of_gpu_memory(wrapped(oom))
+    assert out_of_gpu_memory(wrapped(RuntimeError("The following operation failed in the TorchScript "
+                                                  "interpreter.\nRuntimeError: CUDA out of memory. Tried to "
+                                                  "allocate 2.00 MiB")))
+    assert not lost_cuda_context(wrapped(oom))
+    assert not out_of_gpu_memory(wrapped(RuntimeError("CUDA error: device-side assert triggered")))
+    assert not out_of_gpu_memory(MemoryError("out of memory"))
+

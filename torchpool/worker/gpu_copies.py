@@ -121,6 +121,20 @@ _STICKY_CUDA_ERRORS = ("device-side assert", "illegal memory access", "illegal i
                        "uncorrectable ecc", "hardware stack error", "an illegal")
 
 
+def out_of_gpu_memory(exc: BaseException) -> bool:
+    """Did `exc` (or what it was raised from) say the GPU ran out of memory?
+    (torch's OutOfMemoryError, or its text inside a TorchScript error.) The
+    caller's error, in Triton's terms a resource exhausted: the worker goes on."""
+    seen: set[int] = set()
+    e: "BaseException | None" = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def lost_cuda_context(exc: BaseException) -> bool:
     """Did `exc` (or what it was raised from) come from a CUDA error that
     leaves the context unusable?"""

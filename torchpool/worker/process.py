@@ -46,7 +46,7 @@ from .classify import Classified, Classifier
 from .cuda_ipc import DeviceRegions, device_bytes
 from .direct import DirectClients
 from .engine import Engine, Value
-from .gpu_copies import HostPinning, cuda_pinning, lost_cuda_context
+from .gpu_copies import HostPinning, cuda_pinning, lost_cuda_context, out_of_gpu_memory
 from .lending import LendingAreas
 from .loader import load_instance
 from .parent import tie_to_the_broker
@@ -133,10 +133,16 @@ class Worker:
             log.error("%s: %s", self.label, exc.message)
             if exc.__cause__ is not None:
                 log.debug("%s: the load failed here", self.label, exc_info=exc)
-            self.send(internal.LoadFailed(exc.code, exc.message))
+            code = errors.RESOURCE_EXHAUSTED if out_of_gpu_memory(exc) else exc.code
+            self.send(internal.LoadFailed(code, exc.message))
             return
         except Exception as exc:  # a load must fail cleanly, whatever happened
             log.error("%s failed to load", self.label, exc_info=exc)
+            if out_of_gpu_memory(exc):       # torch's text has the sizes: what it tried, what was free
+                self.send(internal.LoadFailed(errors.RESOURCE_EXHAUSTED, f"failed to load model "
+                                                                         f"'{self.spec.model}' on {self.spec.device}: "
+                                                                         f"{client_text(exc)}"))
+                return
             self.send(internal.LoadFailed(errors.INTERNAL, f"failed to load model '{self.spec.model}': "
                                                            f"{client_text(exc)}"))
             return
@@ -396,6 +402,8 @@ class Worker:
             log.error("%s failed: %s", where, text, exc_info=exc)
         if f"'{self.spec.model}'" not in text:
             text = f"{text} (model '{self.spec.model}' instance '{self.spec.instance}')"
+        if not self.on_cpu and out_of_gpu_memory(exc):
+            code = errors.RESOURCE_EXHAUSTED    # this batch did not fit; the next may: the worker goes on
         if not self.on_cpu and lost_cuda_context(exc):
             # every later CUDA call of this process would fail: it ends once this
             # answer is sent (loop()), and the broker starts the instance afresh
