@@ -196,4 +196,6 @@ def device_bytes(mapped: Mapped, device: int, offset: int, nbytes: int) -> "torc
     """A uint8 tensor on cuda:`device` over [offset, offset + nbytes) of a mapping."""
     import torch
 
+    if nbytes == 0:            # nothing to view (an empty tensor): no pointer for torch to check
+        return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
     return torch.as_tensor(_CudaArray(mapped.address + offset, nbytes), device=f"cuda:{device}")
