@@ -380,6 +380,33 @@ def test_regions_per_session_are_limited(hostile: Daemon, region) -> None:
         c.register_system_shared_memory("c", key, 4096, offset=8192)
 
 
+def test_garbage_cuda_registrations_are_refused_and_others_served(hostile: Daemon) -> None:
+    """A client sends CUDA registrations with every field wrong (types,
+    sizes, a 64-byte handle as text, 4,096 of them in a row): each gets
+    INVALID_ARG naming what is wrong, nothing is registered, the session
+    keeps its room for regions, and the daemon serves the others."""
+    pids = worker_pids(hostile.log(), "plus_one")
+    handle = bytes(64)
+    cases = [(("", handle, 0, 64), "'name' must be a non-empty string"),
+             (("g", handle[:63], 0, 64), "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"),
+             (("g", "x" * 64, 0, 64), "'raw_handle' must be bytes"),
+             (("g", handle, "0", 64), "'device_id' must be an unsigned integer"),
+             (("g", handle, -3, 64), "'device_id' must be an unsigned integer"),
+             (("g", handle, 0, -1), "is not an integer in [0, 2^64)"),
+             (("g", handle, 0, "64"), "is not an integer in [0, 2^64)"),
+             (("g", handle, 7, (1 << 64) - 1), "GPUs not supported")]
+    with Client(hostile.url, timeout=30) as c:
+        for (name, raw, device, size), text in cases:
+            with pytest.raises(InferenceError) as e:
+                c.register_cuda_shared_memory(name, raw, device, size)
+            assert e.value.code == errors.INVALID_ARG and text in e.value.message, (text, e.value.message)
+        for i in range(4096):
+            with pytest.raises(InferenceError):
+                c.register_cuda_shared_memory(f"g{i}", handle, 0, 64)
+        assert c.get_cuda_shared_memory_status() == []
+    assert_unharmed(hostile, "plus_one", pids)
+
+
 def test_arena_bytes_in_all_are_limited(hostile: Daemon) -> None:
     """16 MiB for every client's arena together (4 MiB each here): the clients
     beyond it are served over the socket instead, correctly."""

@@ -25,7 +25,7 @@ import posix_ipc
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
 from ..protocol.internal import DEVICE_REF, SegmentRef
-from ..protocol.messages import CUDA_IPC_HANDLE_BYTES, REGION_TOKEN_MIN_BYTES, region_token_bytes
+from ..protocol.messages import BAD_CUDA_HANDLE, CUDA_IPC_HANDLE_BYTES, REGION_TOKEN_MIN_BYTES, region_token_bytes
 from ..protocol.names import check_shm_key, unusable_segment
 from ..shm import guard
 from ..shm.naming import PREFIX
@@ -215,7 +215,7 @@ def open_cuda_region(name: str, raw_handle: object, device_id: object, byte_size
                      gpus: Sequence[int]) -> CudaRegion:
     """A CUDA region to register, checked as far as the broker can."""
     if not isinstance(raw_handle, bytes) or len(raw_handle) != CUDA_IPC_HANDLE_BYTES:
-        raise bad("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t")
+        raise bad(BAD_CUDA_HANDLE)
     if type(device_id) is not int or device_id < 0:
         raise bad(f"region '{name}': 'device_id' must be an unsigned integer")
     _, size = check_uint64(f"region '{name}'", 0, byte_size)

@@ -393,7 +393,7 @@ class Backend:
                     return
                 if owner.client is not None:
                     log.info("the last connection of %s closed: its %d regions stay until unregistered",
-                             owner.name, len(owner.names))
+                             owner.name, owner.regions())
                 elif self._owners.get(owner.key) is owner:
                     del self._owners[owner.key]     # it holds nothing
             return
@@ -577,27 +577,34 @@ class Backend:
                 owner.client = AsyncClient(self.url, timeout=self.timeout, local=False)
             try:
                 await register(owner.client)
-                owner.names.add(name)
-                if cuda:
-                    owner.cuda_names.add(name)
+                (owner.cuda_names if cuda else owner.names).add(name)
                 if owner.renewal is None:           # (its hello told the lease)
                     owner.renewal = asyncio.ensure_future(self._renew(owner, owner.client))
             finally:
-                if not owner.names:
+                if not owner.regions():
                     await self._close_regions(owner)
 
     async def unregister_shm(self, caller: Caller, name: str = "") -> None:
+        await self._unregister(caller, name, cuda=False)
+
+    async def _unregister(self, caller: Caller, name: str, cuda: bool) -> None:
+        """Unregister a caller's region of one kind (every one of that kind
+        without a name); its owner's session closes once it holds none."""
         self.shm.check_allowed()
         owner = await self._owner_of(caller)
         async with owner.lock:
             if owner.client is None:
                 return                      # Triton: unregistering nothing succeeds
-            await owner.client.unregister_system_shared_memory(name or None)
-            if not name:
-                owner.names = set(owner.cuda_names)
-            elif name not in owner.cuda_names:
-                owner.names.discard(name)
-            if not owner.names:
+            if cuda:
+                await owner.client.unregister_cuda_shared_memory(name or None)
+            else:
+                await owner.client.unregister_system_shared_memory(name or None)
+            names = owner.cuda_names if cuda else owner.names
+            if name:
+                names.discard(name)
+            else:
+                names.clear()
+            if not owner.regions():
                 await self._close_regions(owner)
 
     async def register_cuda_shm(self, caller: Caller, name: str, raw_handle: bytes, device_id: int,
@@ -609,17 +616,7 @@ class Backend:
             name, raw_handle, device_id, byte_size), cuda=True)
 
     async def unregister_cuda_shm(self, caller: Caller, name: str = "") -> None:
-        self.shm.check_allowed()
-        owner = await self._owner_of(caller)
-        async with owner.lock:
-            if owner.client is None:
-                return                      # Triton: unregistering nothing succeeds
-            await owner.client.unregister_cuda_shared_memory(name or None)
-            gone = {name} & owner.cuda_names if name else set(owner.cuda_names)
-            owner.names -= gone
-            owner.cuda_names -= gone
-            if not owner.names:
-                await self._close_regions(owner)
+        await self._unregister(caller, name, cuda=True)
 
     async def cuda_shm_status(self, caller: Caller, name: str = "") -> list[dict]:
         client = (await self._owner_of(caller)).client or self.client

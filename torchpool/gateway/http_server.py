@@ -29,7 +29,7 @@ from urllib.parse import unquote
 
 from ..protocol import errors
 from ..protocol.errors import TorchpoolError
-from ..protocol.messages import CUDA_IPC_HANDLE_BYTES
+from ..protocol.messages import BAD_CUDA_HANDLE, CUDA_IPC_HANDLE_BYTES
 from ..protocol.names import check_model_name
 from .backend import Backend, bad, http_status
 from .callers import Caller
@@ -322,9 +322,9 @@ class Router:
         try:
             raw = base64.b64decode(b64, validate=True)
         except (binascii.Error, ValueError):
-            raise bad("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t") from None
+            raise bad(BAD_CUDA_HANDLE) from None
         if len(raw) != CUDA_IPC_HANDLE_BYTES:
-            raise bad("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t")
+            raise bad(BAD_CUDA_HANDLE)
         return raw, doc["device_id"], doc["byte_size"]
 
 

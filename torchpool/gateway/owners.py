@@ -55,10 +55,14 @@ class RegionOwner:
         self.name = name                         # for logs: "uid 1000", or the caller's name
         self.client: Optional[AsyncClient] = None   # an AsyncClient with its own session, while it holds regions
         self.renewal: Optional[asyncio.Task[None]] = None   # what renews that session's lease meanwhile
-        self.names: set[str] = set()             # the regions registered there (both kinds)
-        self.cuda_names: set[str] = set()        # ... of which CUDA regions
+        self.names: set[str] = set()             # the system regions registered there
+        self.cuda_names: set[str] = set()        # ... and the CUDA regions (one namespace in the daemon)
         self.lock = asyncio.Lock()               # one region call of an owner at a time: they are rare
         self.callers: set[object] = set()        # the callers.Caller using them (callers.py imports this)
+
+    def regions(self) -> int:
+        """How many regions (of both kinds) its session holds."""
+        return len(self.names) + len(self.cuda_names)
 
     def __repr__(self) -> str:
         return f"RegionOwner({self.name})"

@@ -85,6 +85,8 @@ OP_UNREGISTER = "unregister_system_shared_memory"
 OP_SHM_STATUS = "get_system_shared_memory_status"
 OP_CUDA_REGISTER = "register_cuda_shared_memory"
 CUDA_IPC_HANDLE_BYTES = 64          # a CUDA region's handle: sizeof(cudaIpcMemHandle_t)
+# Triton's words for a handle that is not one (the gateway's base64, the daemon's length)
+BAD_CUDA_HANDLE = "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"
 OP_CUDA_UNREGISTER = "unregister_cuda_shared_memory"
 OP_CUDA_STATUS = "get_cuda_shared_memory_status"
 
